@@ -37,7 +37,7 @@ def _run(kind: str, config: Optional[Path], overrides: Optional[list[str]], fn) 
     from exactrl.models.loading import ModelLoadError
     from exactrl.rewards import RewardError
 
-    from exactrl.distributed.launch import relaunch_under_torchrun, under_launcher
+    from exactrl.distributed.launch import relaunch_under_torchrun, shutdown, under_launcher
 
     try:
         cfg = load_config(COMMANDS[kind], config, overrides or [])
@@ -46,6 +46,7 @@ def _run(kind: str, config: Optional[Path], overrides: Optional[list[str]], fn) 
             raise typer.Exit(relaunch_under_torchrun(nproc))
         _quiet_libraries()
         fn(cfg)
+        shutdown()
     except (ConfigError, DataError, ModelLoadError, RewardError, CheckpointError) as e:
         console.print(f"[bold red]error:[/bold red] {escape(str(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None

@@ -20,6 +20,8 @@ import traceback
 
 import torch
 
+from exactrl.distributed.launch import shutdown
+
 MICRO, DIM = 4, 16
 
 
@@ -111,7 +113,7 @@ def main(configs: list[dict]) -> None:
             row["error"] = (traceback.format_exception_only(type(e), e)[-1].strip())[:300]
         if rank == 0:
             print("AUDIT " + json.dumps(row), flush=True)
-    torch.distributed.destroy_process_group()
+    shutdown()
 
 
 if __name__ == "__main__":

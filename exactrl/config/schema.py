@@ -51,6 +51,7 @@ class OptimConfig(Section):
     lr: float = Field(1e-3, gt=0, description="Peak learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay (AdamW) or L2 (SGD).")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon (added to the root of the second moment).")
     momentum: float = Field(0.0, ge=0, description="SGD momentum.")
     scheduler: Literal["constant", "linear", "cosine"] = Field("cosine", description="Decay after warm-up.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps from 0 to optim.lr.")

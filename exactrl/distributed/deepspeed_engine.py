@@ -25,7 +25,7 @@ import torch
 from exactrl.audit.canary import Canary
 from exactrl.distributed.checkpoint import save_pretrained
 from exactrl.distributed.engine import SampleAccountingError, SingleEngine
-from exactrl.distributed.launch import is_main
+from exactrl.distributed.launch import is_main, single_process_env
 from exactrl.distributed.optim import build_optimizer, lr_factor
 
 CANARY_SCALE = 2.0**-24
@@ -73,8 +73,7 @@ class DeepSpeedEngine(SingleEngine):
     def __init__(self, model, model_cfg, train, optim, audit, total_steps: int, cfg=None):
         if not torch.cuda.is_available():
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
-            os.environ.setdefault(key, value)  # one process without a launcher
+        single_process_env()
         import deepspeed
 
         self.deepspeed = deepspeed

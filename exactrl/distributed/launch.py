@@ -33,10 +33,34 @@ def is_main() -> bool:
     return rank() == 0
 
 
+def single_process_env() -> None:
+    """The rendezvous variables a launcher would set, for one process started without one
+    (a free local port, so concurrent runs do not collide)."""
+    if under_launcher():
+        return
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+        os.environ.setdefault(key, value)
+
+
 def init_process_group() -> None:
-    """gloo on CPU, NCCL on GPUs; idempotent."""
+    """gloo on CPU, NCCL on GPUs; idempotent; works without a launcher (world size 1)."""
     if not dist.is_initialized():
+        single_process_env()
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def shutdown() -> None:
+    """Leave the process group together: all ranks wait for each other, then tear it down.
+    (A rank that exits while a peer is still busy can abort in gloo's teardown with
+    "terminate called without an active exception".)"""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def broadcast_str(text: str) -> str:

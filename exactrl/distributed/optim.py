@@ -12,7 +12,7 @@ from exactrl.config.schema import OptimConfig
 def build_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:
     params = [p for p in params if p.requires_grad]
     if cfg.name == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
     return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
 

@@ -1,0 +1,32 @@
+"""Runs tests/dist/equivalence.py for one backend and world size and checks fault reports;
+shared by tests/test_fsdp2.py and tests/test_deepspeed.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).parent / "dist" / "equivalence.py"
+
+
+def run_cases(backend: str, world: int, out: Path, extra_env: dict | None = None) -> dict:
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"] if world > 1 else []
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra_env or {})}
+    proc = subprocess.run([sys.executable, *launcher, str(SCRIPT), backend, str(world), str(out)],
+                          capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def check_faults(faults: list[dict], backend: str, world: int, layouts: int) -> None:
+    """Every fault on every layout stops the step, naming the backend and the reading."""
+    assert len(faults) == 3 * layouts
+    for f in faults:
+        assert "canary failed at optimizer step 0" in f["message"], f
+        assert f"backend={backend}" in f["message"] and f"world size {world}" in f["message"], f
+        value = float(f["message"].split("carries ")[1].split(" ")[0])
+        expected = {"drop": value < 0.99, "duplicate": value > 1.01, "rank_local_normalizer": abs(value - 1) > 0.01}
+        assert expected[f["fault"]], f

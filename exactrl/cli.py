@@ -32,6 +32,7 @@ def _quiet_libraries() -> None:
 
 
 def _run(kind: str, config: Optional[Path], overrides: Optional[list[str]], fn) -> None:
+    from exactrl.audit.canary import CanaryError
     from exactrl.data.jsonl import DataError
     from exactrl.distributed.checkpoint import CheckpointError
     from exactrl.models.loading import ModelLoadError
@@ -50,6 +51,9 @@ def _run(kind: str, config: Optional[Path], overrides: Optional[list[str]], fn) 
     except (ConfigError, DataError, ModelLoadError, RewardError, CheckpointError) as e:
         console.print(f"[bold red]error:[/bold red] {escape(str(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
+    except CanaryError as e:  # the step was not applied; checkpoints written so far are intact
+        console.print(f"[bold red]stopped by the canary:[/bold red] {escape(str(e))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(3) from None
 
 
 def _say_final(path) -> None:

@@ -1,8 +1,7 @@
 """`exactrl audit stack` on the installed stack, and on DeepSpeed 0.18.5 (the real bug).
 
 The installed stack (torch 2.13, DeepSpeed 0.19.8) must be EXACT everywhere. The real-bug
-test builds a throw-away environment with DeepSpeed 0.18.5 (cached under .venv-cache/; about
-3 minutes the first time, mostly DeepSpeed compiling its shared-memory op) and the audit
+test uses a throw-away environment with DeepSpeed 0.18.5 (tests/old_deepspeed.py) and the audit
 must report ZeRO-2 + CPU offload with K >= 3 BROKEN with the known-bug explanation, while
 the configurations measured exact stay EXACT (FACTS.md). It runs in CI: it is the proof
 that the audit detects the bug it exists for.
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from exactrl.audit.stack import StackRow, explain
+from old_deepspeed import old_deepspeed_python
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,17 +47,6 @@ def test_broken_rows_get_the_known_bug_only_where_the_rule_says():
     assert explain(StackRow("deepspeed", 1, 2, stage=2, offload="cpu", rel_err=0.3), {"deepspeed": "0.18.5"}) is None
     assert StackRow("torch", 1, 1, rel_err=2e-5).verdict == "BROKEN" and StackRow("torch", 1, 1, rel_err=1e-6).verdict == "EXACT"
     assert StackRow("torch", 1, 1, error="RuntimeError: x").verdict == "ERROR"
-
-
-def old_deepspeed_python() -> str:
-    env = ROOT / ".venv-cache" / "ds-0.18.5"
-    python = env / "bin" / "python"
-    if not (env / ".ready").exists():
-        subprocess.run([sys.executable, "-m", "venv", str(env)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "torch==2.13.0"], check=True)  # the CPU wheel; pinned first
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "deepspeed==0.18.5"], check=True)
-        (env / ".ready").touch()
-    return str(python)
 
 
 def test_real_bug_on_deepspeed_0_18_5_is_reported_broken_with_its_explanation():

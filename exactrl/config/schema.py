@@ -104,9 +104,6 @@ def check_layout(cfg: CommonConfig, world: int) -> None:
     real world size before any model loads)."""
     if world > 1 and cfg.distributed.backend == "single":
         raise ValueError(f"{world} processes need a distributed backend: set distributed.backend=fsdp2")
-    if cfg.distributed.backend != "single" and cfg.train.save_every:
-        raise ValueError(f"train.save_every with distributed.backend={cfg.distributed.backend}: distributed checkpoints are "
-                         "not supported yet (the final model is saved); use train.save_every=0")
     if cfg.deepspeed.offload_param != "none" and cfg.deepspeed.zero_stage != 3:
         raise ValueError(f"deepspeed.offload_param={cfg.deepspeed.offload_param} needs deepspeed.zero_stage=3 "
                          f"(given {cfg.deepspeed.zero_stage})")

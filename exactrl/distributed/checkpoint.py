@@ -12,17 +12,32 @@ import numpy as np
 import torch
 
 
-def _atomic_dir(final: Path, write) -> Path:
+def _rank_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _atomic_dir(final: Path, write, collective: bool = False) -> Path:
+    """Write a directory under a temporary name, then rename it into place (replacing an
+    older one only after the new one is complete). ``collective``: every rank calls this and
+    ``write``s its own files into the one temporary directory; the main process renames."""
     final = Path(final)
-    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    rank, world = _rank_world() if collective else (0, 1)
+    barrier = torch.distributed.barrier if world > 1 else (lambda: None)
+    tmp, old = final.with_name(f".{final.name}.tmp"), final.with_name(f".{final.name}.old")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
     write(tmp)
-    old = final.with_name(f".{final.name}.old-{os.getpid()}")
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
+    barrier()
+    if rank == 0:
+        if final.exists():
+            os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    barrier()
     return final
 
 
@@ -54,33 +69,48 @@ def _set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(path: Path, model, tokenizer, engine, extra: dict) -> Path:
-    """Model, optimizer, scheduler, RNG states and the data position (``extra``)."""
+    """Model (Hugging Face format), optimizer, scheduler, every rank's RNG states and the data
+    position (``extra``), written atomically. A collective under several processes: each rank
+    writes its part into one temporary directory, renamed into place when all are done."""
+    rank, world = _rank_world()
+    full_model, engine_state = engine.checkpoint_state()  # collective when sharded
 
     def write(tmp: Path):
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        torch.save({"engine": engine.state_dict(), "rng": _rng_state(), "extra": extra}, tmp / STATE_FILE)
+        engine.save_shards(tmp)  # collective: a backend's own per-rank files (DeepSpeed)
+        torch.save(_rng_state(), tmp / f"rng-rank{rank}.pt")
+        if rank == 0:
+            model.save_pretrained(tmp, state_dict=full_model, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            torch.save({"engine": engine_state, "world_size": world, "extra": extra}, tmp / STATE_FILE)
 
-    return _atomic_dir(path, write)
+    return _atomic_dir(path, write, collective=True)
 
 
 class CheckpointError(ValueError):
     """A checkpoint directory that cannot be resumed from."""
 
 
-def check_resumable(path: str | Path) -> Path:
+def check_resumable(path: str | Path) -> dict:
+    """The checkpoint's state file, once it is known to fit this run (before anything is written)."""
+    from exactrl.distributed.launch import world_size
+
     p = Path(path)
     missing = [name for name in (STATE_FILE, "config.json") if not (p / name).is_file()]
     if missing:
         raise CheckpointError(f"train.resume_from: '{p}' lacks {', '.join(missing)}; point it at a checkpoint-N directory of a run")
-    return p
+    state = torch.load(p / STATE_FILE, weights_only=True)
+    if state.get("world_size", 1) != world_size():
+        raise CheckpointError(f"train.resume_from: '{p}' was written by {state.get('world_size', 1)} processes; "
+                              f"this run has {world_size()}. Resume with the same number of processes.")
+    return state
 
 
 def resume(path: str | Path, engine) -> dict:
-    """Load optimizer, scheduler and RNG state from checkpoint ``path`` into ``engine`` and the
-    global generators; return the data position (``extra``) saved with it. The model weights
-    are loaded by the caller, from the same directory, with from_pretrained."""
-    state = torch.load(check_resumable(path) / STATE_FILE, weights_only=True)
-    engine.load_state_dict(state["engine"])
-    _set_rng_state(state["rng"])
+    """Load optimizer, scheduler and this rank's RNG state from checkpoint ``path`` into
+    ``engine`` and the global generators; return the data position (``extra``) saved with it.
+    The model weights are loaded by the caller, from the same directory, with from_pretrained."""
+    p, state = Path(path), check_resumable(path)
+    rank, _ = _rank_world()
+    engine.load_state_dict(state["engine"], p)
+    _set_rng_state(torch.load(p / f"rng-rank{rank}.pt", weights_only=True))
     return state["extra"]

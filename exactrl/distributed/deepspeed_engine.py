@@ -127,12 +127,28 @@ class DeepSpeedEngine(SingleEngine):
         self._micro_seen = self._samples_seen = 0
         return stats
 
-    def save_pretrained(self, path: Path, tokenizer) -> Path:
+    def full_model_state(self) -> dict:
+        """The model's full weights (on rank 0 under ZeRO-3, where this is a collective)."""
         if self.stage == 3:
-            state = self.ds._zero3_consolidated_16bit_state_dict()  # collective; full weights on rank 0
-            state = {k.removeprefix("model."): v for k, v in (state or {}).items() if k.startswith("model.")}
-        else:
-            state = self.model.state_dict()
+            state = self.ds._zero3_consolidated_16bit_state_dict()  # full weights (in the training dtype) on rank 0
+            return {k.removeprefix("model."): v for k, v in (state or {}).items() if k.startswith("model.")}
+        return self.model.state_dict()
+
+    def save_pretrained(self, path: Path, tokenizer) -> Path:
+        state = self.full_model_state()
         if is_main():
             save_pretrained(path, self.model, tokenizer, state)
         return Path(path)
+
+    # Checkpoints: DeepSpeed's own per-rank files (model, ZeRO-partitioned optimizer state,
+    # offloaded or not, and the scheduler) under deepspeed/, next to the Hugging Face model.
+    def checkpoint_state(self):
+        return self.full_model_state(), {"step": self.step_count}
+
+    def save_shards(self, directory: Path) -> None:
+        self.ds.save_checkpoint(str(Path(directory) / "deepspeed"), tag="state", save_latest=False)
+
+    def load_state_dict(self, state: dict, directory: Path | None = None) -> None:
+        self.ds.load_checkpoint(str(Path(directory) / "deepspeed"), tag="state", load_optimizer_states=True,
+                                load_lr_scheduler_states=True)
+        self.step_count = state["step"]

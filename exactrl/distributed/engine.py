@@ -108,10 +108,15 @@ class SingleEngine:
         """The model in Hugging Face format (on the main process)."""
         return save_pretrained(path, self.model, tokenizer)
 
-    def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "step": self.step_count}
+    def checkpoint_state(self) -> tuple[dict | None, dict]:
+        """(full model weights, or None for the model's own state_dict; optimizer, scheduler
+        and step) for a checkpoint. A collective when the model is sharded."""
+        return None, {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "step": self.step_count}
 
-    def load_state_dict(self, state: dict) -> None:
+    def save_shards(self, directory: Path) -> None:
+        """Per-rank files a backend keeps itself (DeepSpeed); nothing here."""
+
+    def load_state_dict(self, state: dict, directory: Path | None = None) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step_count = state["step"]

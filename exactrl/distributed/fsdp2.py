@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
 
 from exactrl.distributed.checkpoint import save_pretrained
@@ -41,3 +41,15 @@ class FSDP2Engine(SingleEngine):
         if is_main():
             save_pretrained(path, self.model, tokenizer, state)
         return Path(path)
+
+    def checkpoint_state(self):
+        # Full (unsharded) weights and optimizer state, keyed by parameter name, on the main
+        # process; every rank takes part.
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return model_sd, {"optimizer": optim_sd, "scheduler": self.scheduler.state_dict(), "step": self.step_count}
+
+    def load_state_dict(self, state: dict, directory: Path | None = None) -> None:
+        # Every rank read the full state from the checkpoint; each keeps its own shard of it.
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step_count = state["step"]

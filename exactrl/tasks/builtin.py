@@ -11,6 +11,8 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from filelock import FileLock
+
 from exactrl.tasks import arithmetic
 from exactrl.tasks.tiny_model import save_tiny_model
 from exactrl.tasks.tokenizer import save_tokenizer
@@ -60,6 +62,14 @@ def ensure_builtin(spec: BuiltinSpec = BuiltinSpec(), cache: Path | None = None)
     if (root / "DONE").exists():
         return paths
     root.mkdir(parents=True, exist_ok=True)
+    with FileLock(root / ".lock"):  # several ranks or runs may ask at once: one builds, the others wait
+        if not (root / "DONE").exists():
+            _build(spec, paths)
+    return paths
+
+
+def _build(spec: BuiltinSpec, paths: BuiltinPaths) -> None:
+    root = paths.root
     tok = save_tokenizer(paths.model)
     save_tiny_model(paths.model, tok, seed=spec.seed)
     train = arithmetic.generate("train", spec.n_sft + spec.n_rl, spec.seed, spec.digits)
@@ -67,7 +77,6 @@ def ensure_builtin(spec: BuiltinSpec = BuiltinSpec(), cache: Path | None = None)
     _write_jsonl(paths.rl_train, arithmetic.rl_rows(train[spec.n_sft :]))
     _write_jsonl(paths.eval, arithmetic.rl_rows(arithmetic.generate("eval", spec.n_eval, spec.seed, spec.digits)))
     (root / "DONE").write_text(json.dumps(asdict(spec)))
-    return paths
 
 
 def ensure_builtin_sft(spec: BuiltinSpec = BuiltinSpec(), cache: Path | None = None) -> Path:
@@ -77,7 +86,11 @@ def ensure_builtin_sft(spec: BuiltinSpec = BuiltinSpec(), cache: Path | None = N
 
     root = ensure_builtin(spec, cache).root
     final = root / "sft-model"
-    if not (final / "config.json").exists():
+    if (final / "config.json").exists():
+        return final
+    with FileLock(root / ".sft-lock"):
+        if (final / "config.json").exists():
+            return final
         print(f"building the built-in SFT starting point once, into {final} (a few minutes) ...")
         cfg = DemoConfig().sft.model_copy(update={"output_dir": str(root / f".sft-run-{os.getpid()}")})
         result = train_sft(cfg, spec=spec)

@@ -160,5 +160,20 @@ def describe(cls) -> list[str]:
     return out
 
 
-if __name__ == "__main__":
+def main() -> None:
+    """The `exactrl` command. The DeepSpeed launcher appends --local_rank=N to a script's
+    arguments (unless given --no_local_rank); exactrl reads LOCAL_RANK from the environment,
+    which every launcher sets, so the flag is dropped here."""
+    argv, i = sys.argv, 1
+    while i < len(argv):
+        if argv[i].startswith("--local_rank="):
+            del argv[i]
+        elif argv[i] == "--local_rank" and i + 1 < len(argv):
+            del argv[i : i + 2]
+        else:
+            i += 1
     app()
+
+
+if __name__ == "__main__":
+    main()

@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 SMALL_TASK = ["task.n_sft=256", "task.n_rl=64", "task.n_eval=40"]
@@ -114,3 +115,23 @@ def test_sft_relaunches_itself_under_torchrun_with_fsdp2(workdir):
     assert [(r["micro_batches"], r["samples"], r["canary"]) for r in steps] == [(2, 4, 1.0), (2, 4, 1.0)]
     assert (proc.stdout + proc.stderr).count("final model:") == 1  # only the main process speaks
     AutoModelForCausalLM.from_pretrained(out / "final")
+
+
+def test_the_deepspeed_launcher_runs_exactrl_as_torchrun_does(workdir):
+    """`deepspeed --num_gpus 2 --module exactrl.cli sft ...` (which appends --local_rank=N)
+    trains the same model, bit for bit, as exactrl relaunching itself under torchrun."""
+    pytest.importorskip("deepspeed")
+    cwd, cache = workdir
+    common = ["sft", "--config", "examples/sft_tiny.yaml", "distributed.backend=deepspeed", "deepspeed.zero_stage=2",
+              "train.max_steps=2", "train.global_batch_size=8", "train.micro_batch_size=2", "data.eval=null", "train.log_every=1"]
+    env = {**os.environ, "EXACTRL_CACHE": str(cache), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
+           "TORCH_EXTENSIONS_DIR": os.path.join(os.getcwd(), ".venv-cache", "torch_extensions")}
+    launcher = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2", "--master_port", "29631", "--module"]
+    proc = subprocess.run([*launcher, "exactrl.cli", *common, f"output_dir={cwd / 'ds-launcher'}"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    exactrl([*common, "distributed.nproc_per_node=2", f"output_dir={cwd / 'ds-torchrun'}"], cwd=os.getcwd(), cache=cache)
+    steps = [r for r in map(json.loads, open(cwd / "ds-launcher" / "metrics.jsonl")) if "loss" in r]
+    assert [(r["micro_batches"], r["samples"], r["canary"]) for r in steps] == [(2, 4, 1.0), (2, 4, 1.0)]
+    a, b = (load_file(cwd / d / "final" / "model.safetensors") for d in ("ds-launcher", "ds-torchrun"))
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)

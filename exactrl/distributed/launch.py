@@ -6,6 +6,7 @@ directly works the same, on one machine or many:
 
     torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 \\
         -m exactrl.cli sft --config my.yaml distributed.backend=fsdp2
+    deepspeed --num_gpus 8 --module exactrl.cli sft --config my.yaml distributed.backend=deepspeed
 """
 
 from __future__ import annotations

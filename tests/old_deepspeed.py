@@ -28,3 +28,13 @@ def old_deepspeed_python() -> str:
         subprocess.run([*pip, *pins, f"deepspeed=={VERSION}"], check=True)
         ready.touch()
     return str(python)
+
+
+def ds_env(version: str | None = None) -> dict:
+    """Environment for a DeepSpeed subprocess: CPU accelerator, and JIT-compiled ops cached
+    per DeepSpeed version under .venv-cache/ (the installed one unless ``version``)."""
+    if version is None:
+        from importlib.metadata import version as installed
+
+        version = installed("deepspeed")
+    return {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(ROOT / ".venv-cache" / "torch_extensions" / f"deepspeed-{version}")}

@@ -25,7 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def audit(*args) -> tuple[int, dict]:
     proc = subprocess.run([sys.executable, "-m", "exactrl.cli", "audit", "stack", "--json", *args], capture_output=True,
-                          text=True, timeout=900, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          text=True, timeout=900, cwd=ROOT,
+                          # DeepSpeed's compiled ops cached per version under .venv-cache/exactrl/torch_extensions
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "EXACTRL_CACHE": str(ROOT / ".venv-cache" / "exactrl")})
     return proc.returncode, json.loads(proc.stdout)
 
 

@@ -15,23 +15,19 @@ an old version is tested in tests/test_audit_stack.py and tests/test_canary_real
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from distributed_harness import check_faults, run_cases
+from old_deepspeed import ds_env
 
 pytest.importorskip("deepspeed", reason="the DeepSpeed extra is part of the test environment (requirements.txt)")
 
-ROOT = Path(__file__).resolve().parents[1]
-# DeepSpeed compiles its shared-memory op on first multi-process use: cache it per version.
-DS_ENV = {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(ROOT / ".venv-cache" / "torch_extensions")}
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["world1", "world2"])
 def results(request, tmp_path_factory):
     world = request.param
-    return world, run_cases("deepspeed", world, tmp_path_factory.mktemp(f"ds{world}") / "results.json", DS_ENV)
+    return world, run_cases("deepspeed", world, tmp_path_factory.mktemp(f"ds{world}") / "results.json", ds_env())
 
 
 def test_every_stage_offload_and_k_matches_the_full_batch_sgd_update(results):

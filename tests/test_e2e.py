@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 import yaml
+from old_deepspeed import ds_env
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -124,8 +125,7 @@ def test_the_deepspeed_launcher_runs_exactrl_as_torchrun_does(workdir):
     cwd, cache = workdir
     common = ["sft", "--config", "examples/sft_tiny.yaml", "distributed.backend=deepspeed", "deepspeed.zero_stage=2",
               "train.max_steps=2", "train.global_batch_size=8", "train.micro_batch_size=2", "data.eval=null", "train.log_every=1"]
-    env = {**os.environ, "EXACTRL_CACHE": str(cache), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
-           "TORCH_EXTENSIONS_DIR": os.path.join(os.getcwd(), ".venv-cache", "torch_extensions")}
+    env = {**os.environ, "EXACTRL_CACHE": str(cache), "OMP_NUM_THREADS": "1", **ds_env()}
     launcher = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2", "--master_port", "29631", "--module"]
     proc = subprocess.run([*launcher, "exactrl.cli", *common, f"output_dir={cwd / 'ds-launcher'}"], env=env,
                           capture_output=True, text=True, timeout=600)

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from old_deepspeed import ds_env
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,8 +22,8 @@ COMMON = ["--config", "examples/sft_tiny.yaml", "data.eval=null", "train.max_ste
 
 
 def sft(tmp_path, *overrides, expect: int = 0) -> str:
-    env = {**os.environ, "EXACTRL_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
-           "TORCH_EXTENSIONS_DIR": str(ROOT / ".venv-cache" / "torch_extensions")}
+    env = {**os.environ, "EXACTRL_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1",
+           **(ds_env() if any("deepspeed" in o for o in overrides) else {})}
     proc = subprocess.run([sys.executable, "-m", "exactrl.cli", "sft", *COMMON, *overrides], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == expect, (proc.stdout + proc.stderr)[-4000:]

@@ -48,9 +48,9 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from exactrl.audit.evidence import (Collected, Doc, Evidence, Problem, Reading, Token, package_list_kind,
-                                    package_pins, parse_flags, pickle_kind, read_accelerate_config,
-                                    read_deepspeed_config, read_launcher, shell_commands, true, whole)
+from exactrl.audit.evidence import (Collected, Doc, Evidence, Problem, Reading, Token, package_list_kind, package_pins,
+                                    pickle_kind, shell_commands, true, whole)
+from exactrl.audit.readers import parse_flags, read_accelerate_config, read_deepspeed_config, read_launcher
 from exactrl.audit.rules import RULES, Status, Verdict, derive, judge
 
 PACKAGES = ("deepspeed", "transformers", "openrlhf", "trl", "accelerate", "llamafactory", "torch")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
@@ -68,13 +69,32 @@ def configurations(versions: dict) -> list[dict]:
     return out
 
 
-def _run_world(python: str, world: int, configs: list[dict], on_row, timeout: float) -> list[StackRow]:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "DS_ACCELERATOR": "cpu",
-           "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": str(ROOT / ".venv-cache" / "torch_extensions")}
+def torch_extensions_dir(deepspeed_version: str | None) -> str:
+    """Where DeepSpeed's JIT-compiled ops are cached: $TORCH_EXTENSIONS_DIR if set, else one
+    directory per DeepSpeed version (two versions sharing one rebuild each other's ops)."""
+    from exactrl.tasks.builtin import cache_dir
+
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or str(cache_dir() / "torch_extensions" / f"deepspeed-{deepspeed_version}")
+
+
+def exactrl_only_path() -> str:
+    """A directory holding just this exactrl package (a symlink), for the audited python's
+    PYTHONPATH: putting the directory exactrl is installed in there instead would, for a
+    non-editable install, shadow the audited environment's torch and DeepSpeed with ours."""
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix="exactrl-audit-"))
+    (d / "exactrl").symlink_to(ROOT / "exactrl", target_is_directory=True)
+    return str(d)
+
+
+def _run_world(python: str, world: int, configs: list[dict], on_row, timeout: float, versions: dict, path: str) -> list[StackRow]:
+    env = {**os.environ, "PYTHONPATH": f"{path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": torch_extensions_dir(versions.get("deepspeed"))}
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"] if world > 1 else []
     cmd = [python, *launcher, "-m", "exactrl.audit.stack_worker", json.dumps(configs)]
     rows: list[StackRow] = []
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -110,8 +130,12 @@ def audit_stack(python: str | None = None, worlds=(1, 2), progress=None, timeout
     versions = probe_versions(python)
     configs = configurations(versions)
     rows: list[StackRow] = []
-    for world in worlds:
-        rows += _run_world(python, world, configs, progress or (lambda: None), timeout)
+    path = exactrl_only_path()
+    try:
+        for world in worlds:
+            rows += _run_world(python, world, configs, progress or (lambda: None), timeout, versions, path)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
     for row in rows:
         row.known_bug = explain(row, versions)
     return versions, rows

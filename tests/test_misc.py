@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from exactrl.advantages.grpo import group_advantages
+from exactrl.advantages import group_advantages
 from exactrl.algorithms.evaluate import wilson_interval
 from exactrl.config.schema import OptimConfig
 from exactrl.distributed.optim import build_optimizer, build_scheduler, lr_factor

@@ -1,5 +1,5 @@
-"""Advantage estimators: pure functions from rewards (and values) to advantages."""
+"""Advantage estimators: pure functions from rewards (and values) to advantages, by name."""
 
-from exactrl.advantages.grpo import group_advantages
+from exactrl.advantages.estimators import ADVANTAGES, AdvantageInput, get_advantage, group_advantages
 
-__all__ = ["group_advantages"]
+__all__ = ["ADVANTAGES", "AdvantageInput", "get_advantage", "group_advantages"]

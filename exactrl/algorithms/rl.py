@@ -33,7 +33,8 @@ from exactrl.distributed.checkpoint import check_resumable, resume
 from exactrl.distributed.engine import build_engine
 from exactrl.distributed.step_plan import plan_step
 from exactrl.losses import aggregate, canary_share, masked_mean
-from exactrl.losses.token_losses import clipped_policy_loss, kl_penalty, token_entropy, token_logprobs
+from exactrl.losses.policy import PolicyInput, get_policy_loss
+from exactrl.losses.token_losses import kl_penalty, token_entropy, token_logprobs
 from exactrl.models.loading import load_causal_lm, load_tokenizer
 from exactrl.rewards import load_reward_fn, score
 from exactrl.rollout.hf import HFEngine
@@ -99,7 +100,8 @@ def policy_micro_batch_loss(model, engine, samples: list[Sample], normalizer, cf
         logits = engine.forward(model, input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
     logp = token_logprobs(logits, b["input_ids"], cfg.rollout.temperature)
     mask = b["loss_mask"]
-    tok_loss, ratio, clipped = clipped_policy_loss(logp, b["old_logprobs"], b["advantages"][:, None], cfg.algo.clip_eps)
+    tok_loss, ratio, clipped = get_policy_loss("ppo")(PolicyInput(logp, b["old_logprobs"], b["advantages"][:, None], mask,
+                                                                   cfg.algo.clip_eps, cfg.algo.clip_eps))
     m = {}
     if cfg.algo.kl_coef > 0:
         kl = kl_penalty(logp, b["ref_logprobs"], cfg.algo.kl_estimator)

@@ -131,7 +131,7 @@ class AlgoConfig(Section):
     clip_eps: float = Field(0.2, gt=0, description="PPO clip range on the policy ratio.")
     std_normalize: bool = Field(True, description="Divide group-centred rewards by the group std (GRPO); false = Dr.GRPO style.")
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the frozen reference (0 = no reference model).")
-    kl_estimator: Literal["k1", "k3"] = Field("k3", description="KL estimator per token (Schulman's k1 or k3).")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator per token (Schulman's k1, k2 or k3).")
     ppo_epochs: int = Field(1, gt=0, description="Passes over each rollout.")
     mini_batches: int = Field(1, gt=0, description="Optimizer steps per rollout epoch; a rollout holds mini_batches x train.global_batch_size responses.")
     ratio_check: CheckPolicy = Field("error", description="On-policy check: the ratio must be 1 at the first update after a rollout.")

@@ -34,30 +34,19 @@ def sft_loss(logprobs: torch.Tensor) -> torch.Tensor:
     return -logprobs
 
 
-def clipped_policy_loss(
-    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, clip_eps: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """PPO clipped surrogate per token (Schulman et al. 2017), as used by GRPO.
-
-    ``advantages`` is [batch, time] (or [batch, 1], broadcast). Returns the per-token loss,
-    the ratio and a 0/1 tensor marking tokens where clipping was active (for clip fraction).
-    """
-    ratio = torch.exp(logprobs - old_logprobs)
-    unclipped = ratio * advantages
-    clipped = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * advantages
-    loss = -torch.minimum(unclipped, clipped)
-    return loss, ratio, (clipped < unclipped).to(logprobs.dtype)
-
-
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
     """Per-token estimate of KL(policy || reference) from samples of the policy.
 
-    k1 = log r, k3 = (r - 1) - log r with r = p_ref / p (Schulman, "Approximating KL
-    divergence", 2020); k3 is non-negative and unbiased, the GRPO paper's choice.
+    With r = p_ref / p (Schulman, "Approximating KL divergence", 2020): k1 = -log r (unbiased,
+    can be negative; the usual per-token KL in the reward), k2 = (log r)^2 / 2 (low variance,
+    its gradient is that of the reverse KL), k3 = (r - 1) - log r (non-negative and unbiased,
+    the GRPO paper's choice).
     """
     log_ratio = ref_logprobs - logprobs
     if estimator == "k1":
         return -log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
     if estimator == "k3":
         return torch.exp(log_ratio) - 1.0 - log_ratio
-    raise ValueError(f"unknown KL estimator '{estimator}'; choose k1 or k3")
+    raise ValueError(f"unknown KL estimator '{estimator}'; choose k1, k2 or k3")

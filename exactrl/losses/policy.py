@@ -1,0 +1,90 @@
+"""Policy and value losses: pure per-token functions in a registry keyed by name, shared by
+every RL algorithm. Nothing here reduces over the batch: the step's one normaliser does that
+(exactrl/losses/aggregation.py).
+
+A policy loss takes a ``PolicyInput`` ([B, T] tensors aligned with target tokens, see
+token_losses.py) and returns ``(loss, ratio, clipped)``: the per-token loss, the importance
+ratio it used and a 0/1 tensor marking tokens where clipping was active (for clip fraction).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PolicyInput:
+    logprobs: torch.Tensor  # [B, T] under the policy being trained (carries the gradient)
+    old_logprobs: torch.Tensor  # [B, T] under the policy that sampled the rollout
+    advantages: torch.Tensor  # [B, T], or [B, 1] broadcast over tokens
+    mask: torch.Tensor  # [B, T] response tokens that count
+    clip_low: float = 0.2  # ratio kept >= 1 - clip_low where that lowers a positive-advantage objective
+    clip_high: float = 0.2  # and <= 1 + clip_high; DAPO's clip-higher sets clip_high > clip_low
+
+
+PolicyLoss = Callable[[PolicyInput], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
+
+
+def register(name: str):
+    def add(fn: PolicyLoss) -> PolicyLoss:
+        POLICY_LOSSES[name] = fn
+        return fn
+
+    return add
+
+
+def get_policy_loss(name: str) -> PolicyLoss:
+    if name not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss '{name}'; choose one of {', '.join(sorted(POLICY_LOSSES))}")
+    return POLICY_LOSSES[name]
+
+
+def _clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, x: PolicyInput):
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1.0 - x.clip_low, 1.0 + x.clip_high) * advantages
+    return -torch.minimum(unclipped, clipped), ratio, (clipped < unclipped).to(ratio.dtype)
+
+
+@register("ppo")
+def ppo_clip(x: PolicyInput):
+    """PPO's clipped surrogate per token (Schulman et al. 2017, arXiv 1707.06347), as GRPO,
+    RLOO and REINFORCE++ use it; with clip_high > clip_low it is DAPO's clip-higher (Yu et al.
+    2025, arXiv 2503.14476), which lets low-probability tokens grow and keeps entropy up."""
+    return _clipped_surrogate(torch.exp(x.logprobs - x.old_logprobs), x.advantages, x)
+
+
+@register("gspo")
+def gspo(x: PolicyInput):
+    """GSPO (Zheng et al. 2025, arXiv 2507.18071): one importance ratio per sequence, the
+    geometric mean of its token ratios s_i = exp(mean_t(log p - log p_old)), clipped per
+    sequence. Written per token as s_i * p_t / sg(p_t) (the paper's GSPO-token form): the value
+    is s_i on every token and the gradient of the tokens' mean is exactly grad s_i, so the
+    step's aggregation (seq-mean-token-mean in the paper) applies unchanged."""
+    mask = x.mask.to(x.logprobs.dtype)
+    log_ratio = ((x.logprobs - x.old_logprobs) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+    seq_ratio = torch.exp(log_ratio.detach()) * torch.exp(x.logprobs - x.logprobs.detach())
+    advantages = x.advantages.expand_as(x.logprobs)
+    return _clipped_surrogate(seq_ratio, advantages, x)
+
+
+@register("reinforce")
+def reinforce(x: PolicyInput):
+    """Plain policy gradient, -A * ratio with no clipping (the ratio is 1 on-policy, where the
+    gradient is -A grad log p): REINFORCE++ with one update per rollout."""
+    ratio = torch.exp(x.logprobs - x.old_logprobs)
+    return -ratio * x.advantages, ratio, torch.zeros_like(ratio)
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float | None) -> torch.Tensor:
+    """Per-token critic loss 0.5 (V - R)^2; with ``clip``, PPO's pessimistic value clipping
+    0.5 max((V - R)^2, (V_old + clamp(V - V_old, -clip, clip) - R)^2) (as in OpenAI baselines
+    and OpenRLHF's --value_clip)."""
+    err = (values - returns) ** 2
+    if clip is not None:
+        clipped = old_values + (values - old_values).clamp(-clip, clip)
+        err = torch.maximum(err, (clipped - returns) ** 2)
+    return 0.5 * err

@@ -73,7 +73,16 @@ def sft(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = Ove
 
 @app.command()
 def rl(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg):
-    """RL from verifiable rewards. algo.name: grpo (group-relative PPO, Shao et al. 2024, arXiv 2402.03300)."""
+    """RL from verifiable rewards. algo.name (README "RL algorithms"):
+
+    \b
+    grpo                   group-normalised advantages, PPO clip (Shao 2024)
+    dr_grpo                group-centred only, constant-length loss (Liu 2025)
+    rloo                   leave-one-out baseline (Ahmadian 2024)
+    reinforce_pp           REINFORCE++: return to go, global whitening (Hu 2025)
+    reinforce_pp_baseline  REINFORCE++ after subtracting the group mean
+    gspo                   sequence-level ratio and clipping (Zheng 2025)
+    """
     from exactrl.algorithms.rl import train_rl
 
     _run("rl", config, overrides, lambda cfg: _say_final(train_rl(cfg).final_model))

@@ -268,7 +268,7 @@ def rl_samples(base_model, tokenizer):
     for (prompt, response), adv in zip(RL_DATA, ADVANTAGES):
         p = tokenizer(prompt)["input_ids"]
         r = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        samples.append(Sample(p, r, reward=0.0, advantage=adv))
+        samples.append(Sample(p, r, reward=0.0, advantages=torch.tensor([0.0] * (len(p) - 1) + [adv] * len(r))))
     seqs = [s.prompt_ids + s.response_ids for s in samples]
     with torch.no_grad():
         lp = rl_logprobs(base_model, seqs, pad_id)
@@ -280,7 +280,8 @@ def rl_samples(base_model, tokenizer):
     return samples
 
 
-def grpo_reference(model, samples, mode: str, kl_coef: float, pad_id: int) -> tuple[dict, float]:
+def grpo_reference(model, samples, mode: str, kl_coef: float, pad_id: int, algo: str = "grpo",
+                   clip: tuple[float, float] = (CLIP_EPS, CLIP_EPS)) -> tuple[dict, float]:
     seqs = [s.prompt_ids + s.response_ids for s in samples]
     # Target t is seq[t + 1]: a response token for t in [len(prompt) - 1, len(seq) - 1).
     mask = pad([[0] * (len(s.prompt_ids) - 1) + [1] * len(s.response_ids) for s in samples], 0)
@@ -289,8 +290,11 @@ def grpo_reference(model, samples, mode: str, kl_coef: float, pad_id: int) -> tu
     adv = torch.tensor(ADVANTAGES[: len(samples)])[:, None]
     model.zero_grad(set_to_none=True)
     logp = rl_logprobs(model, seqs, pad_id)
-    ratio = (logp - old).exp()
-    surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - CLIP_EPS, 1 + CLIP_EPS) * adv)
+    if algo == "gspo":  # one ratio per sequence: the geometric mean of its token ratios (arXiv 2507.18071)
+        ratio = (((logp - old) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True)).exp().expand_as(logp)
+    else:
+        ratio = (logp - old).exp()
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip[0], 1 + clip[1]) * adv)
     log_r = ref - logp
     k3 = log_r.exp() - 1 - log_r
     loss = -surrogate + kl_coef * k3
@@ -301,22 +305,24 @@ def grpo_reference(model, samples, mode: str, kl_coef: float, pad_id: int) -> tu
     return out, clipped
 
 
-def rl_cfg(n: int, k: int, mode: str, kl_coef: float) -> RLConfig:
+def rl_cfg(n: int, k: int, mode: str, kl_coef: float, algo: str = "grpo", clip: tuple[float, float] = (CLIP_EPS, CLIP_EPS)) -> RLConfig:
     return RLConfig(train=TrainConfig(global_batch_size=n, micro_batch_size=n // k, max_grad_norm=0.0, loss_agg=mode,
                                       loss_agg_norm=NORM_LEN),
                     optim=OptimConfig(name="sgd", lr=1.0, scheduler="constant"),
                     rollout=RolloutConfig(temperature=TEMPERATURE),
-                    algo=AlgoConfig(group_size=2, clip_eps=CLIP_EPS, kl_coef=kl_coef, kl_estimator="k3"))
+                    algo=AlgoConfig(name=algo, group_size=2, clip_eps=clip[0], clip_eps_high=clip[1], kl_coef=kl_coef,
+                                    kl_estimator="k3"))
 
 
 @pytest.fixture(scope="module")
 def grpo_refs(base_model, rl_samples, tokenizer):
     cache = {}
 
-    def get(n: int, mode: str, kl_coef: float):
-        if (n, mode, kl_coef) not in cache:
-            cache[n, mode, kl_coef] = grpo_reference(base_model, rl_samples[:n], mode, kl_coef, tokenizer.pad_token_id)
-        return cache[n, mode, kl_coef]
+    def get(n: int, mode: str, kl_coef: float, algo: str = "grpo", clip: tuple[float, float] = (CLIP_EPS, CLIP_EPS)):
+        key = (n, mode, kl_coef, algo, clip)
+        if key not in cache:
+            cache[key] = grpo_reference(base_model, rl_samples[:n], mode, kl_coef, tokenizer.pad_token_id, algo, clip)
+        return cache[key]
 
     return get
 
@@ -339,6 +345,28 @@ def test_grpo_accumulated_gradient_equals_full_batch_gradient(mode, n, k, kl_coe
         engine.backward(loss, share, num_samples=len(mb))
     assert rel_err(grads(model), ref) <= TOL
     assert engine.step(plan)["micro_batches"] == k
+
+
+@pytest.mark.parametrize("n,k", [(8, 1), (8, 4), (6, 3)], ids=["B8-K1", "B8-K4", "B6-K3"])
+@pytest.mark.parametrize("mode", AGG_MODES)
+@pytest.mark.parametrize("algo,clip", [("gspo", (0.05, 0.06)), ("grpo", (0.2, 0.28))], ids=["gspo", "dapo-clip-higher"])
+def test_other_policy_losses_accumulate_to_the_full_batch_gradient(algo, clip, mode, n, k, base_model, rl_samples,
+                                                                   grpo_refs, tokenizer):
+    """GSPO's sequence-level ratio (with a small clip range, as GSPO uses: whole sequences are
+    clipped) and the asymmetric clip, against the definitions written out in grpo_reference
+    (one padded pass over the whole batch)."""
+    ref, clip_frac = grpo_refs(n, mode, 0.0, algo, clip)
+    assert 0.0 < clip_frac < 1.0  # both branches exercised
+    cfg = rl_cfg(n, k, mode, 0.0, algo, clip)
+    model = copy.deepcopy(base_model)
+    engine = build_engine(model, cfg, total_steps=1)
+    batch = rl_samples[:n]
+    plan = plan_step([len(s.response_ids) for s in batch], cfg.train.micro_batch_size, mode, NORM_LEN)
+    for mb in plan.micro_batches:
+        loss, share, _ = policy_micro_batch_loss(model, engine, [batch[i] for i in mb], plan.normalizer, cfg, tokenizer.pad_token_id)
+        engine.backward(loss, share, num_samples=len(mb))
+    assert rel_err(grads(model), ref) <= TOL
+    assert rel_err(ref, grpo_refs(n, mode, 0.0)[0]) > 1e-3  # and it is not the plain GRPO gradient
 
 
 def test_grpo_kl_term_changes_the_gradient(grpo_refs):

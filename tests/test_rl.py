@@ -1,17 +1,29 @@
-"""GRPO pieces: the on-policy ratio check, reward-function failures, and the policy loss
-micro-batch path against a one-pass reference."""
+"""The RL loop's pieces: the on-policy ratio check, reward-function failures, the policy loss
+micro-batch path against a one-pass reference, advantages over a rollout, and every
+algorithm run end to end."""
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from exactrl.algorithms.rl import OnPolicyCheckError, Sample, attach_logprobs, check_on_policy, policy_micro_batch_loss
+from exactrl.algorithms.rl import (OnPolicyCheckError, Sample, attach_advantages, attach_logprobs, check_on_policy,
+                                   policy_micro_batch_loss, train_rl)
 from exactrl.config import RLConfig, load_config
 from exactrl.distributed.engine import build_engine
 from exactrl.distributed.step_plan import plan_step
 from exactrl.rewards import RewardError, load_reward_fn, score
+from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin
 import contextlib
+
+
+def response_advantages(prompt, response, value: float) -> torch.Tensor:
+    """One advantage on every response target, zero on the prompt's (as attach_advantages stores them)."""
+    return torch.tensor([0.0] * (len(prompt) - 1) + [value] * len(response))
 
 
 def make_samples(tokenizer, n=8, seed=0):
@@ -21,7 +33,7 @@ def make_samples(tokenizer, n=8, seed=0):
         prompt = tokenizer(f"{i}+{i * 7}=")["input_ids"]
         length = 2 + (i * 5) % 9  # uneven response lengths
         resp = torch.randint(7, 20, (length,), generator=g).tolist()
-        out.append(Sample(prompt, resp, reward=float(i % 3 == 0), advantage=float(i % 4) - 1.5))
+        out.append(Sample(prompt, resp, reward=float(i % 3 == 0), advantages=response_advantages(prompt, resp, float(i % 4) - 1.5)))
     return out
 
 
@@ -88,7 +100,8 @@ def test_policy_step_equals_one_pass_reference(tokenizer, make_model, mode, kl):
         sl = slice(len(s.prompt_ids) - 1, len(s.prompt_ids) - 1 + len(s.response_ids))
         lp = logp[b, sl]
         ratio = torch.exp(lp - lp.detach())  # old log-probs = current ones at the first update
-        tok = -torch.minimum(ratio * s.advantage, ratio.clamp(0.8, 1.2) * s.advantage)
+        adv = float(s.advantages[-1])
+        tok = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
         if kl:
             lr_ = s.ref_logprobs[sl] - lp
             tok = tok + kl * (torch.exp(lr_) - 1 - lr_)
@@ -129,3 +142,52 @@ def test_reward_function_failures_name_the_sample():
         load_reward_fn("exactrl.tasks.arithmetic:nope")
     fn = load_reward_fn("exactrl.tasks.arithmetic:reward")
     assert score(fn, "x", ["1+2="] * 2, ["#### 003", "#### 4"], ["3", "3"], src) == [1.0, 0.0]
+
+
+def test_attach_advantages_puts_the_kl_in_the_reward_for_reinforce_pp(tokenizer):
+    """REINFORCE++ with algo.kl_in_reward: r_t = -beta (log p_old - log p_ref) on every response
+    token, the outcome reward on the last, return to go, whitened over every response token of
+    the rollout -- computed here token by token."""
+    samples = make_samples(tokenizer, n=6)
+    g = torch.Generator().manual_seed(3)
+    for s in samples:
+        n = len(s.prompt_ids) + len(s.response_ids) - 1
+        s.old_logprobs, s.ref_logprobs = -torch.rand(n, generator=g), -torch.rand(n, generator=g)
+    cfg = rl_cfg("algo.name=reinforce_pp", "algo.group_size=1", "algo.kl_coef=0.1", "algo.kl_in_reward=true",
+                 "train.global_batch_size=6", "train.micro_batch_size=3")
+    attach_advantages(samples, cfg)
+    returns = []
+    for s in samples:
+        start = len(s.prompt_ids) - 1
+        r = [-0.1 * float(s.old_logprobs[start + i] - s.ref_logprobs[start + i]) for i in range(len(s.response_ids))]
+        r[-1] += s.reward
+        returns.append([sum(r[i:]) for i in range(len(r))])
+    flat = [x for row in returns for x in row]
+    mean = sum(flat) / len(flat)
+    std = (sum((x - mean) ** 2 for x in flat) / (len(flat) - 1)) ** 0.5
+    for s, row in zip(samples, returns):
+        start = len(s.prompt_ids) - 1
+        assert torch.all(s.advantages[:start] == 0)
+        assert s.advantages[start:].tolist() == pytest.approx([(x - mean) / (std + 1e-6) for x in row], rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("algo", ["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo"])
+def test_every_algorithm_trains_end_to_end(algo, tmp_path, monkeypatch):
+    monkeypatch.setenv("EXACTRL_CACHE", str(tmp_path / "cache"))
+    cfg = load_config(RLConfig, None, ["data.eval=null", "train.global_batch_size=8", "train.micro_batch_size=4", "algo.group_size=4",
+                                       "train.max_steps=2", "train.log_every=1", "rollout.max_new_tokens=8", "optim.lr=1e-3", f"algo.name={algo}",
+                                       "algo.kl_coef=0.05", f"algo.kl_in_reward={algo.startswith('reinforce')}",
+                                       f"reward.fn={__name__}:varied_reward", f"output_dir={tmp_path / 'run'}"])
+    result = train_rl(cfg, spec=BuiltinSpec(n_sft=20, n_rl=40, n_eval=10))
+    rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2] and all(math.isfinite(r["loss"]) and r["canary"] == 1.0 for r in steps)
+    assert ("kl" in steps[0]) == (not algo.startswith("reinforce"))  # in the loss unless it went into the reward
+    before = load_file(ensure_builtin(BuiltinSpec(n_sft=20, n_rl=40, n_eval=10)).model / "model.safetensors")
+    after = load_file(result.final_model / "model.safetensors")
+    assert any(not before[k].equal(after[k]) for k in before)
+
+
+def varied_reward(prompts, completions, answers):
+    """Rewards that differ within a group even for an untrained model, so every step updates."""
+    return [sum(ch.isdigit() for ch in c) / (1 + len(c)) for c in completions]

@@ -1,12 +1,14 @@
-"""GRPO (Shao et al. 2024, arXiv 2402.03300): group-relative policy optimisation.
+"""Policy-gradient RL from outcome rewards: GRPO and its relatives, one loop.
 
-Per rollout:
-  1. draw prompts; sample ``group_size`` responses each with the rollout engine;
-  2. score them; advantages are group-normalised rewards (exactrl/advantages);
-  3. the trainer recomputes old log-probs (and reference log-probs when kl_coef > 0) once,
+``algo.name`` picks an advantage estimator (exactrl/advantages) and a policy loss
+(exactrl/losses/policy.py) from ALGORITHMS below; everything else is shared. Per rollout:
+  1. draw prompts; sample ``group_size`` responses each with the rollout engine; score them;
+  2. the trainer recomputes old log-probs (and reference log-probs when kl_coef > 0) once,
      in the same micro-batches it will train on;
+  3. advantages over the whole rollout (group baselines, or REINFORCE++'s whitening over all
+     its tokens, with the KL in the reward when algo.kl_in_reward);
   4. for each PPO epoch and mini-batch (one optimizer step each): plan the step, backprop
-     each micro-batch's exact share of the clipped-ratio loss, step.
+     each micro-batch's exact share of the policy loss, step.
 On-policy check: at the first update after a rollout the policy ratio must be exactly 1; a
 deviation means the log-probs the loss uses are stale or computed differently (the failure
 mode behind DeepSpeed-Chat's "one generation batch, one PPO epoch" guidance).
@@ -23,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from exactrl.advantages import group_advantages
+from exactrl.advantages import AdvantageInput, get_advantage
 from exactrl.algorithms.common import after_step, check_world, finish, load_eval_prompts, open_run, progress, seed_everything
 from exactrl.config.schema import RLConfig
-from exactrl.data.batching import StepSampler, collate_rl
+from exactrl.data.batching import StepSampler, collate_rl, pad_right
 from exactrl.data.encode import encode_prompts
 from exactrl.data.jsonl import read_jsonl
 from exactrl.distributed.checkpoint import check_resumable, resume
@@ -41,6 +43,17 @@ from exactrl.rollout.hf import HFEngine
 from exactrl.tasks.builtin import BuiltinSpec, resolve
 
 
+# algo.name -> (advantage estimator, policy loss), with the paper each comes from.
+ALGORITHMS = {
+    "grpo": ("grpo", "ppo"),  # Shao et al. 2024, arXiv 2402.03300
+    "dr_grpo": ("dr_grpo", "ppo"),  # Liu et al. 2025, arXiv 2503.20783 (with train.loss_agg=seq-mean-token-sum-norm)
+    "rloo": ("rloo", "ppo"),  # Ahmadian et al. 2024, arXiv 2402.14740
+    "reinforce_pp": ("reinforce_pp", "ppo"),  # Hu 2025, arXiv 2501.03262
+    "reinforce_pp_baseline": ("reinforce_pp_baseline", "ppo"),  # ibid.
+    "gspo": ("grpo", "gspo"),  # Zheng et al. 2025, arXiv 2507.18071
+}
+
+
 class OnPolicyCheckError(RuntimeError):
     """The policy ratio was not 1 at the first update after a rollout."""
 
@@ -50,7 +63,7 @@ class Sample:
     prompt_ids: list[int]
     response_ids: list[int]
     reward: float
-    advantage: float = 0.0
+    advantages: torch.Tensor | None = None  # [len(seq) - 1], zero on prompt targets
     old_logprobs: torch.Tensor | None = None  # [len(seq) - 1], fixed for the whole rollout
     ref_logprobs: torch.Tensor | None = None
 
@@ -71,8 +84,7 @@ def collect_rollout(engine_gen: HFEngine, prompts, reward_fn, cfg: RLConfig) -> 
     src = [prompts[g.prompt_index] for g in gens]
     rewards = score(reward_fn, cfg.reward.fn, [p.text for p in src], [g.text for g in gens], [p.answer for p in src],
                     [p.source for p in src])
-    adv = group_advantages(torch.tensor(rewards, dtype=torch.float64), cfg.algo.group_size, cfg.algo.std_normalize)
-    samples = [Sample(g.prompt_ids, g.response_ids, rw, float(a)) for g, rw, a in zip(gens, rewards, adv)]
+    samples = [Sample(g.prompt_ids, g.response_ids, rw) for g, rw in zip(gens, rewards)]
     rw = torch.tensor(rewards)
     stats = {"reward_mean": rw.mean().item(), "reward_std": rw.std().item(), "accuracy": (rw >= 1.0).float().mean().item(),
              "response_length": sum(len(g.response_ids) for g in gens) / len(gens),
@@ -93,6 +105,21 @@ def attach_logprobs(model, samples: list[Sample], attr: str, micro_batch_size: i
             setattr(s, attr, row[: len(s.prompt_ids) + len(s.response_ids) - 1].clone())
 
 
+def attach_advantages(samples: list[Sample], cfg: RLConfig) -> None:
+    """Per-token advantages from the whole rollout (its groups are consecutive samples)."""
+    a = cfg.algo
+    mask = pad_right([[0] * (len(s.prompt_ids) - 1) + [1] * len(s.response_ids) for s in samples], 0).to(torch.float64)
+    token_rewards = None
+    if a.kl_coef > 0 and a.kl_in_reward:  # -beta * KL(old policy || reference) per token, k1
+        kl = [kl_penalty(s.old_logprobs.double(), s.ref_logprobs.double(), "k1") for s in samples]
+        token_rewards = -a.kl_coef * torch.nn.utils.rnn.pad_sequence(kl, batch_first=True)
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+    adv, _ = get_advantage(ALGORITHMS[a.name][0])(AdvantageInput(rewards, mask, a.group_size, token_rewards,
+                                                                 gamma=a.gamma, std_normalize=a.std_normalize))
+    for s, row in zip(samples, adv):
+        s.advantages = row[: len(s.prompt_ids) + len(s.response_ids) - 1].float()
+
+
 def policy_micro_batch_loss(model, engine, samples: list[Sample], normalizer, cfg: RLConfig, pad_id: int):
     """This micro-batch's part of the step loss, its canary share, and its metrics."""
     b = collate_rl(samples, pad_id)
@@ -100,10 +127,11 @@ def policy_micro_batch_loss(model, engine, samples: list[Sample], normalizer, cf
         logits = engine.forward(model, input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
     logp = token_logprobs(logits, b["input_ids"], cfg.rollout.temperature)
     mask = b["loss_mask"]
-    tok_loss, ratio, clipped = get_policy_loss("ppo")(PolicyInput(logp, b["old_logprobs"], b["advantages"][:, None], mask,
-                                                                   cfg.algo.clip_eps, cfg.algo.clip_eps))
+    a = cfg.algo
+    tok_loss, ratio, clipped = get_policy_loss(ALGORITHMS[a.name][1])(
+        PolicyInput(logp, b["old_logprobs"], b["advantages"], mask, a.clip_eps, a.clip_eps_high or a.clip_eps))
     m = {}
-    if cfg.algo.kl_coef > 0:
+    if a.kl_coef > 0 and not a.kl_in_reward:
         kl = kl_penalty(logp, b["ref_logprobs"], cfg.algo.kl_estimator)
         tok_loss = tok_loss + cfg.algo.kl_coef * kl
         m["kl"] = masked_mean(kl.detach(), mask).item()
@@ -194,6 +222,7 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
         attach_logprobs(model, samples, "old_logprobs", t.micro_batch_size, tok.pad_token_id, cfg.rollout.temperature, engine.autocast)
         if ref is not None:
             attach_logprobs(ref, samples, "ref_logprobs", t.micro_batch_size, tok.pad_token_id, cfg.rollout.temperature, engine.autocast)
+        attach_advantages(samples, cfg)
         for first, step_loss, parts, stats in update_policy(model, engine, samples, cfg, rollout, group_rng, tok.pad_token_id):
             step += 1
             bar.update(1)

@@ -125,12 +125,20 @@ class RolloutConfig(Section):
     batch_size: int = Field(256, gt=0, description="Sequences per generate() call.")
 
 
+RL_ALGOS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo")
+# Algorithms whose baseline is the other responses to the same prompt.
+GROUP_ALGOS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "gspo")
+
+
 class AlgoConfig(Section):
-    name: Literal["grpo"] = Field("grpo", description="RL algorithm.")
-    group_size: int = Field(8, ge=2, description="Responses sampled per prompt (GRPO group).")
-    clip_eps: float = Field(0.2, gt=0, description="PPO clip range on the policy ratio.")
-    std_normalize: bool = Field(True, description="Divide group-centred rewards by the group std (GRPO); false = Dr.GRPO style.")
+    name: Literal[RL_ALGOS] = Field("grpo", description="RL algorithm: " + ", ".join(RL_ALGOS) + " (see `exactrl rl --help`).")
+    group_size: int = Field(8, ge=1, description="Responses sampled per prompt (>= 2 for the group-baseline algorithms).")
+    clip_eps: float = Field(0.2, gt=0, description="PPO clip range on the policy ratio (the lower one when clip_eps_high is set).")
+    clip_eps_high: float | None = Field(None, gt=0, description="Upper clip range (DAPO's clip-higher, e.g. 0.28); unset = clip_eps.")
+    std_normalize: bool = Field(True, description="Divide group-centred rewards by the group std (grpo, gspo); dr_grpo never does.")
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount of the return to go (reinforce_pp, reinforce_pp_baseline).")
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the frozen reference (0 = no reference model).")
+    kl_in_reward: bool = Field(False, description="Put -kl_coef x KL (k1, per token) in the reward (REINFORCE++ style) instead of in the loss.")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator per token (Schulman's k1, k2 or k3).")
     ppo_epochs: int = Field(1, gt=0, description="Passes over each rollout.")
     mini_batches: int = Field(1, gt=0, description="Optimizer steps per rollout epoch; a rollout holds mini_batches x train.global_batch_size responses.")
@@ -161,6 +169,14 @@ class RLConfig(CommonConfig):
         if self.train.save_every % per_rollout:
             raise ValueError(f"train.save_every={self.train.save_every} must be a multiple of algo.ppo_epochs x algo.mini_batches = "
                              f"{per_rollout}: checkpoints are taken between rollouts, so a resumed run needs no half-used rollout")
+        return self
+
+    @model_validator(mode="after")
+    def _algorithm_needs(self):
+        a = self.algo
+        if a.name in GROUP_ALGOS and a.group_size < 2:
+            raise ValueError(f"algo.name={a.name} compares responses to the same prompt: algo.group_size must be >= 2 "
+                             f"(given {a.group_size}); reinforce_pp works with 1")
         return self
 
     @model_validator(mode="after")

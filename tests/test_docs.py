@@ -24,3 +24,17 @@ def test_readme_documents_every_config_key():
 def test_examples_are_valid_configs(path):
     cls = RLConfig if "algo" in path.read_text() else SFTConfig
     load_config(cls, path)
+
+
+def test_every_algorithm_has_an_example_config_that_loads():
+    """examples/<algo>.yaml for each algo.name (grpo's is grpo_tiny.yaml), valid as written."""
+    from pathlib import Path
+
+    from exactrl.config import RLConfig, SFTConfig, load_config
+    from exactrl.config.schema import RL_ALGOS
+
+    root = Path(__file__).resolve().parents[1] / "examples"
+    for algo in RL_ALGOS:
+        path = root / ("grpo_tiny.yaml" if algo == "grpo" else f"{algo}.yaml")
+        assert load_config(RLConfig, path).algo.name == algo, path
+    assert load_config(SFTConfig, root / "sft_tiny.yaml").model.path == "builtin"

@@ -128,7 +128,7 @@ def bad_value(prompts, completions, answers):
 
 def test_reward_function_failures_name_the_sample():
     src = ["data.jsonl:4", "data.jsonl:5"]
-    with pytest.raises(RewardError, match="raised KeyError.*data.jsonl:4"):
+    with pytest.raises(RewardError, match="failed on sample data.jsonl:4 with KeyError"):
         score(bad_raises, "m:bad_raises", ["p", "q"], ["a", "b"], [None, None], src)
     with pytest.raises(RewardError, match="returned 1 values for 2"):
         score(bad_length, "m:bad_length", ["p", "q"], ["a", "b"], [None, None], src)
@@ -191,3 +191,44 @@ def test_every_algorithm_trains_end_to_end(algo, tmp_path, monkeypatch):
 def varied_reward(prompts, completions, answers):
     """Rewards that differ within a group even for an untrained model, so every step updates."""
     return [sum(ch.isdigit() for ch in c) / (1 + len(c)) for c in completions]
+
+
+def slow_reward(prompts, completions, answers):
+    import time
+
+    time.sleep(0.5 if any("slow" in c for c in completions) else 0.0)
+    return [1.0] * len(completions)
+
+
+def picky_reward(prompts, completions, answers):
+    if any("x" in c for c in completions):
+        raise ValueError("cannot score an x")
+    return [float(len(c)) for c in completions]
+
+
+def batch_only_bug(prompts, completions, answers):
+    if len(completions) > 1:
+        raise RuntimeError("batched call broken")
+    return [0.5]
+
+
+def test_reward_timeout_and_fallback_name_the_samples():
+    src = ["d.jsonl:1", "d.jsonl:2", "d.jsonl:3"]
+    with pytest.raises(RewardError, match=r"failed on sample d.jsonl:2 with TimeoutError: no result within reward.timeout=0.1s"):
+        score(slow_reward, "m:slow", ["p"] * 3, ["ok", "slow", "ok"], [None] * 3, src, timeout=0.1)
+    failures: list = []
+    got = score(picky_reward, "m:picky", ["p"] * 3, ["ab", "x", "abcd"], [None] * 3, src, fallback=-1.0, failures=failures)
+    assert got == [2.0, -1.0, 4.0] and failures == [("d.jsonl:2", "ValueError: cannot score an x")]
+    with pytest.raises(RewardError, match="raised RuntimeError: batched call broken on the batch starting at d.jsonl:1, but on no sample alone"):
+        score(batch_only_bug, "m:batch", ["p"] * 3, ["a", "b", "c"], [None] * 3, src, fallback=0.0)
+
+
+def test_mathverify_reward_accepts_equivalent_forms():
+    from exactrl.rewards.mathverify import reward
+
+    completions = ["so the answer is $\\boxed{\\frac{1}{2}}$", "I get $0.5$", "the answer is $\\boxed{\\frac{1}{3}}$",
+                   "$x = 2$", "no idea"]
+    answers = ["0.5", "\\frac{1}{2}", "1/2", "2", "7"]
+    assert reward([""] * 5, completions, answers) == [1.0, 1.0, 0.0, 1.0, 0.0]
+    with pytest.raises(ValueError, match="needs an 'answer'"):
+        reward([""], ["1"], [None])

@@ -82,13 +82,14 @@ def collect_rollout(engine_gen: HFEngine, prompts, reward_fn, cfg: RLConfig) -> 
     gens = engine_gen.generate([p.input_ids for p in prompts], n=cfg.algo.group_size, temperature=r.temperature,
                                top_p=r.top_p, max_new_tokens=r.max_new_tokens)
     src = [prompts[g.prompt_index] for g in gens]
+    failures: list = []
     rewards = score(reward_fn, cfg.reward.fn, [p.text for p in src], [g.text for g in gens], [p.answer for p in src],
-                    [p.source for p in src])
+                    [p.source for p in src], cfg.reward.timeout, cfg.reward.fallback, failures)
     samples = [Sample(g.prompt_ids, g.response_ids, rw) for g, rw in zip(gens, rewards)]
     rw = torch.tensor(rewards)
     stats = {"reward_mean": rw.mean().item(), "reward_std": rw.std().item(), "accuracy": (rw >= 1.0).float().mean().item(),
              "response_length": sum(len(g.response_ids) for g in gens) / len(gens),
-             "finished": sum(g.finished for g in gens) / len(gens), "generated_tokens": sum(len(g.response_ids) for g in gens)}
+             "finished": sum(g.finished for g in gens) / len(gens), "reward_failures": len(failures), "generated_tokens": sum(len(g.response_ids) for g in gens)}
     return samples, stats
 
 

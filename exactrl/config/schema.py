@@ -147,7 +147,9 @@ class AlgoConfig(Section):
 
 
 class RewardConfig(Section):
-    fn: str = Field("exactrl.tasks.arithmetic:reward", description="module:function(prompts, completions, answers) -> list[float].")
+    fn: str = Field("exactrl.tasks.arithmetic:reward", description="module:function(prompts, completions, answers) -> list[float]; exactrl.rewards.mathverify:reward checks math answers.")
+    timeout: float = Field(60.0, gt=0, description="Seconds a reward call may take before it counts as failed.")
+    fallback: float | None = Field(None, description="Reward for samples the function fails on (raises or times out); unset = stop the run naming the sample.")
 
 
 class RLConfig(CommonConfig):

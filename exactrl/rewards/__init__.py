@@ -1,12 +1,15 @@
 """Rewards: a Python callable ``module:function(prompts, completions, answers) -> list[float]``.
 
-The built-in task's verifier is ``exactrl.tasks.arithmetic:reward``. A reward function that
-raises, or returns the wrong number of values or non-numbers, stops the run with the sample
-named: a silent zero reward would look exactly like a model that learns nothing.
+The built-in task's verifier is ``exactrl.tasks.arithmetic:reward``; math answers are checked
+with math-verify by ``exactrl.rewards.mathverify:reward``. A reward function that raises, runs
+past ``reward.timeout`` or returns the wrong number of values or non-numbers stops the run with
+the sample named -- a silent zero reward would look exactly like a model that learns nothing --
+unless ``reward.fallback`` is set: then the samples it failed on get that reward and are counted.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib
 import math
 from collections.abc import Callable
@@ -32,14 +35,50 @@ def load_reward_fn(spec: str) -> RewardFn:
     return fn
 
 
-def score(fn: RewardFn, spec: str, prompts: list[str], completions: list[str], answers: list[str | None], sources: list[str]) -> list[float]:
+def _call(fn: RewardFn, prompts, completions, answers, timeout: float | None) -> list:
+    """fn on a batch, in a worker thread so a hung call is noticed after ``timeout`` seconds (the
+    thread itself cannot be killed; it is left behind, and the run stops or falls back)."""
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
     try:
-        values = list(fn(prompts, completions, answers))
-    except Exception as e:  # a user's function: report which batch, keep the cause
-        raise RewardError(f"reward function '{spec}' raised {type(e).__name__}: {e} (batch starting at {sources[0]})") from e
+        return list(pool.submit(fn, prompts, completions, answers).result(timeout=timeout))
+    except concurrent.futures.TimeoutError:
+        raise TimeoutError(f"no result within reward.timeout={timeout:g}s") from None
+    finally:
+        pool.shutdown(wait=False)
+
+
+def _check(values: list, spec: str, completions: list[str], sources: list[str]) -> None:
     if len(values) != len(completions):
         raise RewardError(f"reward function '{spec}' returned {len(values)} values for {len(completions)} completions")
     for i, v in enumerate(values):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             raise RewardError(f"reward function '{spec}' returned {v!r} for sample {sources[i]} (completion {completions[i]!r}); expected a finite float")
+
+
+def score(fn: RewardFn, spec: str, prompts: list[str], completions: list[str], answers: list[str | None], sources: list[str],
+          timeout: float | None = None, fallback: float | None = None, failures: list | None = None) -> list[float]:
+    """Rewards for a batch. If the batch call raises or times out, each sample is scored alone
+    to find the ones that fail: they stop the run (named), or get ``fallback`` and are appended
+    to ``failures`` as (source, reason)."""
+    try:
+        values = _call(fn, prompts, completions, answers, timeout)
+    except Exception as batch_error:  # a user's function: find the sample(s) it fails on
+        values, failed = [], []
+        for i in range(len(completions)):
+            try:
+                (v,) = _call(fn, prompts[i : i + 1], completions[i : i + 1], answers[i : i + 1], timeout)
+            except Exception as e:
+                reason = f"{type(e).__name__}: {e}"
+                if fallback is None:
+                    raise RewardError(f"reward function '{spec}' failed on sample {sources[i]} with {reason} "
+                                      "(set reward.fallback to give such samples a fixed reward instead)") from e
+                failed.append((sources[i], reason))
+                v = fallback
+            values.append(v)
+        if not failed:
+            raise RewardError(f"reward function '{spec}' raised {type(batch_error).__name__}: {batch_error} on the batch "
+                              f"starting at {sources[0]}, but on no sample alone") from batch_error
+        if failures is not None:
+            failures.extend(failed)
+    _check(values, spec, completions, sources)
     return [float(v) for v in values]

@@ -314,6 +314,18 @@ def rl_cfg(n: int, k: int, mode: str, kl_coef: float, algo: str = "grpo", clip: 
                                     kl_estimator="k3"))
 
 
+def accumulate_policy_loss(base_model, batch, cfg: RLConfig, pad_id: int):
+    """One step's micro-batch backwards through train_rl's path, on a copy of the model (not yet stepped)."""
+    model = copy.deepcopy(base_model)
+    engine = build_engine(model, cfg, total_steps=1)
+    # As train_rl plans a step: loss tokens are the response lengths.
+    plan = plan_step([len(s.response_ids) for s in batch], cfg.train.micro_batch_size, cfg.train.loss_agg, NORM_LEN)
+    for mb in plan.micro_batches:
+        loss, share, _ = policy_micro_batch_loss(model, engine, [batch[i] for i in mb], plan.normalizer, cfg, pad_id)
+        engine.backward(loss, share, num_samples=len(mb))
+    return model, engine, plan
+
+
 @pytest.fixture(scope="module")
 def grpo_refs(base_model, rl_samples, tokenizer):
     cache = {}
@@ -334,15 +346,7 @@ def test_grpo_accumulated_gradient_equals_full_batch_gradient(mode, n, k, kl_coe
                                                               tokenizer):
     ref, clip_frac = grpo_refs(n, mode, kl_coef)
     assert 0.05 < clip_frac < 0.95  # the clipped branch is exercised
-    cfg = rl_cfg(n, k, mode, kl_coef)
-    model = copy.deepcopy(base_model)
-    engine = build_engine(model, cfg, total_steps=1)
-    batch = rl_samples[:n]
-    # As train_rl plans a step: loss tokens are the response lengths.
-    plan = plan_step([len(s.response_ids) for s in batch], cfg.train.micro_batch_size, mode, NORM_LEN)
-    for mb in plan.micro_batches:
-        loss, share, _ = policy_micro_batch_loss(model, engine, [batch[i] for i in mb], plan.normalizer, cfg, tokenizer.pad_token_id)
-        engine.backward(loss, share, num_samples=len(mb))
+    model, engine, plan = accumulate_policy_loss(base_model, rl_samples[:n], rl_cfg(n, k, mode, kl_coef), tokenizer.pad_token_id)
     assert rel_err(grads(model), ref) <= TOL
     assert engine.step(plan)["micro_batches"] == k
 
@@ -357,14 +361,7 @@ def test_other_policy_losses_accumulate_to_the_full_batch_gradient(algo, clip, m
     (one padded pass over the whole batch)."""
     ref, clip_frac = grpo_refs(n, mode, 0.0, algo, clip)
     assert 0.0 < clip_frac < 1.0  # both branches exercised
-    cfg = rl_cfg(n, k, mode, 0.0, algo, clip)
-    model = copy.deepcopy(base_model)
-    engine = build_engine(model, cfg, total_steps=1)
-    batch = rl_samples[:n]
-    plan = plan_step([len(s.response_ids) for s in batch], cfg.train.micro_batch_size, mode, NORM_LEN)
-    for mb in plan.micro_batches:
-        loss, share, _ = policy_micro_batch_loss(model, engine, [batch[i] for i in mb], plan.normalizer, cfg, tokenizer.pad_token_id)
-        engine.backward(loss, share, num_samples=len(mb))
+    model, _, _ = accumulate_policy_loss(base_model, rl_samples[:n], rl_cfg(n, k, mode, 0.0, algo, clip), tokenizer.pad_token_id)
     assert rel_err(grads(model), ref) <= TOL
     assert rel_err(ref, grpo_refs(n, mode, 0.0)[0]) > 1e-3  # and it is not the plain GRPO gradient
 

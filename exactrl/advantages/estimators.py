@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from exactrl.registry import Registry
+
 EPS = 1e-6
 
 
@@ -32,21 +34,8 @@ class AdvantageInput:
 
 
 Estimator = Callable[[AdvantageInput], tuple[torch.Tensor, torch.Tensor]]
-ADVANTAGES: dict[str, Estimator] = {}
-
-
-def register(name: str):
-    def add(fn: Estimator) -> Estimator:
-        ADVANTAGES[name] = fn
-        return fn
-
-    return add
-
-
-def get_advantage(name: str) -> Estimator:
-    if name not in ADVANTAGES:
-        raise ValueError(f"unknown advantage estimator '{name}'; choose one of {', '.join(sorted(ADVANTAGES))}")
-    return ADVANTAGES[name]
+ADVANTAGES: Registry[Estimator] = Registry("advantage estimator")
+register, get_advantage = ADVANTAGES.register, ADVANTAGES.lookup
 
 
 def _groups(x: AdvantageInput) -> torch.Tensor:

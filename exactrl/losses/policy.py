@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from exactrl.registry import Registry
+
 
 @dataclass(frozen=True)
 class PolicyInput:
@@ -26,21 +28,8 @@ class PolicyInput:
 
 
 PolicyLoss = Callable[[PolicyInput], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-POLICY_LOSSES: dict[str, PolicyLoss] = {}
-
-
-def register(name: str):
-    def add(fn: PolicyLoss) -> PolicyLoss:
-        POLICY_LOSSES[name] = fn
-        return fn
-
-    return add
-
-
-def get_policy_loss(name: str) -> PolicyLoss:
-    if name not in POLICY_LOSSES:
-        raise ValueError(f"unknown policy loss '{name}'; choose one of {', '.join(sorted(POLICY_LOSSES))}")
-    return POLICY_LOSSES[name]
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
+register, get_policy_loss = POLICY_LOSSES.register, POLICY_LOSSES.lookup
 
 
 def _clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, x: PolicyInput):

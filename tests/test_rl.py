@@ -232,3 +232,28 @@ def test_mathverify_reward_accepts_equivalent_forms():
     assert reward([""] * 5, completions, answers) == [1.0, 1.0, 0.0, 1.0, 0.0]
     with pytest.raises(ValueError, match="needs an 'answer'"):
         reward([""], ["1"], [None])
+
+
+def length_reward(prompts, completions, answers):
+    return [len(c) / 10 for c in completions]
+
+
+def test_weighted_rewards_sum_and_each_component_is_logged(tmp_path, monkeypatch):
+    from exactrl.rewards import load_rewards, score_all
+
+    fns = load_rewards([f"{__name__}:varied_reward", f"{__name__}:length_reward"], [2.0, -0.5])
+    total, parts = score_all(fns, ["p", "p"], ["12ab", "x"], [None, None], ["s:1", "s:2"])
+    a, b = varied_reward(None, ["12ab", "x"], None), length_reward(None, ["12ab", "x"], None)
+    assert total == pytest.approx([2 * a[i] - 0.5 * b[i] for i in range(2)], rel=1e-12)
+    assert parts == {f"{__name__}:varied_reward": a, f"{__name__}:length_reward": b}
+    with pytest.raises(Exception, match="reward.weights has 1 entries for 2 reward.fn entries"):
+        load_config(RLConfig, None, [f"reward.fn=[{__name__}:varied_reward,{__name__}:length_reward]", "reward.weights=[1.0]"])
+    monkeypatch.setenv("EXACTRL_CACHE", str(tmp_path / "cache"))
+    cfg = load_config(RLConfig, None, ["data.eval=null", "train.global_batch_size=8", "train.micro_batch_size=4", "algo.group_size=4",
+                                       "train.max_steps=1", "train.log_every=1", "rollout.max_new_tokens=8",
+                                       f"reward.fn=[{__name__}:varied_reward,{__name__}:length_reward]", "reward.weights=[1.0,0.1]",
+                                       f"output_dir={tmp_path / 'run'}"])
+    result = train_rl(cfg, spec=BuiltinSpec(n_sft=20, n_rl=40, n_eval=10))
+    (row,) = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    mean = row[f"reward/{__name__}:varied_reward"] + 0.1 * row[f"reward/{__name__}:length_reward"]
+    assert row["reward_mean"] == pytest.approx(mean, rel=1e-6)

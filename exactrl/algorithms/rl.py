@@ -38,7 +38,7 @@ from exactrl.losses import aggregate, canary_share, masked_mean
 from exactrl.losses.policy import PolicyInput, get_policy_loss
 from exactrl.losses.token_losses import kl_penalty, token_entropy, token_logprobs
 from exactrl.models.loading import load_causal_lm, load_tokenizer
-from exactrl.rewards import load_reward_fn, score
+from exactrl.rewards import load_rewards, score_all
 from exactrl.rollout.hf import HFEngine
 from exactrl.tasks.builtin import BuiltinSpec, resolve
 
@@ -77,17 +77,18 @@ class RLResult:
     generated_tokens: int
 
 
-def collect_rollout(engine_gen: HFEngine, prompts, reward_fn, cfg: RLConfig) -> tuple[list[Sample], dict]:
+def collect_rollout(engine_gen: HFEngine, prompts, rewards_cfg, cfg: RLConfig) -> tuple[list[Sample], dict]:
     r = cfg.rollout
     gens = engine_gen.generate([p.input_ids for p in prompts], n=cfg.algo.group_size, temperature=r.temperature,
                                top_p=r.top_p, max_new_tokens=r.max_new_tokens)
     src = [prompts[g.prompt_index] for g in gens]
     failures: list = []
-    rewards = score(reward_fn, cfg.reward.fn, [p.text for p in src], [g.text for g in gens], [p.answer for p in src],
-                    [p.source for p in src], cfg.reward.timeout, cfg.reward.fallback, failures)
+    rewards, parts = score_all(rewards_cfg, [p.text for p in src], [g.text for g in gens], [p.answer for p in src],
+                               [p.source for p in src], cfg.reward.timeout, cfg.reward.fallback, failures)
     samples = [Sample(g.prompt_ids, g.response_ids, rw) for g, rw in zip(gens, rewards)]
-    rw = torch.tensor(rewards)
-    stats = {"reward_mean": rw.mean().item(), "reward_std": rw.std().item(), "accuracy": (rw >= 1.0).float().mean().item(),
+    rw, main = torch.tensor(rewards), torch.tensor(next(iter(parts.values())))
+    components = {f"reward/{spec}": sum(v) / len(v) for spec, v in parts.items()} if len(parts) > 1 else {}
+    stats = {"reward_mean": rw.mean().item(), "reward_std": rw.std().item(), "accuracy": (main >= 1.0).float().mean().item(), **components,
              "response_length": sum(len(g.response_ids) for g in gens) / len(gens),
              "finished": sum(g.finished for g in gens) / len(gens), "reward_failures": len(failures), "generated_tokens": sum(len(g.response_ids) for g in gens)}
     return samples, stats
@@ -191,7 +192,7 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     tok = load_tokenizer(model_path)
     prompts = encode_prompts(read_jsonl(train_path), tok, cfg.data.max_length)
     eval_prompts = load_eval_prompts(cfg, tok, eval_path)
-    reward_fn = load_reward_fn(cfg.reward.fn)
+    reward_fns = load_rewards(cfg.reward.fn, cfg.reward.weights)
     if cfg.train.resume_from:
         check_resumable(cfg.train.resume_from)
     run_dir, log = open_run(cfg, "rl", run_dir, {"train": train_path, "eval": eval_path})
@@ -217,7 +218,7 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     bar = progress(steps, phase, step)
     for rollout in range(first_rollout, rollouts):
         tg = time.perf_counter()
-        samples, rstats = collect_rollout(generator, [prompts[i] for i in sampler.batch(rollout)], reward_fn, cfg)
+        samples, rstats = collect_rollout(generator, [prompts[i] for i in sampler.batch(rollout)], reward_fns, cfg)
         gen_seconds = time.perf_counter() - tg
         gen_tokens += rstats["generated_tokens"]
         attach_logprobs(model, samples, "old_logprobs", t.micro_batch_size, tok.pad_token_id, cfg.rollout.temperature, engine.autocast)

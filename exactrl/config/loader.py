@@ -103,8 +103,8 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
     for text in overrides:
         key_path, value = parse_override(text)
         _check_keys(cls, _nest(key_path, value), "", f"override '{text}'", keys)
-        if value is not None and not isinstance(value, str) and _is_str_field(cls, key_path):
-            value = text.split("=", 1)[1]  # model.path=123 means the path "123"
+        if isinstance(value, (int, float)) and _is_str_field(cls, key_path):
+            value = text.split("=", 1)[1]  # model.path=123 means the path "123" (bool is an int too: yes/no stay text)
         _set(merged, key_path, value)
     try:
         return cls.model_validate(merged)

@@ -147,7 +147,8 @@ class AlgoConfig(Section):
 
 
 class RewardConfig(Section):
-    fn: str = Field("exactrl.tasks.arithmetic:reward", description="module:function(prompts, completions, answers) -> list[float]; exactrl.rewards.mathverify:reward checks math answers.")
+    fn: str | list[str] = Field("exactrl.tasks.arithmetic:reward", description="module:function(prompts, completions, answers) -> list[float], or a list of them (summed with reward.weights; the first one counts for accuracy); exactrl.rewards.mathverify:reward checks math answers.")
+    weights: list[float] | None = Field(None, description="One weight per reward.fn entry (default: all 1).")
     timeout: float = Field(60.0, gt=0, description="Seconds a reward call may take before it counts as failed.")
     fallback: float | None = Field(None, description="Reward for samples the function fails on (raises or times out); unset = stop the run naming the sample.")
 
@@ -171,6 +172,15 @@ class RLConfig(CommonConfig):
         if self.train.save_every % per_rollout:
             raise ValueError(f"train.save_every={self.train.save_every} must be a multiple of algo.ppo_epochs x algo.mini_batches = "
                              f"{per_rollout}: checkpoints are taken between rollouts, so a resumed run needs no half-used rollout")
+        return self
+
+    @model_validator(mode="after")
+    def _reward_weights_fit(self):
+        fns = [self.reward.fn] if isinstance(self.reward.fn, str) else self.reward.fn
+        if not fns:
+            raise ValueError("reward.fn: give at least one module:function")
+        if self.reward.weights is not None and len(self.reward.weights) != len(fns):
+            raise ValueError(f"reward.weights has {len(self.reward.weights)} entries for {len(fns)} reward.fn entries")
         return self
 
     @model_validator(mode="after")

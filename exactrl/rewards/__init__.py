@@ -82,3 +82,17 @@ def score(fn: RewardFn, spec: str, prompts: list[str], completions: list[str], a
             failures.extend(failed)
     _check(values, spec, completions, sources)
     return [float(v) for v in values]
+
+
+def load_rewards(fn: str | list[str], weights: list[float] | None) -> list[tuple[str, float, RewardFn]]:
+    """(spec, weight, function) for each configured reward (reward.fn, reward.weights)."""
+    specs = [fn] if isinstance(fn, str) else list(fn)
+    return [(spec, w, load_reward_fn(spec)) for spec, w in zip(specs, weights or [1.0] * len(specs))]
+
+
+def score_all(rewards: list[tuple[str, float, RewardFn]], prompts, completions, answers, sources, timeout=None, fallback=None,
+              failures: list | None = None) -> tuple[list[float], dict[str, list[float]]]:
+    """The weighted sum of every reward, and each component's values by spec (for logging)."""
+    parts = {spec: score(fn, spec, prompts, completions, answers, sources, timeout, fallback, failures) for spec, _, fn in rewards}
+    total = [sum(w * parts[spec][i] for spec, w, _ in rewards) for i in range(len(completions))]
+    return total, parts

@@ -192,7 +192,7 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     tok = load_tokenizer(model_path)
     prompts = encode_prompts(read_jsonl(train_path), tok, cfg.data.max_length)
     eval_prompts = load_eval_prompts(cfg, tok, eval_path)
-    reward_fns = load_rewards(cfg.reward.fn, cfg.reward.weights)
+    reward_fns = load_rewards(cfg.reward.fn, cfg.reward.weights, cfg.reward.timeout, cfg.reward.retries)
     if cfg.train.resume_from:
         check_resumable(cfg.train.resume_from)
     run_dir, log = open_run(cfg, "rl", run_dir, {"train": train_path, "eval": eval_path})

@@ -147,9 +147,10 @@ class AlgoConfig(Section):
 
 
 class RewardConfig(Section):
-    fn: str | list[str] = Field("exactrl.tasks.arithmetic:reward", description="module:function(prompts, completions, answers) -> list[float], or a list of them (summed with reward.weights; the first one counts for accuracy); exactrl.rewards.mathverify:reward checks math answers.")
+    fn: str | list[str] = Field("exactrl.tasks.arithmetic:reward", description="module:function(prompts, completions, answers) -> list[float] or http://host:port/ (a reward server), or a list of them (summed with reward.weights; the first one counts for accuracy); exactrl.rewards.mathverify:reward checks math answers.")
     weights: list[float] | None = Field(None, description="One weight per reward.fn entry (default: all 1).")
     timeout: float = Field(60.0, gt=0, description="Seconds a reward call may take before it counts as failed.")
+    retries: int = Field(3, ge=0, description="Retries of a reward server call (connection errors, timeouts, 5xx), with exponential backoff.")
     fallback: float | None = Field(None, description="Reward for samples the function fails on (raises or times out); unset = stop the run naming the sample.")
 
 

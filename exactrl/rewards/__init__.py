@@ -21,7 +21,12 @@ class RewardError(RuntimeError):
     """A reward function that could not be loaded or misbehaved on a batch."""
 
 
-def load_reward_fn(spec: str) -> RewardFn:
+def load_reward_fn(spec: str, timeout: float = 60.0, retries: int = 3) -> RewardFn:
+    """``module:function``, or ``http(s)://...`` for a reward server (exactrl/rewards/remote.py)."""
+    if spec.startswith(("http://", "https://")):
+        from exactrl.rewards.remote import RemoteReward
+
+        return RemoteReward(spec, timeout, retries)
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise RewardError(f"reward function '{spec}' must be written module:function, e.g. my_rewards:exact_match")
@@ -84,10 +89,10 @@ def score(fn: RewardFn, spec: str, prompts: list[str], completions: list[str], a
     return [float(v) for v in values]
 
 
-def load_rewards(fn: str | list[str], weights: list[float] | None) -> list[tuple[str, float, RewardFn]]:
+def load_rewards(fn: str | list[str], weights: list[float] | None, timeout: float = 60.0, retries: int = 3) -> list[tuple[str, float, RewardFn]]:
     """(spec, weight, function) for each configured reward (reward.fn, reward.weights)."""
     specs = [fn] if isinstance(fn, str) else list(fn)
-    return [(spec, w, load_reward_fn(spec)) for spec, w in zip(specs, weights or [1.0] * len(specs))]
+    return [(spec, w, load_reward_fn(spec, timeout, retries)) for spec, w in zip(specs, weights or [1.0] * len(specs))]
 
 
 def score_all(rewards: list[tuple[str, float, RewardFn]], prompts, completions, answers, sources, timeout=None, fallback=None,

@@ -75,10 +75,10 @@ def test_ratio_is_exactly_one_at_first_update_and_stale_logprobs_are_caught(toke
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
-@pytest.mark.parametrize("kl", [0.0, 0.1])
-def test_policy_step_equals_one_pass_reference(tokenizer, make_model, mode, kl):
+@pytest.mark.parametrize("kl,ent", [(0.0, 0.0), (0.1, 0.0), (0.0, 0.05)], ids=["plain", "kl", "entropy-bonus"])
+def test_policy_step_equals_one_pass_reference(tokenizer, make_model, mode, kl, ent):
     """The first GRPO update through micro-batches equals a hand-written one-pass gradient."""
-    cfg = rl_cfg(f"train.loss_agg={mode}", f"algo.kl_coef={kl}", "train.loss_agg_norm=12")
+    cfg = rl_cfg(f"train.loss_agg={mode}", f"algo.kl_coef={kl}", f"algo.entropy_coef={ent}", "train.loss_agg_norm=12")
     samples = make_samples(tokenizer)
     model, ref_model = make_model(1), make_model(1)
     ref_policy = make_model(2)  # a different frozen reference for the KL term
@@ -105,6 +105,9 @@ def test_policy_step_equals_one_pass_reference(tokenizer, make_model, mode, kl):
         if kl:
             lr_ = s.ref_logprobs[sl] - lp
             tok = tok + kl * (torch.exp(lr_) - 1 - lr_)
+        if ent:  # entropy of the next-token distribution, written out: -sum p log p
+            probs = torch.softmax(logits[b, sl].float(), -1)
+            tok = tok - ent * -(probs * torch.log(probs)).sum(-1)
         seq_sum, n = tok.sum(), len(s.response_ids)
         total = total + {"token-mean": seq_sum / n_tokens, "seq-mean-token-mean": seq_sum / n / 8,
                          "seq-mean-token-sum": seq_sum / 8, "seq-mean-token-sum-norm": seq_sum / (8 * 12)}[mode]

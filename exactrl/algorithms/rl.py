@@ -134,12 +134,16 @@ def policy_micro_batch_loss(model, engine, samples: list[Sample], normalizer, cf
         PolicyInput(logp, b["old_logprobs"], b["advantages"], mask, a.clip_eps, a.clip_eps_high or a.clip_eps))
     m = {}
     if a.kl_coef > 0 and not a.kl_in_reward:
-        kl = kl_penalty(logp, b["ref_logprobs"], cfg.algo.kl_estimator)
-        tok_loss = tok_loss + cfg.algo.kl_coef * kl
+        kl = kl_penalty(logp, b["ref_logprobs"], a.kl_estimator)
+        tok_loss = tok_loss + a.kl_coef * kl
         m["kl"] = masked_mean(kl.detach(), mask).item()
+    with torch.set_grad_enabled(a.entropy_coef > 0 and torch.is_grad_enabled()):
+        entropy = token_entropy(logits, cfg.rollout.temperature)
+    if a.entropy_coef > 0:  # a bonus: higher entropy lowers the loss
+        tok_loss = tok_loss - a.entropy_coef * entropy
     with torch.no_grad():
         m["clip_frac"] = masked_mean(clipped, mask).item()
-        m["entropy"] = masked_mean(token_entropy(logits, cfg.rollout.temperature), mask).item()
+        m["entropy"] = masked_mean(entropy.detach(), mask).item()
         m["ratio_dev"] = ((ratio - 1).abs() * mask).max().item()
     return aggregate(tok_loss, mask, normalizer), canary_share(mask, normalizer), m
 

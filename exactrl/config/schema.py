@@ -139,6 +139,7 @@ class AlgoConfig(Section):
     gamma: float = Field(1.0, ge=0, le=1, description="Discount of the return to go (reinforce_pp, reinforce_pp_baseline).")
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the frozen reference (0 = no reference model).")
     kl_in_reward: bool = Field(False, description="Put -kl_coef x KL (k1, per token) in the reward (REINFORCE++ style) instead of in the loss.")
+    entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus (subtracted from the loss per token, same aggregation).")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator per token (Schulman's k1, k2 or k3).")
     ppo_epochs: int = Field(1, gt=0, description="Passes over each rollout.")
     mini_batches: int = Field(1, gt=0, description="Optimizer steps per rollout epoch; a rollout holds mini_batches x train.global_batch_size responses.")

@@ -45,6 +45,7 @@ def test_sft_resume_is_bitwise_exact(tmp_path):
 def test_rl_resume_is_bitwise_exact(tmp_path):
     common = ["data.eval=null", "train.global_batch_size=8", "train.micro_batch_size=4", "algo.group_size=4",
               "train.max_steps=4", "algo.mini_batches=2", "algo.kl_coef=0.1", "rollout.max_new_tokens=8",
+              "algo.kl_target=0.05", "algo.kl_horizon=20",  # the adaptive coefficient must come back too
               "optim.lr=1e-3", f"reward.fn={__name__}:varied_reward"]
     full = train_rl(load_config(RLConfig, None, [*common, "train.save_every=2", f"output_dir={tmp_path / 'full'}"]), spec=SPEC)
     resumed = train_rl(load_config(RLConfig, None, [*common, f"train.resume_from={full.run_dir / 'checkpoint-2'}",

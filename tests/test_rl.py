@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from exactrl.algorithms.rl import (OnPolicyCheckError, Sample, attach_advantages, attach_logprobs, check_on_policy,
+from exactrl.algorithms.rl import (AdaptiveKL, OnPolicyCheckError, Sample, attach_advantages, attach_logprobs, check_on_policy,
                                    policy_micro_batch_loss, train_rl)
 from exactrl.config import RLConfig, load_config
 from exactrl.distributed.engine import build_engine
@@ -260,3 +260,20 @@ def test_weighted_rewards_sum_and_each_component_is_logged(tmp_path, monkeypatch
     (row,) = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
     mean = row[f"reward/{__name__}:varied_reward"] + 0.1 * row[f"reward/{__name__}:length_reward"]
     assert row["reward_mean"] == pytest.approx(mean, rel=1e-6)
+
+
+def test_adaptive_kl_by_hand():
+    samples = [Sample([1, 2], [3, 4], 0.0, old_logprobs=torch.tensor([0.0, -1.0, -2.0]), ref_logprobs=torch.tensor([5.0, -1.5, -2.5])),
+               Sample([1], [3, 4, 5], 0.0, old_logprobs=torch.tensor([-1.0, -1.0, -1.0]), ref_logprobs=torch.tensor([-1.0, -1.2, -1.4]))]
+    # per-response KL sums over response targets only: (0.5 + 0.5) and (0 + 0.2 + 0.4) -> mean 0.8
+    control = AdaptiveKL(0.1, target=2.0, horizon=10)
+    assert control.update(samples) == pytest.approx(0.8)
+    assert control.coef == pytest.approx(0.1 * (1 - 0.2 * 2 / 10))  # 0.8 / 2 - 1 = -0.6, clipped to -0.2
+    control = AdaptiveKL(0.1, target=0.7, horizon=10)
+    control.update(samples)
+    assert control.coef == pytest.approx(0.1 * (1 + (0.8 / 0.7 - 1) * 2 / 10))
+    fixed = AdaptiveKL(0.1, target=None, horizon=10)
+    fixed.update(samples)
+    assert fixed.coef == 0.1
+    with pytest.raises(Exception, match="algo.kl_target needs a starting algo.kl_coef > 0"):
+        load_config(RLConfig, None, ["algo.kl_target=0.1"])

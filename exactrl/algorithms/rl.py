@@ -54,6 +54,26 @@ ALGORITHMS = {
 }
 
 
+@dataclass
+class AdaptiveKL:
+    """Adaptive KL coefficient (Ziegler et al. 2019, arXiv 1909.08593, sec. 2.2; TRL's
+    AdaptiveKLController): after each rollout, coef *= 1 + clip(KL / target - 1, -0.2, 0.2) * n / horizon,
+    with KL the rollout's mean per-response sum of log p_old - log p_ref and n its responses.
+    Without a target the coefficient stays fixed."""
+
+    coef: float
+    target: float | None
+    horizon: int
+
+    def update(self, samples: list[Sample]) -> float:
+        """The coefficient for this rollout; moves it for the next one. Returns the measured KL."""
+        kl = sum(float((s.old_logprobs - s.ref_logprobs)[len(s.prompt_ids) - 1 :].sum()) for s in samples) / len(samples)
+        if self.target is not None:
+            error = min(max(kl / self.target - 1.0, -0.2), 0.2)
+            self.coef *= 1.0 + error * len(samples) / self.horizon
+        return kl
+
+
 class OnPolicyCheckError(RuntimeError):
     """The policy ratio was not 1 at the first update after a rollout."""
 
@@ -107,14 +127,16 @@ def attach_logprobs(model, samples: list[Sample], attr: str, micro_batch_size: i
             setattr(s, attr, row[: len(s.prompt_ids) + len(s.response_ids) - 1].clone())
 
 
-def attach_advantages(samples: list[Sample], cfg: RLConfig) -> None:
-    """Per-token advantages from the whole rollout (its groups are consecutive samples)."""
+def attach_advantages(samples: list[Sample], cfg: RLConfig, kl_coef: float | None = None) -> None:
+    """Per-token advantages from the whole rollout (its groups are consecutive samples).
+    ``kl_coef``: this rollout's coefficient (adaptive KL), else algo.kl_coef."""
     a = cfg.algo
+    kl_coef = a.kl_coef if kl_coef is None else kl_coef
     mask = pad_right([[0] * (len(s.prompt_ids) - 1) + [1] * len(s.response_ids) for s in samples], 0).to(torch.float64)
     token_rewards = None
     if a.kl_coef > 0 and a.kl_in_reward:  # -beta * KL(old policy || reference) per token, k1
         kl = [kl_penalty(s.old_logprobs.double(), s.ref_logprobs.double(), "k1") for s in samples]
-        token_rewards = -a.kl_coef * torch.nn.utils.rnn.pad_sequence(kl, batch_first=True)
+        token_rewards = -kl_coef * torch.nn.utils.rnn.pad_sequence(kl, batch_first=True)
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
     adv, _ = get_advantage(ALGORITHMS[a.name][0])(AdvantageInput(rewards, mask, a.group_size, token_rewards,
                                                                  gamma=a.gamma, std_normalize=a.std_normalize))
@@ -122,7 +144,8 @@ def attach_advantages(samples: list[Sample], cfg: RLConfig) -> None:
         s.advantages = row[: len(s.prompt_ids) + len(s.response_ids) - 1].float()
 
 
-def policy_micro_batch_loss(model, engine, samples: list[Sample], normalizer, cfg: RLConfig, pad_id: int):
+def policy_micro_batch_loss(model, engine, samples: list[Sample], normalizer, cfg: RLConfig, pad_id: int,
+                            kl_coef: float | None = None):
     """This micro-batch's part of the step loss, its canary share, and its metrics."""
     b = collate_rl(samples, pad_id)
     with engine.autocast():
@@ -135,7 +158,7 @@ def policy_micro_batch_loss(model, engine, samples: list[Sample], normalizer, cf
     m = {}
     if a.kl_coef > 0 and not a.kl_in_reward:
         kl = kl_penalty(logp, b["ref_logprobs"], a.kl_estimator)
-        tok_loss = tok_loss + a.kl_coef * kl
+        tok_loss = tok_loss + (a.kl_coef if kl_coef is None else kl_coef) * kl
         m["kl"] = masked_mean(kl.detach(), mask).item()
     with torch.set_grad_enabled(a.entropy_coef > 0 and torch.is_grad_enabled()):
         entropy = token_entropy(logits, cfg.rollout.temperature)
@@ -158,7 +181,8 @@ def check_on_policy(deviation: float, cfg: RLConfig, rollout: int) -> None:
     warnings.warn(msg, stacklevel=2)
 
 
-def update_policy(model, engine, samples: list[Sample], cfg: RLConfig, rollout: int, group_rng: random.Random, pad_id: int):
+def update_policy(model, engine, samples: list[Sample], cfg: RLConfig, rollout: int, group_rng: random.Random, pad_id: int,
+                  kl_coef: float | None = None):
     """PPO epochs x mini-batches over one rollout, one optimizer step each.
 
     Yields (is_first_update, step_loss, per-micro-batch metrics, engine stats) per step. The
@@ -177,7 +201,7 @@ def update_policy(model, engine, samples: list[Sample], cfg: RLConfig, rollout: 
             plan = plan_step([len(s.response_ids) for s in batch], t.micro_batch_size, t.loss_agg, norm_len)
             step_loss, parts = 0.0, []
             for mb in plan.micro_batches:
-                loss, share, m = policy_micro_batch_loss(model, engine, [batch[i] for i in mb], plan.normalizer, cfg, pad_id)
+                loss, share, m = policy_micro_batch_loss(model, engine, [batch[i] for i in mb], plan.normalizer, cfg, pad_id, kl_coef)
                 engine.backward(loss, share, num_samples=len(mb))
                 step_loss += loss.item()
                 parts.append(m)
@@ -213,10 +237,12 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     sampler = StepSampler(len(prompts), prompts_per_rollout, t.seed)
     group_rng = random.Random(f"{t.seed}-minibatches")
     first_rollout = 0
+    kl_control = AdaptiveKL(a.kl_coef, a.kl_target, a.kl_horizon)
     if t.resume_from:
         position = resume(t.resume_from, engine)
         first_rollout = position["rollout"] + 1
         group_rng.setstate(position["group_rng"])
+        kl_control.coef = position.get("kl_coef", kl_control.coef)
 
     gen_tokens, t0, step = 0, time.perf_counter(), first_rollout * steps_per_rollout
     bar = progress(steps, phase, step)
@@ -228,8 +254,12 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
         attach_logprobs(model, samples, "old_logprobs", t.micro_batch_size, tok.pad_token_id, cfg.rollout.temperature, engine.autocast)
         if ref is not None:
             attach_logprobs(ref, samples, "ref_logprobs", t.micro_batch_size, tok.pad_token_id, cfg.rollout.temperature, engine.autocast)
-        attach_advantages(samples, cfg)
-        for first, step_loss, parts, stats in update_policy(model, engine, samples, cfg, rollout, group_rng, tok.pad_token_id):
+        kl_coef = kl_control.coef  # this rollout's; the controller moves it for the next
+        if ref is not None:
+            rstats["rollout_kl"], rstats["kl_coef"] = kl_control.update(samples), kl_coef
+        attach_advantages(samples, cfg, kl_coef)
+        for first, step_loss, parts, stats in update_policy(model, engine, samples, cfg, rollout, group_rng, tok.pad_token_id,
+                                                            kl_coef):
             step += 1
             bar.update(1)
             bar.set_postfix(reward=f"{rstats['reward_mean']:.3f}")
@@ -240,7 +270,7 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
                            "gen_tokens_per_s": rstats["generated_tokens"] / gen_seconds,
                            "ratio_dev_first": max(p["ratio_dev"] for p in parts) if first else None})
             after_step(cfg, phase, step, steps, model, tok, engine, eval_prompts, log, run_dir, bar,
-                       {"step": step, "rollout": rollout, "group_rng": group_rng.getstate()})
+                       {"step": step, "rollout": rollout, "group_rng": group_rng.getstate(), "kl_coef": kl_control.coef})
     bar.close()
     seconds = time.perf_counter() - t0
     final = finish(cfg, phase, steps, model, tok, engine, eval_prompts, log, run_dir, final_name)

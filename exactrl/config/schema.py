@@ -138,6 +138,8 @@ class AlgoConfig(Section):
     std_normalize: bool = Field(True, description="Divide group-centred rewards by the group std (grpo, gspo); dr_grpo never does.")
     gamma: float = Field(1.0, ge=0, le=1, description="Discount of the return to go (reinforce_pp, reinforce_pp_baseline).")
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the frozen reference (0 = no reference model).")
+    kl_target: float | None = Field(None, gt=0, description="Adaptive KL: move kl_coef after each rollout so the per-response KL approaches this (Ziegler et al. 2019); unset = fixed.")
+    kl_horizon: int = Field(10000, gt=0, description="Adaptive KL horizon (responses): how slowly the coefficient moves.")
     kl_in_reward: bool = Field(False, description="Put -kl_coef x KL (k1, per token) in the reward (REINFORCE++ style) instead of in the loss.")
     entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus (subtracted from the loss per token, same aggregation).")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator per token (Schulman's k1, k2 or k3).")
@@ -188,6 +190,8 @@ class RLConfig(CommonConfig):
     @model_validator(mode="after")
     def _algorithm_needs(self):
         a = self.algo
+        if a.kl_target is not None and a.kl_coef <= 0:
+            raise ValueError("algo.kl_target needs a starting algo.kl_coef > 0 (the adaptive controller scales it)")
         if a.name in GROUP_ALGOS and a.group_size < 2:
             raise ValueError(f"algo.name={a.name} compares responses to the same prompt: algo.group_size must be >= 2 "
                              f"(given {a.group_size}); reinforce_pp works with 1")

@@ -78,6 +78,7 @@ def rl(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = Over
     \b
     grpo                   group-normalised advantages, PPO clip (Shao 2024)
     dr_grpo                group-centred only, constant-length loss (Liu 2025)
+    dapo                   clip-higher, dynamic sampling, overlong penalty (Yu 2025)
     rloo                   leave-one-out baseline (Ahmadian 2024)
     reinforce_pp           REINFORCE++: return to go, global whitening (Hu 2025)
     reinforce_pp_baseline  REINFORCE++ after subtracting the group mean

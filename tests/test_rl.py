@@ -174,7 +174,7 @@ def test_attach_advantages_puts_the_kl_in_the_reward_for_reinforce_pp(tokenizer)
         assert s.advantages[start:].tolist() == pytest.approx([(x - mean) / (std + 1e-6) for x in row], rel=1e-5, abs=1e-6)
 
 
-@pytest.mark.parametrize("algo", ["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo"])
+@pytest.mark.parametrize("algo", ["grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo"])
 def test_every_algorithm_trains_end_to_end(algo, tmp_path, monkeypatch):
     monkeypatch.setenv("EXACTRL_CACHE", str(tmp_path / "cache"))
     cfg = load_config(RLConfig, None, ["data.eval=null", "train.global_batch_size=8", "train.micro_batch_size=4", "algo.group_size=4",
@@ -277,3 +277,47 @@ def test_adaptive_kl_by_hand():
     assert fixed.coef == 0.1
     with pytest.raises(Exception, match="algo.kl_target needs a starting algo.kl_coef > 0"):
         load_config(RLConfig, None, ["algo.kl_target=0.1"])
+
+
+def test_overlong_penalty_by_hand():
+    from exactrl.algorithms.rl import overlong_penalty
+
+    assert [overlong_penalty(n, 48, 8, 0.5) for n in (10, 40, 44, 48)] == [0.0, 0.0, -0.25, -0.5]
+    assert overlong_penalty(48, 48, 0, 1.0) == 0.0  # off
+
+
+class ScriptedEngine:
+    """Answers prompt k with k's text repeated, except on odd prompts where each response differs."""
+
+    def generate(self, prompt_ids, n=1, **kw):
+        from exactrl.rollout.hf import Generation
+
+        out = []
+        for i, ids in enumerate(prompt_ids):
+            for j in range(n):
+                text = f"{ids[0]}" + ("" if ids[0] % 2 == 0 else "x" * j)
+                out.append(Generation(i, ids, [5] * len(text), text, True))
+        return out
+
+
+def length_of_text(prompts, completions, answers):
+    return [float(len(c)) for c in completions]
+
+
+def test_dynamic_sampling_drops_flat_groups_and_refills_deterministically():
+    from exactrl.algorithms.rl import RolloutError, collect_dynamic_rollout
+    from exactrl.data.encode import Prompt
+    from exactrl.rewards import load_rewards
+
+    prompts = [Prompt([k], f"p{k}", None, f"d:{k}") for k in range(20)]
+    cfg = rl_cfg("algo.name=dapo", "algo.group_size=4", "train.global_batch_size=16", "train.micro_batch_size=4")
+    fns = load_rewards(f"{__name__}:length_of_text", None)
+    runs = [collect_dynamic_rollout(ScriptedEngine(), prompts, [0, 1, 2, 3], rollout=5, rewards_cfg=fns, cfg=cfg) for _ in range(2)]
+    (samples, stats), (again, _) = runs
+    assert len(samples) == 16 and all(s.prompt_ids[0] % 2 == 1 for s in samples)  # only groups with varied rewards
+    assert [s.prompt_ids for s in samples] == [s.prompt_ids for s in again]  # the refill draw is reproducible
+    assert stats["groups_dropped"] >= 2 and stats["refill_rounds"] >= 1
+    even_only = [Prompt([2 * k], f"p{k}", None, f"d:{k}") for k in range(10)]
+    with pytest.raises(RolloutError, match="kept 0 of 2 groups after algo.max_refill_rounds=1"):
+        collect_dynamic_rollout(ScriptedEngine(), even_only, [0, 1], rollout=0, rewards_cfg=fns,
+                                cfg=rl_cfg("algo.name=dapo", "algo.group_size=4", "algo.max_refill_rounds=1"))

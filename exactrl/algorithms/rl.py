@@ -51,7 +51,12 @@ ALGORITHMS = {
     "reinforce_pp": ("reinforce_pp", "ppo"),  # Hu 2025, arXiv 2501.03262
     "reinforce_pp_baseline": ("reinforce_pp_baseline", "ppo"),  # ibid.
     "gspo": ("grpo", "gspo"),  # Zheng et al. 2025, arXiv 2507.18071
+    "dapo": ("grpo", "ppo"),  # Yu et al. 2025, arXiv 2503.14476 (+ clip_eps_high, dynamic sampling, overlong shaping)
 }
+
+
+class RolloutError(RuntimeError):
+    """A rollout could not be filled (DAPO's dynamic sampling ran out of refill rounds)."""
 
 
 @dataclass
@@ -105,13 +110,55 @@ def collect_rollout(engine_gen: HFEngine, prompts, rewards_cfg, cfg: RLConfig) -
     failures: list = []
     rewards, parts = score_all(rewards_cfg, [p.text for p in src], [g.text for g in gens], [p.answer for p in src],
                                [p.source for p in src], cfg.reward.timeout, cfg.reward.fallback, failures)
+    components = {f"reward/{spec}": sum(v) / len(v) for spec, v in parts.items()} if len(parts) > 1 else {}
+    overlong = [overlong_penalty(len(g.response_ids), r.max_new_tokens, cfg.algo.overlong_buffer, cfg.algo.overlong_penalty)
+                for g in gens]
+    rewards = [rw + pen for rw, pen in zip(rewards, overlong)]
     samples = [Sample(g.prompt_ids, g.response_ids, rw) for g, rw in zip(gens, rewards)]
     rw, main = torch.tensor(rewards), torch.tensor(next(iter(parts.values())))
-    components = {f"reward/{spec}": sum(v) / len(v) for spec, v in parts.items()} if len(parts) > 1 else {}
+    if cfg.algo.overlong_buffer:
+        components["overlong_penalty"] = sum(overlong) / len(overlong)
     stats = {"reward_mean": rw.mean().item(), "reward_std": rw.std().item(), "accuracy": (main >= 1.0).float().mean().item(), **components,
              "response_length": sum(len(g.response_ids) for g in gens) / len(gens),
              "finished": sum(g.finished for g in gens) / len(gens), "reward_failures": len(failures), "generated_tokens": sum(len(g.response_ids) for g in gens)}
     return samples, stats
+
+
+def overlong_penalty(length: int, max_length: int, buffer: int, weight: float) -> float:
+    """DAPO's soft overlong punishment (arXiv 2503.14476, eq. 13): 0 up to max_length - buffer,
+    then falling linearly to -weight at max_length (a response cut off there scores -weight)."""
+    if buffer <= 0 or length <= max_length - buffer:
+        return 0.0
+    return -weight * min(1.0, (length - (max_length - buffer)) / buffer)
+
+
+def collect_dynamic_rollout(engine_gen: HFEngine, prompts, indices: list[int], rollout: int, rewards_cfg,
+                            cfg: RLConfig) -> tuple[list[Sample], dict]:
+    """DAPO's dynamic sampling: groups whose responses all got the same reward carry no signal
+    (zero advantage) and are dropped; fresh prompts (a deterministic draw per rollout and round,
+    so resumed runs draw the same) are sampled until the rollout holds as many groups as asked."""
+    want, g = len(indices), cfg.algo.group_size
+    rng = random.Random(f"{cfg.train.seed}-refill-{rollout}")
+    kept, dropped, stats = [], 0, None
+    for rounds in range(cfg.algo.max_refill_rounds + 1):
+        samples, st = collect_rollout(engine_gen, [prompts[i] for i in indices], rewards_cfg, cfg)
+        if stats is None:
+            stats = st
+        else:
+            stats["generated_tokens"] += st["generated_tokens"]
+        for start in range(0, len(samples), g):
+            group = samples[start : start + g]
+            if len({s.reward for s in group}) > 1:
+                kept.append(group)
+            else:
+                dropped += 1
+        if len(kept) >= want:
+            stats.update(groups_dropped=dropped, refill_rounds=rounds)
+            return [s for group in kept[:want] for s in group], stats
+        indices = rng.sample(range(len(prompts)), want)
+    raise RolloutError(f"dynamic sampling kept {len(kept)} of {want} groups after algo.max_refill_rounds="
+                       f"{cfg.algo.max_refill_rounds} refills ({dropped} groups had all-equal rewards); raise it, or the "
+                       "task is too easy or too hard for the policy")
 
 
 @torch.no_grad()
@@ -248,7 +295,10 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     bar = progress(steps, phase, step)
     for rollout in range(first_rollout, rollouts):
         tg = time.perf_counter()
-        samples, rstats = collect_rollout(generator, [prompts[i] for i in sampler.batch(rollout)], reward_fns, cfg)
+        if a.name == "dapo":
+            samples, rstats = collect_dynamic_rollout(generator, prompts, sampler.batch(rollout), rollout, reward_fns, cfg)
+        else:
+            samples, rstats = collect_rollout(generator, [prompts[i] for i in sampler.batch(rollout)], reward_fns, cfg)
         gen_seconds = time.perf_counter() - tg
         gen_tokens += rstats["generated_tokens"]
         attach_logprobs(model, samples, "old_logprobs", t.micro_batch_size, tok.pad_token_id, cfg.rollout.temperature, engine.autocast)

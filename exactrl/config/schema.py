@@ -125,9 +125,9 @@ class RolloutConfig(Section):
     batch_size: int = Field(256, gt=0, description="Sequences per generate() call.")
 
 
-RL_ALGOS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo")
+RL_ALGOS = ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo")
 # Algorithms whose baseline is the other responses to the same prompt.
-GROUP_ALGOS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "gspo")
+GROUP_ALGOS = ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp_baseline", "gspo")
 
 
 class AlgoConfig(Section):
@@ -136,6 +136,9 @@ class AlgoConfig(Section):
     clip_eps: float = Field(0.2, gt=0, description="PPO clip range on the policy ratio (the lower one when clip_eps_high is set).")
     clip_eps_high: float | None = Field(None, gt=0, description="Upper clip range (DAPO's clip-higher, e.g. 0.28); unset = clip_eps.")
     std_normalize: bool = Field(True, description="Divide group-centred rewards by the group std (grpo, gspo); dr_grpo never does.")
+    overlong_buffer: int = Field(0, ge=0, description="DAPO's soft overlong penalty: the last this-many tokens before rollout.max_new_tokens cost up to overlong_penalty (0 = off).")
+    overlong_penalty: float = Field(1.0, ge=0, description="Reward lost by a response that reaches rollout.max_new_tokens (with overlong_buffer > 0).")
+    max_refill_rounds: int = Field(10, ge=0, description="dapo: extra generation rounds to replace groups with all-equal rewards before giving up.")
     gamma: float = Field(1.0, ge=0, le=1, description="Discount of the return to go (reinforce_pp, reinforce_pp_baseline).")
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the frozen reference (0 = no reference model).")
     kl_target: float | None = Field(None, gt=0, description="Adaptive KL: move kl_coef after each rollout so the per-response KL approaches this (Ziegler et al. 2019); unset = fixed.")

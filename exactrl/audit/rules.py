@@ -34,10 +34,10 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from packaging.specifiers import InvalidSpecifier, SpecifierSet
-from packaging.version import InvalidVersion, Version
+from packaging.version import Version
 
 from exactrl.audit.evidence import Collected, Evidence, Problem, Reading
+from exactrl.audit.versions import exact_version, version_candidates
 
 
 class Status(str, Enum):
@@ -221,51 +221,11 @@ def hint(fact: str) -> str:
 # ---------------------------------------------------------------------------- candidate values
 
 
-def _version(text: str) -> Version | None:
-    try:
-        return Version(text)
-    except InvalidVersion:
-        return None
-
-
-def exact_version(spec: str) -> Version | None:
-    body = spec.lstrip("=") if spec.startswith("==") else ""
-    return None if "," in body or "*" in body else _version(body)
-
-
-def _grid(anchors: Iterable[Version]) -> set[Version]:
-    """Versions around every anchor: enough to tell whether a range admits both verdicts."""
-    out = {V("0.0.1")}
-    for a in anchors:
-        major, minor, micro = (a.release + (0, 0, 0))[:3]
-        for m in {max(minor - 1, 0), minor, minor + 1}:
-            out |= {V(f"{major}.{m}.{p}") for p in (*range(micro + 3), 99)}
-        out |= {a, V(f"{major + 1}.0.0"), V(f"{max(major - 1, 0)}.99.0")}
-    return out
-
-
-def version_candidates(package: str, readings: list[Reading]) -> tuple[list[Version], bool]:
-    """Versions every reading admits (ranges intersect, an exact pin wins); on disagreement the
-    union of what each admits, and True."""
-    specs, exact = [], {exact_version(r.value) for r in readings} - {None}
-    for r in readings:
-        try:
-            specs.append(SpecifierSet(r.value))
-        except InvalidSpecifier:  # an unparsable pin says no more than "installed"
-            specs.append(SpecifierSet(""))
-    anchors = {_version(s.version.removesuffix(".*")) for spec in specs for s in spec}
-    grid = sorted(_grid(set(VERSION_BOUNDARIES.get(package, ())) | exact | anchors - {None}) | exact)
-    both = [v for v in grid if all(s.contains(v, prereleases=True) for s in specs)]
-    if both:  # an exact pin admits only itself (and its local variants), so it wins over ranges
-        return both, False
-    return sorted({v for v in grid for s in specs if s.contains(v, prereleases=True)}), True
-
-
 def candidates(fact: str, readings: list[Reading]) -> tuple[list[Any], bool]:
     if not readings:
         return [None], False
     if fact.startswith("version:"):
-        return version_candidates(fact[8:], readings)
+        return version_candidates(readings, VERSION_BOUNDARIES.get(fact[8:], ()))
     values = list(dict.fromkeys(r.value for r in readings))
     return values, len(values) > 1
 

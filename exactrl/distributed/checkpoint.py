@@ -11,11 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-
-def _rank_world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+from exactrl.distributed.launch import rank, world_size
 
 
 def _atomic_dir(final: Path, write, collective: bool = False) -> Path:
@@ -23,16 +19,16 @@ def _atomic_dir(final: Path, write, collective: bool = False) -> Path:
     older one only after the new one is complete). ``collective``: every rank calls this and
     ``write``s its own files into the one temporary directory; the main process renames."""
     final = Path(final)
-    rank, world = _rank_world() if collective else (0, 1)
+    me, world = (rank(), world_size()) if collective else (0, 1)
     barrier = torch.distributed.barrier if world > 1 else (lambda: None)
     tmp, old = final.with_name(f".{final.name}.tmp"), final.with_name(f".{final.name}.old")
-    if rank == 0:
+    if me == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
     write(tmp)
     barrier()
-    if rank == 0:
+    if me == 0:
         if final.exists():
             os.replace(final, old)
         os.replace(tmp, final)
@@ -72,13 +68,13 @@ def save_checkpoint(path: Path, model, tokenizer, engine, extra: dict) -> Path:
     """Model (Hugging Face format), optimizer, scheduler, every rank's RNG states and the data
     position (``extra``), written atomically. A collective under several processes: each rank
     writes its part into one temporary directory, renamed into place when all are done."""
-    rank, world = _rank_world()
+    me, world = rank(), world_size()
     full_model, engine_state = engine.checkpoint_state()  # collective when sharded
 
     def write(tmp: Path):
         engine.save_shards(tmp)  # collective: a backend's own per-rank files (DeepSpeed)
-        torch.save(_rng_state(), tmp / f"rng-rank{rank}.pt")
-        if rank == 0:
+        torch.save(_rng_state(), tmp / f"rng-rank{me}.pt")
+        if me == 0:
             model.save_pretrained(tmp, state_dict=full_model, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
             torch.save({"engine": engine_state, "world_size": world, "extra": extra}, tmp / STATE_FILE)
@@ -92,8 +88,6 @@ class CheckpointError(ValueError):
 
 def check_resumable(path: str | Path) -> dict:
     """The checkpoint's state file, once it is known to fit this run (before anything is written)."""
-    from exactrl.distributed.launch import world_size
-
     p = Path(path)
     missing = [name for name in (STATE_FILE, "config.json") if not (p / name).is_file()]
     if missing:
@@ -110,7 +104,6 @@ def resume(path: str | Path, engine) -> dict:
     ``engine`` and the global generators; return the data position (``extra``) saved with it.
     The model weights are loaded by the caller, from the same directory, with from_pretrained."""
     p, state = Path(path), check_resumable(path)
-    rank, _ = _rank_world()
     engine.load_state_dict(state["engine"], p)
-    _set_rng_state(torch.load(p / f"rng-rank{rank}.pt", weights_only=True))
+    _set_rng_state(torch.load(p / f"rng-rank{rank()}.pt", weights_only=True))
     return state["extra"]

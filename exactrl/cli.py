@@ -76,6 +76,7 @@ def rl(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = Over
     """RL from verifiable rewards. algo.name (README "RL algorithms"):
 
     \b
+    ppo                    critic + GAE, clipped policy and value losses (Schulman 2017)
     grpo                   group-normalised advantages, PPO clip (Shao 2024)
     dr_grpo                group-centred only, constant-length loss (Liu 2025)
     dapo                   clip-higher, dynamic sampling, overlong penalty (Yu 2025)

@@ -1,5 +1,6 @@
-"""Runs tests/dist/equivalence.py for one backend and world size and checks fault reports;
-shared by tests/test_fsdp2.py and tests/test_deepspeed.py."""
+"""Runs a tests/dist/ script (equivalence.py by default) for one backend and world size and
+checks fault reports; shared by tests/test_fsdp2.py, tests/test_deepspeed.py and
+tests/test_rl_backends.py."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ from pathlib import Path
 SCRIPT = Path(__file__).parent / "dist" / "equivalence.py"
 
 
-def run_cases(backend: str, world: int, out: Path, extra_env: dict | None = None) -> dict:
+def run_cases(backend: str, world: int, out: Path, extra_env: dict | None = None, script: Path = SCRIPT) -> dict:
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"] if world > 1 else []
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra_env or {})}
-    proc = subprocess.run([sys.executable, *launcher, str(SCRIPT), backend, str(world), str(out)],
+    proc = subprocess.run([sys.executable, *launcher, str(script), backend, str(world), str(out)],
                           capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())

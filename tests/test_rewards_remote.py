@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from exactrl.algorithms.rl import train_rl
-from exactrl.config import RLConfig, load_config
+from exactrl.config import ConfigError, RLConfig, load_config
 from exactrl.rewards import load_reward_fn
 from exactrl.rewards.remote import RemoteReward, RemoteRewardError
 from exactrl.rewards.server import make_server
@@ -89,11 +89,18 @@ def test_client_errors_fail_at_once_and_retries_run_out():
         RemoteReward(f"http://127.0.0.1:{port}/", retries=2, backoff=0.01)(["p"], ["a"], [None])
 
 
-def test_rl_trains_on_a_remote_reward(reference_server, tmp_path, monkeypatch):
+@pytest.mark.parametrize("key", ["reward.url", "reward.fn"])
+def test_rl_trains_on_a_remote_reward(reference_server, tmp_path, monkeypatch, key):
     monkeypatch.setenv("EXACTRL_CACHE", str(tmp_path / "cache"))
     cfg = load_config(RLConfig, None, ["data.eval=null", "train.global_batch_size=8", "train.micro_batch_size=4", "algo.group_size=4",
                                        "train.max_steps=1", "train.log_every=1", "rollout.max_new_tokens=8",
-                                       f"reward.fn={reference_server}", f"output_dir={tmp_path / 'run'}"])
+                                       f"{key}={reference_server}", f"output_dir={tmp_path / 'run'}"])
+    assert cfg.reward.specs() == [reference_server]
     result = train_rl(cfg, spec=BuiltinSpec(n_sft=20, n_rl=40, n_eval=10))
     (row,) = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
     assert row["reward_failures"] == 0 and 0.0 <= row["reward_mean"] <= 1.0
+
+
+def test_reward_url_must_be_an_http_address():
+    with pytest.raises(ConfigError, match="reward.url='localhost:8000' is not an http"):
+        load_config(RLConfig, None, ["reward.url=localhost:8000"])

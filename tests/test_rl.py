@@ -4,8 +4,10 @@ algorithm run end to end."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,12 +15,14 @@ from safetensors.torch import load_file
 
 from exactrl.algorithms.rl import (AdaptiveKL, OnPolicyCheckError, Sample, attach_advantages, attach_logprobs, check_on_policy,
                                    policy_micro_batch_loss, train_rl)
+from exactrl.algorithms.rollouts import consecutive
 from exactrl.config import RLConfig, load_config
 from exactrl.distributed.engine import build_engine
 from exactrl.distributed.step_plan import plan_step
 from exactrl.rewards import RewardError, load_reward_fn, score
 from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin
-import contextlib
+
+ROOT_EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def response_advantages(prompt, response, value: float) -> torch.Tensor:
@@ -44,7 +48,7 @@ def rl_cfg(*overrides):
 
 def run_first_update(model, tokenizer, samples, cfg):
     engine = build_engine(model, cfg, total_steps=10)
-    attach_logprobs(model, samples, "old_logprobs", cfg.train.micro_batch_size, tokenizer.pad_token_id,
+    attach_logprobs(model, samples, "old_logprobs", consecutive(len(samples), cfg.train.micro_batch_size), tokenizer.pad_token_id,
                     cfg.rollout.temperature, contextlib.nullcontext)
     plan = plan_step([len(s.response_ids) for s in samples], cfg.train.micro_batch_size, cfg.train.loss_agg,
                      cfg.train.loss_agg_norm or cfg.rollout.max_new_tokens)
@@ -83,7 +87,7 @@ def test_policy_step_equals_one_pass_reference(tokenizer, make_model, mode, kl, 
     model, ref_model = make_model(1), make_model(1)
     ref_policy = make_model(2)  # a different frozen reference for the KL term
     if kl:
-        attach_logprobs(ref_policy, samples, "ref_logprobs", 2, tokenizer.pad_token_id, 1.0, contextlib.nullcontext)
+        attach_logprobs(ref_policy, samples, "ref_logprobs", consecutive(len(samples), 2), tokenizer.pad_token_id, 1.0, contextlib.nullcontext)
     before = [p.detach().clone() for p in model.parameters()]
     run_first_update(model, tokenizer, samples, cfg)
 
@@ -174,7 +178,7 @@ def test_attach_advantages_puts_the_kl_in_the_reward_for_reinforce_pp(tokenizer)
         assert s.advantages[start:].tolist() == pytest.approx([(x - mean) / (std + 1e-6) for x in row], rel=1e-5, abs=1e-6)
 
 
-@pytest.mark.parametrize("algo", ["grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo"])
+@pytest.mark.parametrize("algo", ["ppo", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo"])
 def test_every_algorithm_trains_end_to_end(algo, tmp_path, monkeypatch):
     monkeypatch.setenv("EXACTRL_CACHE", str(tmp_path / "cache"))
     cfg = load_config(RLConfig, None, ["data.eval=null", "train.global_batch_size=8", "train.micro_batch_size=4", "algo.group_size=4",
@@ -321,3 +325,17 @@ def test_dynamic_sampling_drops_flat_groups_and_refills_deterministically():
     with pytest.raises(RolloutError, match="kept 0 of 2 groups after algo.max_refill_rounds=1"):
         collect_dynamic_rollout(ScriptedEngine(), even_only, [0, 1], rollout=0, rewards_cfg=fns,
                                 cfg=rl_cfg("algo.name=dapo", "algo.group_size=4", "algo.max_refill_rounds=1"))
+
+
+def test_fragile_settings_warn_with_their_reason():
+    from exactrl.algorithms.rl import fragile_settings
+
+    assert fragile_settings(rl_cfg()) == []
+    assert fragile_settings(load_config(RLConfig, ROOT_EXAMPLES / "ppo.yaml")) == []  # the examples are not fragile
+    msgs = fragile_settings(rl_cfg("algo.ppo_epochs=2", "algo.ratio_check=off"))
+    assert len(msgs) == 1 and "DeepSpeed-Chat" in msgs[0]
+    assert "without bound" in fragile_settings(rl_cfg("algo.mini_batches=2", "algo.policy_loss=reinforce"))[0]
+    assert "1-4" in fragile_settings(rl_cfg("algo.ppo_epochs=5"))[0]
+    assert "length bias" in fragile_settings(rl_cfg("algo.name=dr_grpo"))[0]
+    assert fragile_settings(rl_cfg("algo.name=dr_grpo", "train.loss_agg=seq-mean-token-sum-norm")) == []
+    assert "3e-4" in fragile_settings(rl_cfg("algo.name=gspo"))[0]

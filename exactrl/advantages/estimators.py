@@ -104,7 +104,7 @@ def _reward_to_go(x: AdvantageInput, outcome: torch.Tensor) -> torch.Tensor:
     return _discounted_sum(_token_rewards(x, outcome), x.mask, x.gamma)
 
 
-def _whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(v - mean) / std over the masked tokens of the whole batch (unbiased std)."""
     m = mask.to(torch.float64)
     n = m.sum()
@@ -118,7 +118,7 @@ def reinforce_pp(x: AdvantageInput):
     """REINFORCE++ (Hu 2025, arXiv 2501.03262): the return to go of the outcome reward and the
     per-token KL penalty, whitened over every token of the global batch (no critic, no group)."""
     returns = _reward_to_go(x, x.rewards.to(torch.float64))
-    return _whiten(returns, x.mask).to(x.mask.dtype), returns.to(x.mask.dtype)
+    return whiten(returns, x.mask).to(x.mask.dtype), returns.to(x.mask.dtype)
 
 
 @register("reinforce_pp_baseline")
@@ -127,7 +127,7 @@ def reinforce_pp_baseline(x: AdvantageInput):
     the same return to go and global whitening as reinforce_pp."""
     g = _groups(x)
     returns = _reward_to_go(x, (g - g.mean(dim=1, keepdim=True)).view(-1))
-    return _whiten(returns, x.mask).to(x.mask.dtype), returns.to(x.mask.dtype)
+    return whiten(returns, x.mask).to(x.mask.dtype), returns.to(x.mask.dtype)
 
 
 @register("gae")

@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from exactrl.algorithms.evaluate import Accuracy, evaluate_accuracy
 from exactrl.audit.manifest import write_manifest
 from exactrl.config.loader import ConfigError
-from exactrl.config.schema import check_layout
+from exactrl.config.schema import check_layout, check_rl_layout
 from exactrl.distributed.checkpoint import save_checkpoint
 from exactrl.distributed.launch import broadcast_str, is_main, world_size
 from exactrl.data.encode import encode_prompts
@@ -26,6 +26,8 @@ def check_world(cfg) -> None:
     """The config against the real number of processes (torchrun may have started more)."""
     try:
         check_layout(cfg, world_size())
+        if hasattr(cfg, "algo"):
+            check_rl_layout(cfg, world_size())
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -85,12 +87,13 @@ def evaluate_and_log(cfg, phase: str, step: int, model, tok, prompts, log: Metri
 
 
 def after_step(cfg, phase: str, step: int, steps: int, model, tok, engine, eval_prompts, log: MetricsLog, run_dir: Path,
-               bar, position: dict) -> None:
-    """Periodic evaluation and checkpoint after completed step ``step`` (1-based)."""
+               bar, position: dict, others: dict | None = None) -> None:
+    """Periodic evaluation and checkpoint after completed step ``step`` (1-based). ``others``:
+    more trained models saved in the same checkpoint (name -> (model, engine), e.g. a critic)."""
     if eval_prompts and should(cfg.train.eval_every, step, steps):
         evaluate_and_log(cfg, phase, step, model, tok, eval_prompts, log, say=bar.write)
     if should(cfg.train.save_every, step, steps):
-        save_checkpoint(run_dir / f"checkpoint-{step}", model, tok, engine, position)
+        save_checkpoint(run_dir / f"checkpoint-{step}", model, tok, engine, position, others)
 
 
 def finish(cfg, phase: str, steps: int, model, tok, engine, eval_prompts, log: MetricsLog, run_dir: Path, final_name: str) -> Path:

@@ -1,14 +1,16 @@
-"""Policy-gradient RL from outcome rewards: GRPO and its relatives, one loop.
+"""Policy-gradient RL from rewards: PPO, GRPO and their relatives, one loop.
 
 ``algo.name`` picks an advantage estimator (exactrl/advantages) and a policy loss
 (exactrl/losses/policy.py) from ALGORITHMS below; everything else is shared. Per rollout:
-  1. draw prompts; sample ``group_size`` responses each with the rollout engine; score them;
-  2. the trainer recomputes old log-probs (and reference log-probs when kl_coef > 0) once,
-     in the same micro-batches it will train on;
-  3. advantages over the whole rollout (group baselines, or REINFORCE++'s whitening over all
-     its tokens, with the KL in the reward when algo.kl_in_reward);
-  4. for each PPO epoch and mini-batch (one optimizer step each): plan the step, backprop
-     each micro-batch's exact share of the policy loss, step.
+  1. draw prompts; each rank samples ``group_size`` responses for its share of them and
+     scores them; every rank then holds the whole rollout (exactrl/algorithms/rollouts.py);
+  2. old log-probs (and reference log-probs when kl_coef > 0, the critic's values for ppo)
+     are computed once, in the micro-batches of the first update, and shared;
+  3. advantages over the whole rollout (group baselines, REINFORCE++'s whitening over all
+     its tokens, or GAE on the critic's values; the KL in the reward when algo.kl_in_reward);
+  4. for each PPO epoch and mini-batch (one optimizer step each): plan the step over all
+     ranks, backprop each of this rank's micro-batches' exact share of the policy loss, step;
+     then the critic (ppo) the same way with its own optimizer.
 On-policy check: at the first update after a rollout the policy ratio must be exactly 1; a
 deviation means the log-probs the loss uses are stale or computed differently (the failure
 mode behind DeepSpeed-Chat's "one generation batch, one PPO epoch" guidance).
@@ -26,25 +28,33 @@ from pathlib import Path
 import torch
 
 from exactrl.advantages import AdvantageInput, get_advantage
+from exactrl.advantages.estimators import EPS, whiten
 from exactrl.algorithms.common import after_step, check_world, finish, load_eval_prompts, open_run, progress, seed_everything
+from exactrl.algorithms.rollouts import (RolloutError, Sample, attach_logprobs, collect_dynamic_rollout, collect_rollout,
+                                         overlong_penalty)
 from exactrl.config.schema import RLConfig
 from exactrl.data.batching import StepSampler, collate_rl, pad_right
 from exactrl.data.encode import encode_prompts
 from exactrl.data.jsonl import read_jsonl
 from exactrl.distributed.checkpoint import check_resumable, resume
 from exactrl.distributed.engine import build_engine
-from exactrl.distributed.step_plan import plan_step
+from exactrl.distributed.launch import rank
+from exactrl.distributed.step_plan import StepPlan, plan_step
 from exactrl.losses import aggregate, canary_share, masked_mean
 from exactrl.losses.policy import PolicyInput, get_policy_loss
 from exactrl.losses.token_losses import kl_penalty, token_entropy, token_logprobs
 from exactrl.models.loading import load_causal_lm, load_tokenizer
-from exactrl.rewards import load_rewards, score_all
+from exactrl.rewards import load_rewards
 from exactrl.rollout.hf import HFEngine
 from exactrl.tasks.builtin import BuiltinSpec, resolve
+
+__all__ = ["ALGORITHMS", "RolloutError", "Sample", "attach_logprobs", "collect_dynamic_rollout", "collect_rollout",
+           "overlong_penalty", "train_rl"]
 
 
 # algo.name -> (advantage estimator, policy loss), with the paper each comes from.
 ALGORITHMS = {
+    "ppo": ("gae", "ppo"),  # Schulman et al. 2017, arXiv 1707.06347; GAE: Schulman et al. 2016, arXiv 1506.02438
     "grpo": ("grpo", "ppo"),  # Shao et al. 2024, arXiv 2402.03300
     "dr_grpo": ("dr_grpo", "ppo"),  # Liu et al. 2025, arXiv 2503.20783 (with train.loss_agg=seq-mean-token-sum-norm)
     "rloo": ("rloo", "ppo"),  # Ahmadian et al. 2024, arXiv 2402.14740
@@ -53,10 +63,6 @@ ALGORITHMS = {
     "gspo": ("grpo", "gspo"),  # Zheng et al. 2025, arXiv 2507.18071
     "dapo": ("grpo", "ppo"),  # Yu et al. 2025, arXiv 2503.14476 (+ clip_eps_high, dynamic sampling, overlong shaping)
 }
-
-
-class RolloutError(RuntimeError):
-    """A rollout could not be filled (DAPO's dynamic sampling ran out of refill rounds)."""
 
 
 @dataclass
@@ -84,16 +90,6 @@ class OnPolicyCheckError(RuntimeError):
 
 
 @dataclass
-class Sample:
-    prompt_ids: list[int]
-    response_ids: list[int]
-    reward: float
-    advantages: torch.Tensor | None = None  # [len(seq) - 1], zero on prompt targets
-    old_logprobs: torch.Tensor | None = None  # [len(seq) - 1], fixed for the whole rollout
-    ref_logprobs: torch.Tensor | None = None
-
-
-@dataclass
 class RLResult:
     run_dir: Path
     final_model: Path
@@ -102,93 +98,29 @@ class RLResult:
     generated_tokens: int
 
 
-def collect_rollout(engine_gen: HFEngine, prompts, rewards_cfg, cfg: RLConfig) -> tuple[list[Sample], dict]:
-    r = cfg.rollout
-    gens = engine_gen.generate([p.input_ids for p in prompts], n=cfg.algo.group_size, temperature=r.temperature,
-                               top_p=r.top_p, max_new_tokens=r.max_new_tokens)
-    src = [prompts[g.prompt_index] for g in gens]
-    failures: list = []
-    rewards, parts = score_all(rewards_cfg, [p.text for p in src], [g.text for g in gens], [p.answer for p in src],
-                               [p.source for p in src], cfg.reward.timeout, cfg.reward.fallback, failures)
-    components = {f"reward/{spec}": sum(v) / len(v) for spec, v in parts.items()} if len(parts) > 1 else {}
-    overlong = [overlong_penalty(len(g.response_ids), r.max_new_tokens, cfg.algo.overlong_buffer, cfg.algo.overlong_penalty)
-                for g in gens]
-    rewards = [rw + pen for rw, pen in zip(rewards, overlong)]
-    samples = [Sample(g.prompt_ids, g.response_ids, rw) for g, rw in zip(gens, rewards)]
-    rw, main = torch.tensor(rewards), torch.tensor(next(iter(parts.values())))
-    if cfg.algo.overlong_buffer:
-        components["overlong_penalty"] = sum(overlong) / len(overlong)
-    stats = {"reward_mean": rw.mean().item(), "reward_std": rw.std().item(), "accuracy": (main >= 1.0).float().mean().item(), **components,
-             "response_length": sum(len(g.response_ids) for g in gens) / len(gens),
-             "finished": sum(g.finished for g in gens) / len(gens), "reward_failures": len(failures), "generated_tokens": sum(len(g.response_ids) for g in gens)}
-    return samples, stats
-
-
-def overlong_penalty(length: int, max_length: int, buffer: int, weight: float) -> float:
-    """DAPO's soft overlong punishment (arXiv 2503.14476, eq. 13): 0 up to max_length - buffer,
-    then falling linearly to -weight at max_length (a response cut off there scores -weight)."""
-    if buffer <= 0 or length <= max_length - buffer:
-        return 0.0
-    return -weight * min(1.0, (length - (max_length - buffer)) / buffer)
-
-
-def collect_dynamic_rollout(engine_gen: HFEngine, prompts, indices: list[int], rollout: int, rewards_cfg,
-                            cfg: RLConfig) -> tuple[list[Sample], dict]:
-    """DAPO's dynamic sampling: groups whose responses all got the same reward carry no signal
-    (zero advantage) and are dropped; fresh prompts (a deterministic draw per rollout and round,
-    so resumed runs draw the same) are sampled until the rollout holds as many groups as asked."""
-    want, g = len(indices), cfg.algo.group_size
-    rng = random.Random(f"{cfg.train.seed}-refill-{rollout}")
-    kept, dropped, stats = [], 0, None
-    for rounds in range(cfg.algo.max_refill_rounds + 1):
-        samples, st = collect_rollout(engine_gen, [prompts[i] for i in indices], rewards_cfg, cfg)
-        if stats is None:
-            stats = st
-        else:
-            stats["generated_tokens"] += st["generated_tokens"]
-        for start in range(0, len(samples), g):
-            group = samples[start : start + g]
-            if len({s.reward for s in group}) > 1:
-                kept.append(group)
-            else:
-                dropped += 1
-        if len(kept) >= want:
-            stats.update(groups_dropped=dropped, refill_rounds=rounds)
-            return [s for group in kept[:want] for s in group], stats
-        indices = rng.sample(range(len(prompts)), want)
-    raise RolloutError(f"dynamic sampling kept {len(kept)} of {want} groups after algo.max_refill_rounds="
-                       f"{cfg.algo.max_refill_rounds} refills ({dropped} groups had all-equal rewards); raise it, or the "
-                       "task is too easy or too hard for the policy")
-
-
-@torch.no_grad()
-def attach_logprobs(model, samples: list[Sample], attr: str, micro_batch_size: int, pad_id: int, temperature: float, autocast):
-    """Store each sample's per-token log-probs, computed in the micro-batches training will use."""
-    for start in range(0, len(samples), micro_batch_size):
-        chunk = samples[start : start + micro_batch_size]
-        b = collate_rl(chunk, pad_id)
-        with autocast():
-            logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
-        lp = token_logprobs(logits, b["input_ids"], temperature)
-        for s, row in zip(chunk, lp):
-            setattr(s, attr, row[: len(s.prompt_ids) + len(s.response_ids) - 1].clone())
-
-
 def attach_advantages(samples: list[Sample], cfg: RLConfig, kl_coef: float | None = None) -> None:
-    """Per-token advantages from the whole rollout (its groups are consecutive samples).
-    ``kl_coef``: this rollout's coefficient (adaptive KL), else algo.kl_coef."""
+    """Per-token advantages (and, for ppo, the critic's returns) from the whole rollout (its
+    groups are consecutive samples). ``kl_coef``: this rollout's coefficient (adaptive KL),
+    else algo.kl_coef."""
     a = cfg.algo
     kl_coef = a.kl_coef if kl_coef is None else kl_coef
     mask = pad_right([[0] * (len(s.prompt_ids) - 1) + [1] * len(s.response_ids) for s in samples], 0).to(torch.float64)
-    token_rewards = None
+    pad = lambda ts: torch.nn.utils.rnn.pad_sequence([t.double() for t in ts], batch_first=True)  # noqa: E731
+    token_rewards = values = None
     if a.kl_coef > 0 and a.kl_in_reward:  # -beta * KL(old policy || reference) per token, k1
-        kl = [kl_penalty(s.old_logprobs.double(), s.ref_logprobs.double(), "k1") for s in samples]
-        token_rewards = -kl_coef * torch.nn.utils.rnn.pad_sequence(kl, batch_first=True)
+        token_rewards = -kl_coef * pad([kl_penalty(s.old_logprobs.double(), s.ref_logprobs.double(), "k1") for s in samples])
+    if a.name == "ppo":
+        values = pad([s.old_values for s in samples])
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
-    adv, _ = get_advantage(ALGORITHMS[a.name][0])(AdvantageInput(rewards, mask, a.group_size, token_rewards,
-                                                                 gamma=a.gamma, std_normalize=a.std_normalize))
-    for s, row in zip(samples, adv):
-        s.advantages = row[: len(s.prompt_ids) + len(s.response_ids) - 1].float()
+    if a.reward_norm != "none" and len(rewards) > 1:
+        rewards = (rewards - rewards.mean() if a.reward_norm == "whiten" else rewards) / (rewards.std() + EPS)
+    adv, returns = get_advantage(ALGORITHMS[a.name][0])(AdvantageInput(rewards, mask, a.group_size, token_rewards, values,
+                                                                       gamma=a.gamma, lam=a.lam, std_normalize=a.std_normalize))
+    if a.name == "ppo" and a.whiten_advantages:
+        adv = whiten(adv, mask)
+    for s, row, ret in zip(samples, adv, returns):
+        n = len(s.prompt_ids) + len(s.response_ids) - 1
+        s.advantages, s.returns = row[:n].float(), ret[:n].float()
 
 
 def policy_micro_batch_loss(model, engine, samples: list[Sample], normalizer, cfg: RLConfig, pad_id: int,
@@ -200,7 +132,7 @@ def policy_micro_batch_loss(model, engine, samples: list[Sample], normalizer, cf
     logp = token_logprobs(logits, b["input_ids"], cfg.rollout.temperature)
     mask = b["loss_mask"]
     a = cfg.algo
-    tok_loss, ratio, clipped = get_policy_loss(ALGORITHMS[a.name][1])(
+    tok_loss, ratio, clipped = get_policy_loss(a.policy_loss or ALGORITHMS[a.name][1])(
         PolicyInput(logp, b["old_logprobs"], b["advantages"], mask, a.clip_eps, a.clip_eps_high or a.clip_eps))
     m = {}
     if a.kl_coef > 0 and not a.kl_in_reward:
@@ -228,16 +160,55 @@ def check_on_policy(deviation: float, cfg: RLConfig, rollout: int) -> None:
     warnings.warn(msg, stacklevel=2)
 
 
-def update_policy(model, engine, samples: list[Sample], cfg: RLConfig, rollout: int, group_rng: random.Random, pad_id: int,
-                  kl_coef: float | None = None):
-    """PPO epochs x mini-batches over one rollout, one optimizer step each.
+def fragile_settings(cfg: RLConfig) -> list[str]:
+    """Settings known to make RL fragile, each with the reason; train_rl warns (never refuses)."""
+    a, out = cfg.algo, []
+    updates = a.ppo_epochs * a.mini_batches
+    loss = a.policy_loss or ALGORITHMS[a.name][1]
+    if updates > 1 and a.ratio_check == "off":
+        out.append(f"algo.ratio_check=off with {updates} updates per rollout: nothing verifies that the old log-probs match the "
+                   "policy that sampled the rollout; stale log-probs are why DeepSpeed-Chat asks for one generation batch and "
+                   "one PPO epoch")
+    if updates > 1 and loss == "reinforce":
+        out.append(f"algo.policy_loss=reinforce with {updates} updates per rollout: the ratio is unclipped, so later updates "
+                   "on the same rollout can move the policy without bound (PPO's clip exists for this, Schulman et al. 2017)")
+    if a.ppo_epochs > 4:
+        out.append(f"algo.ppo_epochs={a.ppo_epochs}: every further pass reuses the rollout further off-policy (clip fraction and "
+                   "KL grow); LLM recipes (OpenRLHF, verl, TRL) use 1-4")
+    if a.name == "dr_grpo" and cfg.train.loss_agg != "seq-mean-token-sum-norm":
+        out.append(f"algo.name=dr_grpo with train.loss_agg={cfg.train.loss_agg}: Dr.GRPO's fix of GRPO's length bias is the "
+                   "constant-length normaliser seq-mean-token-sum-norm (Liu et al. 2025, sec. 3.1); other modes bring the bias back")
+    if loss == "gspo" and a.clip_eps > 0.01:
+        out.append(f"gspo with algo.clip_eps={a.clip_eps}: a sequence ratio is a geometric mean of token ratios and rarely moves "
+                   "that far, so the clip seldom acts; GSPO's paper uses 3e-4 / 4e-4")
+    return out
 
-    Yields (is_first_update, step_loss, per-micro-batch metrics, engine stats) per step. The
-    first update's micro-batches are the ones old log-probs were computed in, so its ratio
-    must be exactly 1 (check_on_policy).
+
+def step_plan(batch: list[Sample], cfg: RLConfig, engine) -> StepPlan:
+    """One optimizer step over ``batch`` (all ranks' samples): this rank's micro-batches, the step's normaliser."""
+    t = cfg.train
+    return plan_step([len(s.response_ids) for s in batch], t.micro_batch_size, t.loss_agg, t.loss_agg_norm or cfg.rollout.max_new_tokens,
+                     world_size=engine.world_size, rank=engine.rank)
+
+
+def first_pass_micro_batches(samples: list[Sample], cfg: RLConfig, engine) -> list[list[int]]:
+    """This rank's micro-batches (indices into the rollout) of the first epoch, the one in
+    which old log-probs are computed and the ratio must be exactly 1."""
+    g = cfg.train.global_batch_size
+    return [[start + i for i in mb] for start in range(0, len(samples), g) for mb in step_plan(samples[start : start + g], cfg, engine).micro_batches]
+
+
+def update_policy(model, engine, samples: list[Sample], cfg: RLConfig, rollout: int, group_rng: random.Random, pad_id: int,
+                  kl_coef: float | None = None, critic=None):
+    """PPO epochs x mini-batches over one rollout, one optimizer step each (of the policy, and
+    of the critic when there is one; during the critic's warm-up only the critic steps).
+
+    Yields (is_first_update, step_loss, this rank's per-micro-batch metrics, step stats) per
+    step. The first update's micro-batches are the ones old log-probs were computed in, so
+    its ratio must be exactly 1 on every rank (check_on_policy).
     """
     a, t = cfg.algo, cfg.train
-    norm_len = t.loss_agg_norm or cfg.rollout.max_new_tokens
+    train_policy = critic is None or rollout >= cfg.critic.warmup_rollouts
     groups = [samples[i : i + a.group_size] for i in range(0, len(samples), a.group_size)]
     for epoch in range(a.ppo_epochs):
         if epoch > 0:  # reshuffle whole groups, never splitting one across optimizer steps
@@ -245,29 +216,35 @@ def update_policy(model, engine, samples: list[Sample], cfg: RLConfig, rollout: 
         order = [s for g in groups for s in g]
         for start in range(0, len(order), t.global_batch_size):
             batch = order[start : start + t.global_batch_size]
-            plan = plan_step([len(s.response_ids) for s in batch], t.micro_batch_size, t.loss_agg, norm_len)
-            step_loss, parts = 0.0, []
-            for mb in plan.micro_batches:
-                loss, share, m = policy_micro_batch_loss(model, engine, [batch[i] for i in mb], plan.normalizer, cfg, pad_id, kl_coef)
-                engine.backward(loss, share, num_samples=len(mb))
-                step_loss += loss.item()
-                parts.append(m)
+            plan = step_plan(batch, cfg, engine)
+            step_loss, parts, stats = 0.0, [], {"responses": len(batch), "loss_tokens": plan.normalizer.num_tokens}
             first = epoch == 0 and start == 0
-            if first:
-                check_on_policy(max(p["ratio_dev"] for p in parts), cfg, rollout)
-            yield first, step_loss, parts, engine.step(plan)
+            if train_policy:
+                for mb in plan.micro_batches:
+                    loss, share, m = policy_micro_batch_loss(model, engine, [batch[i] for i in mb], plan.normalizer, cfg, pad_id, kl_coef)
+                    engine.backward(loss, share, num_samples=len(mb))
+                    step_loss += loss.item()
+                    parts.append(m)
+                if first:
+                    check_on_policy(engine.max_over_ranks(max(p["ratio_dev"] for p in parts)), cfg, rollout)
+                stats |= engine.step(plan)
+            if critic is not None:
+                stats |= critic.train_step(batch, plan)
+            yield first and train_policy, engine.sum_over_ranks(step_loss), parts, stats
 
 
 def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = BuiltinSpec(), phase: str = "rl",
              model_path: str | None = None, final_name: str = "final") -> RLResult:
     check_world(cfg)
-    seed_everything(cfg.train.seed)
+    seed_everything(cfg.train.seed + rank())  # each rank samples its own responses
+    for message in fragile_settings(cfg) if rank() == 0 else []:
+        warnings.warn(message, UserWarning, stacklevel=2)
     model_path = model_path or resolve(cfg.model.path, "model", spec)
     train_path, eval_path = resolve(cfg.data.train, "rl_train", spec), resolve(cfg.data.eval, "eval", spec)
     tok = load_tokenizer(model_path)
     prompts = encode_prompts(read_jsonl(train_path), tok, cfg.data.max_length)
     eval_prompts = load_eval_prompts(cfg, tok, eval_path)
-    reward_fns = load_rewards(cfg.reward.fn, cfg.reward.weights, cfg.reward.timeout, cfg.reward.retries)
+    reward_fns = load_rewards(cfg.reward.specs(), cfg.reward.weights, cfg.reward.timeout, cfg.reward.retries)
     if cfg.train.resume_from:
         check_resumable(cfg.train.resume_from)
     run_dir, log = open_run(cfg, "rl", run_dir, {"train": train_path, "eval": eval_path})
@@ -279,14 +256,26 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     prompts_per_rollout = t.global_batch_size * a.mini_batches // a.group_size
     rollouts = math.ceil(t.max_steps / steps_per_rollout) if t.max_steps else max(1, math.ceil(t.epochs * len(prompts) / prompts_per_rollout))
     steps = rollouts * steps_per_rollout
-    engine = build_engine(model, cfg, steps)
-    generator = HFEngine(model, tok, cfg.rollout.batch_size)
+    critic = None
+    if a.name == "ppo":
+        from exactrl.algorithms.ppo import Critic
+
+        warmup = min(cfg.critic.warmup_rollouts, rollouts) * steps_per_rollout
+        engine = build_engine(model, cfg, max(1, steps - warmup))  # the policy's schedule starts after the warm-up
+        critic = Critic.load(cfg, model_path, steps, tok.pad_token_id)
+    else:
+        engine = build_engine(model, cfg, steps)
+    # Several ranks holding shards of the parameters must run every forward together
+    # (generate's synced_gpus keeps a rank whose responses have all ended stepping with the others).
+    generator = HFEngine(model, tok, cfg.rollout.batch_size, synced=engine.world_size > 1 and engine.shards_parameters)
     sampler = StepSampler(len(prompts), prompts_per_rollout, t.seed)
     group_rng = random.Random(f"{t.seed}-minibatches")
     first_rollout = 0
     kl_control = AdaptiveKL(a.kl_coef, a.kl_target, a.kl_horizon)
     if t.resume_from:
         position = resume(t.resume_from, engine)
+        if critic is not None:
+            critic.resume(Path(t.resume_from))
         first_rollout = position["rollout"] + 1
         group_rng.setstate(position["group_rng"])
         kl_control.coef = position.get("kl_coef", kl_control.coef)
@@ -301,27 +290,33 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
             samples, rstats = collect_rollout(generator, [prompts[i] for i in sampler.batch(rollout)], reward_fns, cfg)
         gen_seconds = time.perf_counter() - tg
         gen_tokens += rstats["generated_tokens"]
-        attach_logprobs(model, samples, "old_logprobs", t.micro_batch_size, tok.pad_token_id, cfg.rollout.temperature, engine.autocast)
+        first_pass = first_pass_micro_batches(samples, cfg, engine)
+        attach_logprobs(model, samples, "old_logprobs", first_pass, tok.pad_token_id, cfg.rollout.temperature, engine.autocast)
         if ref is not None:
-            attach_logprobs(ref, samples, "ref_logprobs", t.micro_batch_size, tok.pad_token_id, cfg.rollout.temperature, engine.autocast)
+            attach_logprobs(ref, samples, "ref_logprobs", first_pass, tok.pad_token_id, cfg.rollout.temperature, engine.autocast)
+        if critic is not None:
+            critic.attach_values(samples, first_pass, engine.autocast)
         kl_coef = kl_control.coef  # this rollout's; the controller moves it for the next
         if ref is not None:
             rstats["rollout_kl"], rstats["kl_coef"] = kl_control.update(samples), kl_coef
         attach_advantages(samples, cfg, kl_coef)
         for first, step_loss, parts, stats in update_policy(model, engine, samples, cfg, rollout, group_rng, tok.pad_token_id,
-                                                            kl_coef):
+                                                            kl_coef, critic):
             step += 1
             bar.update(1)
             bar.set_postfix(reward=f"{rstats['reward_mean']:.3f}")
             if step % t.log_every == 0 or step == steps:
-                mean = {k: sum(p[k] for p in parts) / len(parts) for k in parts[0] if k != "ratio_dev"}
+                mean = engine.mean_over_ranks({k: sum(p[k] for p in parts) / len(parts) for k in (parts[0] if parts else {}) if k != "ratio_dev"})
                 log.write({"phase": phase, "step": step, "rollout": rollout, "loss": step_loss, **mean, **stats,
-                           **{k: v for k, v in rstats.items() if k != "generated_tokens"},
+                           **rstats,
                            "gen_tokens_per_s": rstats["generated_tokens"] / gen_seconds,
-                           "ratio_dev_first": max(p["ratio_dev"] for p in parts) if first else None})
+                           "ratio_dev_first": engine.max_over_ranks(max(p["ratio_dev"] for p in parts)) if first else None})
             after_step(cfg, phase, step, steps, model, tok, engine, eval_prompts, log, run_dir, bar,
-                       {"step": step, "rollout": rollout, "group_rng": group_rng.getstate(), "kl_coef": kl_control.coef})
+                       {"step": step, "rollout": rollout, "group_rng": group_rng.getstate(), "kl_coef": kl_control.coef},
+                       others=critic.components() if critic is not None else None)
     bar.close()
     seconds = time.perf_counter() - t0
     final = finish(cfg, phase, steps, model, tok, engine, eval_prompts, log, run_dir, final_name)
+    if critic is not None:
+        critic.engine.save_pretrained(run_dir / f"{final_name}-critic", tok)
     return RLResult(run_dir, final, steps, seconds, gen_tokens)

@@ -125,7 +125,7 @@ class RolloutConfig(Section):
     batch_size: int = Field(256, gt=0, description="Sequences per generate() call.")
 
 
-RL_ALGOS = ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo")
+RL_ALGOS = ("ppo", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo")
 # Algorithms whose baseline is the other responses to the same prompt.
 GROUP_ALGOS = ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp_baseline", "gspo")
 
@@ -133,13 +133,17 @@ GROUP_ALGOS = ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp_baseline", "gspo
 class AlgoConfig(Section):
     name: Literal[RL_ALGOS] = Field("grpo", description="RL algorithm: " + ", ".join(RL_ALGOS) + " (see `exactrl rl --help`).")
     group_size: int = Field(8, ge=1, description="Responses sampled per prompt (>= 2 for the group-baseline algorithms).")
+    policy_loss: Literal["ppo", "gspo", "reinforce"] | None = Field(None, description="Override the algorithm's policy loss: ppo (clipped token ratio), gspo (clipped sequence ratio), reinforce (unclipped ratio x advantage); unset = the algorithm's own.")
     clip_eps: float = Field(0.2, gt=0, description="PPO clip range on the policy ratio (the lower one when clip_eps_high is set).")
     clip_eps_high: float | None = Field(None, gt=0, description="Upper clip range (DAPO's clip-higher, e.g. 0.28); unset = clip_eps.")
     std_normalize: bool = Field(True, description="Divide group-centred rewards by the group std (grpo, gspo); dr_grpo never does.")
     overlong_buffer: int = Field(0, ge=0, description="DAPO's soft overlong penalty: the last this-many tokens before rollout.max_new_tokens cost up to overlong_penalty (0 = off).")
     overlong_penalty: float = Field(1.0, ge=0, description="Reward lost by a response that reaches rollout.max_new_tokens (with overlong_buffer > 0).")
     max_refill_rounds: int = Field(10, ge=0, description="dapo: extra generation rounds to replace groups with all-equal rewards before giving up.")
-    gamma: float = Field(1.0, ge=0, le=1, description="Discount of the return to go (reinforce_pp, reinforce_pp_baseline).")
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount of the return to go (ppo's GAE, reinforce_pp, reinforce_pp_baseline).")
+    lam: float = Field(0.95, ge=0, le=1, description="ppo: GAE lambda (1 = Monte Carlo returns minus the critic's value).")
+    whiten_advantages: bool = Field(True, description="ppo: whiten the GAE advantages over every response token of the rollout (as OpenRLHF and TRL do).")
+    reward_norm: Literal["none", "whiten", "scale"] = Field("none", description="Before advantages: 'whiten' the rollout's rewards to mean 0, std 1, or only 'scale' them by 1/std (TRL's whiten_rewards without shift).")
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the frozen reference (0 = no reference model).")
     kl_target: float | None = Field(None, gt=0, description="Adaptive KL: move kl_coef after each rollout so the per-response KL approaches this (Ziegler et al. 2019); unset = fixed.")
     kl_horizon: int = Field(10000, gt=0, description="Adaptive KL horizon (responses): how slowly the coefficient moves.")
@@ -158,6 +162,24 @@ class RewardConfig(Section):
     timeout: float = Field(60.0, gt=0, description="Seconds a reward call may take before it counts as failed.")
     retries: int = Field(3, ge=0, description="Retries of a reward server call (connection errors, timeouts, 5xx), with exponential backoff.")
     fallback: float | None = Field(None, description="Reward for samples the function fails on (raises or times out); unset = stop the run naming the sample.")
+    url: str | None = Field(None, description="A reward server (http://host:port/, JSON over HTTP, see `python -m exactrl.rewards.server`) used instead of reward.fn; to combine one with functions, list its URL in reward.fn.")
+
+    def specs(self) -> list[str]:
+        """The rewards to load, in order: reward.url alone, else reward.fn."""
+        if self.url:
+            return [self.url]
+        return [self.fn] if isinstance(self.fn, str) else list(self.fn)
+
+
+def _critic_optim() -> OptimConfig:
+    return OptimConfig(lr=1e-4, scheduler="constant")
+
+
+class CriticConfig(Section):
+    path: str | None = Field(None, description="ppo: the critic's starting model (a causal LM or a saved critic); unset = the policy's starting model. Its value head is new unless the directory holds one.")
+    optim: OptimConfig = Field(default_factory=_critic_optim, description="The critic's own optimizer (same keys as optim.*).")
+    value_clip: float | None = Field(0.2, gt=0, description="PPO value clipping: the new value may move this far from the rollout's before the loss stops rewarding it (unset = off).")
+    warmup_rollouts: int = Field(0, ge=0, description="Rollouts at the start in which only the critic learns (the policy is frozen), so advantages start from a fitted value.")
 
 
 class RLConfig(CommonConfig):
@@ -166,12 +188,8 @@ class RLConfig(CommonConfig):
     rollout: RolloutConfig = RolloutConfig()
     algo: AlgoConfig = AlgoConfig()
     reward: RewardConfig = RewardConfig()
+    critic: CriticConfig = CriticConfig()
 
-    @model_validator(mode="after")
-    def _single_process_only(self):
-        if self.distributed.backend != "single":
-            raise ValueError(f"distributed.backend={self.distributed.backend} is not available for rl yet; use single")
-        return self
 
     @model_validator(mode="after")
     def _checkpoints_at_rollout_ends(self):
@@ -183,7 +201,9 @@ class RLConfig(CommonConfig):
 
     @model_validator(mode="after")
     def _reward_weights_fit(self):
-        fns = [self.reward.fn] if isinstance(self.reward.fn, str) else self.reward.fn
+        fns = self.reward.specs()
+        if self.reward.url and not self.reward.url.startswith(("http://", "https://")):
+            raise ValueError(f"reward.url={self.reward.url!r} is not an http:// or https:// address")
         if not fns:
             raise ValueError("reward.fn: give at least one module:function")
         if self.reward.weights is not None and len(self.reward.weights) != len(fns):
@@ -207,7 +227,16 @@ class RLConfig(CommonConfig):
                 f"train.global_batch_size={self.train.global_batch_size} must be a multiple of "
                 f"algo.group_size={self.algo.group_size}, so no GRPO group is split across optimizer steps"
             )
+        check_rl_layout(self, self.distributed.nproc_per_node)
         return self
+
+
+def check_rl_layout(cfg: "RLConfig", world: int) -> None:
+    """A rollout's prompts (whole groups) spread evenly over ``world`` ranks."""
+    prompts = cfg.train.global_batch_size * cfg.algo.mini_batches // cfg.algo.group_size
+    if prompts % world:
+        raise ValueError(f"a rollout of {prompts} prompts (train.global_batch_size x algo.mini_batches / algo.group_size) "
+                         f"does not spread evenly over {world} ranks; each rank samples whole groups for an equal share")
 
 
 class TaskConfig(Section):

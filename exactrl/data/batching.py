@@ -50,13 +50,13 @@ class StepSampler:
 
 def collate_rl(samples, pad_id: int) -> dict[str, torch.Tensor]:
     """Prompt+response sequences, right-padded. ``loss_mask`` [B, L-1] marks response targets;
-    per-token tensors stored on the samples (advantages, old/ref log-probs) are padded to the same width."""
+    per-token tensors stored on the samples (advantages, old/ref log-probs, old values, returns) are padded to the same width."""
     seqs = [s.prompt_ids + s.response_ids for s in samples]
     ids = pad_right(seqs, pad_id)
     attn = pad_right([[1] * len(s) for s in seqs], 0)
     mask = pad_right([[0] * len(s.prompt_ids) + [1] * len(s.response_ids) for s in samples], 0)[:, 1:]
     out = {"input_ids": ids, "attention_mask": attn, "loss_mask": mask}
-    for key in ("advantages", "old_logprobs", "ref_logprobs"):
+    for key in ("advantages", "old_logprobs", "ref_logprobs", "old_values", "returns"):
         values = [getattr(s, key) for s in samples]
         if all(v is not None for v in values):
             width = ids.size(1) - 1

@@ -64,20 +64,26 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
 
 
-def save_checkpoint(path: Path, model, tokenizer, engine, extra: dict) -> Path:
+def save_checkpoint(path: Path, model, tokenizer, engine, extra: dict, others: dict | None = None) -> Path:
     """Model (Hugging Face format), optimizer, scheduler, every rank's RNG states and the data
     position (``extra``), written atomically. A collective under several processes: each rank
-    writes its part into one temporary directory, renamed into place when all are done."""
+    writes its part into one temporary directory, renamed into place when all are done.
+    ``others``: name -> (model, engine) of more trained models (a critic), each in a
+    subdirectory ``name/`` of the same checkpoint, loaded back with ``resume_engine``."""
     me, world = rank(), world_size()
-    full_model, engine_state = engine.checkpoint_state()  # collective when sharded
+    parts = [(None, model, engine)] + [(name, m, e) for name, (m, e) in (others or {}).items()]
+    states = [engine_.checkpoint_state() for _, _, engine_ in parts]  # collectives when sharded
 
     def write(tmp: Path):
-        engine.save_shards(tmp)  # collective: a backend's own per-rank files (DeepSpeed)
+        for (name, model_, engine_), (full_model, engine_state) in zip(parts, states):
+            d = tmp / name if name else tmp
+            d.mkdir(exist_ok=True)
+            engine_.save_shards(d)  # collective: a backend's own per-rank files (DeepSpeed)
+            if me == 0:
+                model_.save_pretrained(d, state_dict=full_model, safe_serialization=True)
+                tokenizer.save_pretrained(d)
+                torch.save({"engine": engine_state, "world_size": world, "extra": extra if name is None else {}}, d / STATE_FILE)
         torch.save(_rng_state(), tmp / f"rng-rank{me}.pt")
-        if me == 0:
-            model.save_pretrained(tmp, state_dict=full_model, safe_serialization=True)
-            tokenizer.save_pretrained(tmp)
-            torch.save({"engine": engine_state, "world_size": world, "extra": extra}, tmp / STATE_FILE)
 
     return _atomic_dir(path, write, collective=True)
 
@@ -107,3 +113,9 @@ def resume(path: str | Path, engine) -> dict:
     engine.load_state_dict(state["engine"], p)
     _set_rng_state(torch.load(p / f"rng-rank{rank()}.pt", weights_only=True))
     return state["extra"]
+
+
+def resume_engine(path: str | Path, engine) -> None:
+    """Load a further model's optimizer and scheduler (``others`` of save_checkpoint) from its
+    subdirectory ``path`` of a checkpoint."""
+    engine.load_state_dict(check_resumable(path)["engine"], Path(path))

@@ -98,6 +98,10 @@ class DeepSpeedEngine(SingleEngine):
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, optim, total_steps)))
         self.step_count = self._micro_seen = self._samples_seen = 0
 
+    @property
+    def shards_parameters(self) -> bool:
+        return self.stage == 3
+
     def forward(self, model, **inputs):
         # Through DeepSpeed's engine: ZeRO-3 counts micro-steps and gathers parameters there;
         # calling the inner model directly accumulated only the last micro-batches.

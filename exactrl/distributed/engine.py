@@ -37,6 +37,7 @@ class SingleEngine:
     world_size = 1
     rank = 0
     backend = "single"
+    shards_parameters = False  # True when a forward needs every rank (FSDP2, ZeRO-3)
 
     def __init__(self, model: torch.nn.Module, model_cfg: ModelConfig, train: TrainConfig, optim: OptimConfig,
                  audit: AuditConfig, total_steps: int):
@@ -98,11 +99,23 @@ class SingleEngine:
 
     def sum_over_ranks(self, value: float) -> float:
         """A metric summed over ranks (for logging only)."""
-        if self.world_size == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.float64)
-        torch.distributed.all_reduce(t)
-        return float(t)
+        return self._reduce([value], torch.distributed.ReduceOp.SUM)[0] if self.world_size > 1 else value
+
+    def max_over_ranks(self, value: float) -> float:
+        """The largest of every rank's ``value`` (the same answer on every rank)."""
+        return self._reduce([value], torch.distributed.ReduceOp.MAX)[0] if self.world_size > 1 else value
+
+    def mean_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
+        """Per-rank metric means averaged over ranks (every rank has as many micro-batches)."""
+        if self.world_size == 1 or not values:
+            return values
+        summed = self._reduce(list(values.values()), torch.distributed.ReduceOp.SUM)
+        return {k: v / self.world_size for k, v in zip(values, summed)}
+
+    def _reduce(self, values: list[float], op) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        torch.distributed.all_reduce(t, op=op)
+        return t.tolist()
 
     def save_pretrained(self, path: Path, tokenizer) -> Path:
         """The model in Hugging Face format (on the main process)."""

@@ -22,6 +22,7 @@ from exactrl.distributed.launch import init_process_group, is_main, rank, world_
 
 class FSDP2Engine(SingleEngine):
     backend = "fsdp2"
+    shards_parameters = True
 
     def __init__(self, model, model_cfg, train, optim, audit, total_steps: int):
         init_process_group()

@@ -40,3 +40,31 @@ def load_causal_lm(path: str | Path, trainable: bool = True) -> torch.nn.Module:
     if not trainable:
         model.requires_grad_(False)
     return model
+
+
+def load_value_model(path: str | Path, init_seed: int | None = None) -> torch.nn.Module:
+    """A critic: the model's architecture with a scalar head per position (Hugging Face's
+    *ForTokenClassification, num_labels=1, no dropout), from a causal-LM or a saved critic
+    directory. A new head (from a causal LM) is initialised from ``init_seed`` -- weights
+    N(0, 1/(hidden+1)^2) as in OpenRLHF's value head, bias 0 -- identically on every rank."""
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise ModelLoadError(f"'{p}' has no config.json: not a Hugging Face model directory")
+    try:
+        config = AutoConfig.from_pretrained(str(p), num_labels=1)
+        config.classifier_dropout = 0.0
+        model, info = AutoModelForTokenClassification.from_pretrained(str(p), config=config, dtype=torch.float32,
+                                                                      output_loading_info=True)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot load a value model from '{p}': {e}") from None
+    if any(k.startswith("score.") for k in info["missing_keys"]):
+        g = torch.Generator().manual_seed(init_seed or 0)
+        with torch.no_grad():
+            hidden = model.score.weight.shape[1]
+            model.score.weight.copy_(torch.randn(model.score.weight.shape, generator=g) / (hidden + 1))
+            if model.score.bias is not None:
+                model.score.bias.zero_()
+    model.train(True)
+    return model

@@ -18,10 +18,15 @@ class Generation:
 
 class HFEngine:
     """Samples ``n`` responses per prompt with the trainer's own model object (so there are no
-    weights to sync on one CPU process), left-padding prompts as ``generate`` expects."""
+    weights to sync on one CPU process), left-padding prompts as ``generate`` expects.
 
-    def __init__(self, model, tokenizer, batch_size: int):
-        self.model, self.tok, self.batch_size = model, tokenizer, batch_size
+    ``synced``: the model's parameters are sharded over ranks (FSDP2, ZeRO-3), so every rank
+    must take part in every forward: generate's ``synced_gpus`` keeps a rank whose responses
+    have all ended stepping until every rank's have. Every rank must then make as many calls
+    with as many requests."""
+
+    def __init__(self, model, tokenizer, batch_size: int, synced: bool = False):
+        self.model, self.tok, self.batch_size, self.synced = model, tokenizer, batch_size, synced
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], n: int = 1, *, greedy: bool = False, temperature: float = 1.0,
@@ -45,7 +50,7 @@ class HFEngine:
         sampling = {} if greedy else {"temperature": temperature, "top_p": top_p, "top_k": 0}
         seqs = self.model.generate(
             input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens, do_sample=not greedy,
-            pad_token_id=pad, eos_token_id=eos, use_cache=True, **sampling,
+            pad_token_id=pad, eos_token_id=eos, use_cache=True, synced_gpus=self.synced, **sampling,
         )
         out = []
         for (idx, ids), row in zip(requests, seqs[:, width:].tolist()):

@@ -88,6 +88,8 @@ def ensure_builtin_sft(spec: BuiltinSpec = BuiltinSpec(), cache: Path | None = N
     final = root / "sft-model"
     if (final / "config.json").exists():
         return final
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a rank under torchrun: build it in a process of its own
+        return _build_sft_elsewhere(spec, root)
     with FileLock(root / ".sft-lock"):
         if (final / "config.json").exists():
             return final
@@ -96,6 +98,23 @@ def ensure_builtin_sft(spec: BuiltinSpec = BuiltinSpec(), cache: Path | None = N
         result = train_sft(cfg, spec=spec)
         os.replace(result.final_model, final)
     return final
+
+
+def _build_sft_elsewhere(spec: BuiltinSpec, root: Path) -> Path:
+    """Build the SFT starting point in a one-process child (the SFT run must not join this
+    rank's process group); every rank waits for it on the same file lock."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                                                            "MASTER_PORT", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")}
+    env["EXACTRL_CACHE"] = str(root.parent)
+    env.pop("OMP_NUM_THREADS", None)  # torchrun sets 1 per rank; the one builder may use every core
+    code = ("import sys; from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin_sft; "
+            f"ensure_builtin_sft(BuiltinSpec(**{asdict(spec)!r}))")
+    if subprocess.run([sys.executable, "-c", code], env=env).returncode != 0:
+        raise RuntimeError(f"building the built-in SFT model into {root / 'sft-model'} failed (see the output above)")
+    return root / "sft-model"
 
 
 def resolve(path: str | None, kind: str, spec: BuiltinSpec = BuiltinSpec()) -> str | None:

@@ -1,0 +1,91 @@
+"""PPO's critic: a value model on the policy's architecture, trained next to it.
+
+The critic is the policy's model with a scalar head per position (Hugging Face's
+*ForTokenClassification with one label), loaded from the policy's starting point (or
+``critic.path``), with its own optimizer and its own engine on the same backend, so it
+is sharded, offloaded and canary-checked like the policy. Per rollout:
+  1. its values V(s_t) of the rollout are computed once, in the micro-batches of the first
+     update (like the old log-probs), and fixed for the rollout;
+  2. GAE turns rewards and values into advantages and returns (exactrl/advantages, ``gae``);
+  3. after each policy step the critic takes one step on the same mini-batch: per-token
+     0.5 (V - R)^2, clipped around the rollout's values (critic.value_clip), aggregated by
+     the step's one normaliser like every loss.
+During the first ``critic.warmup_rollouts`` rollouts only the critic learns.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from exactrl.algorithms.rollouts import Sample, attach_per_token
+from exactrl.config.schema import RLConfig
+from exactrl.data.batching import collate_rl
+from exactrl.distributed.checkpoint import resume_engine
+from exactrl.distributed.engine import build_engine
+from exactrl.distributed.step_plan import StepPlan
+from exactrl.losses import aggregate, canary_share, masked_mean
+from exactrl.losses.policy import value_loss
+from exactrl.models.loading import load_value_model
+
+
+def token_values(output_logits: torch.Tensor) -> torch.Tensor:
+    """[B, L, 1] head outputs -> [B, L-1] values V(s_t) aligned with next-token targets
+    (position t scores the prefix that the action at target t is taken from)."""
+    return output_logits[:, :-1, 0].float()
+
+
+class Critic:
+    def __init__(self, cfg: RLConfig, model: torch.nn.Module, total_steps: int, pad_id: int):
+        self.cfg, self.pad_id, self.model = cfg, pad_id, model
+        self.engine = build_engine(model, cfg.model_copy(update={"optim": cfg.critic.optim}), total_steps)
+
+    @classmethod
+    def load(cls, cfg: RLConfig, policy_start: str, total_steps: int, pad_id: int) -> Critic:
+        """From the checkpoint being resumed, else critic.path, else the policy's starting model."""
+        path = cfg.train.resume_from and str(Path(cfg.train.resume_from) / "critic") or cfg.critic.path or policy_start
+        return cls(cfg, load_value_model(path, init_seed=cfg.train.seed), total_steps, pad_id)
+
+    def resume(self, checkpoint: Path) -> None:
+        resume_engine(checkpoint / "critic", self.engine)
+
+    def components(self) -> dict:
+        """What a checkpoint saves of the critic (save_checkpoint's ``others``)."""
+        return {"critic": (self.model, self.engine)}
+
+    def attach_values(self, samples: list[Sample], micro_batches: list[list[int]], autocast) -> None:
+        """The rollout's values under the critic before any update (``old_values``)."""
+
+        def compute(chunk):
+            b = collate_rl(chunk, self.pad_id)
+            with autocast():
+                return token_values(self.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits)
+
+        attach_per_token(samples, "old_values", micro_batches, compute)
+
+    def micro_batch_loss(self, samples: list[Sample], normalizer):
+        """This micro-batch's part of the step's value loss, its canary share, and metrics."""
+        b = collate_rl(samples, self.pad_id)
+        with self.engine.autocast():
+            out = self.engine.forward(self.model, input_ids=b["input_ids"], attention_mask=b["attention_mask"])
+        values, mask = token_values(out.logits), b["loss_mask"]
+        tok = value_loss(values, b["old_values"], b["returns"], self.cfg.critic.value_clip)
+        with torch.no_grad():
+            clipped = value_loss(values, b["old_values"], b["returns"], None) < tok
+            m = {"critic_clip_frac": masked_mean(clipped.float(), mask).item(),
+                 "value_mean": masked_mean(values.detach(), mask).item()}
+        return aggregate(tok, mask, normalizer), canary_share(mask, normalizer), m
+
+    def train_step(self, batch: list[Sample], plan: StepPlan) -> dict:
+        """One critic optimizer step on the policy's mini-batch, in the policy's micro-batches."""
+        total, parts = 0.0, []
+        for mb in plan.micro_batches:
+            loss, share, m = self.micro_batch_loss([batch[i] for i in mb], plan.normalizer)
+            self.engine.backward(loss, share, num_samples=len(mb))
+            total += loss.item()
+            parts.append(m)
+        stats = self.engine.step(plan)
+        mean = self.engine.mean_over_ranks({k: sum(p[k] for p in parts) / len(parts) for k in parts[0]})
+        return {"critic_loss": self.engine.sum_over_ranks(total), "critic_grad_norm": stats["grad_norm"],
+                "critic_canary": stats["canary"], **mean}

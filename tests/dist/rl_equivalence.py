@@ -1,0 +1,290 @@
+"""RL equivalence cases for one backend, run by tests/test_rl_backends.py (under torchrun for
+world size 2, or as one process); writes one JSON result file.
+
+usage: python rl_equivalence.py {fsdp2,deepspeed} WORLD OUT.json
+
+Losses: for each policy loss (PPO's clipped ratio with and without clip-higher, KL and
+entropy terms; GSPO's sequence ratio; plain REINFORCE) and the critic's clipped value loss,
+two optimizer steps on one fixed rollout through the real path (rl.step_plan per rank,
+policy_micro_batch_loss or Critic.train_step, the backend's engine, the canary on), from the
+same initial model, compared on rank 0 with an independent single-process reference: one
+padded forward over the whole rollout, each loss written out from its paper's definition,
+plain torch SGD. Old log-probs are perturbed so that the ratio and the clipping are active
+from the first step.
+
+Rollout sharing: each rank samples its share of the prompts (a scripted generator), every
+rank receives the whole rollout in order, and the advantages every rank computes equal a
+one-process computation; computing them from a rank's own share instead differs (the check
+can fail).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from equivalence import SMALL, full_state
+from transformers import LlamaForTokenClassification
+
+from exactrl.algorithms.ppo import Critic
+from exactrl.algorithms.rl import Sample, attach_advantages, collect_rollout, policy_micro_batch_loss, step_plan
+from exactrl.algorithms.rollouts import gather, shard
+from exactrl.config import RLConfig, load_config
+from exactrl.data.encode import Prompt
+from exactrl.distributed.engine import build_engine
+from exactrl.distributed.launch import shutdown
+from exactrl.rewards import load_rewards
+from exactrl.rollout.hf import Generation
+from exactrl.tasks.tiny_model import build_tiny_model
+from exactrl.tasks.tokenizer import build_tokenizer
+
+LR, NORM_LEN = 0.5, 12.0
+
+
+def fresh_policy(tok, seed=3):
+    return build_tiny_model(len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, seed=seed, **SMALL)
+
+
+def fresh_critic(tok):
+    policy = fresh_policy(tok)
+    config = copy.deepcopy(policy.config)
+    config.num_labels, config.classifier_dropout = 1, 0.0
+    torch.manual_seed(5)
+    critic = LlamaForTokenClassification(config)
+    critic.model.load_state_dict(policy.model.state_dict())
+    return critic
+
+
+def padded(samples, pad_id):
+    seqs = [s.prompt_ids + s.response_ids for s in samples]
+    width = max(map(len, seqs))
+    ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs])
+    attn = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    return ids, attn
+
+
+def spans(samples):
+    return [slice(len(s.prompt_ids) - 1, len(s.prompt_ids) - 1 + len(s.response_ids)) for s in samples]
+
+
+@torch.no_grad()
+def make_rollout(tok) -> list[Sample]:
+    """8 samples (2 groups of 4) of uneven length, per-token advantages, old log-probs = the initial policy's + noise, a reference
+    model's log-probs, the initial critic's values + noise, and returns."""
+    g = torch.Generator().manual_seed(11)
+    samples = []
+    for i in range(8):
+        prompt = tok(f"{i}+{i * 7}=")["input_ids"]
+        resp = torch.randint(7, 20, (2 + (i * 5) % 9,), generator=g).tolist()
+        samples.append(Sample(prompt, resp, reward=float(i % 3 == 0)))
+    ids, attn = padded(samples, tok.pad_token_id)
+    logp = torch.log_softmax(fresh_policy(tok)(input_ids=ids, attention_mask=attn).logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+    ref = torch.log_softmax(fresh_policy(tok, seed=9)(input_ids=ids, attention_mask=attn).logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+    values = fresh_critic(tok)(input_ids=ids, attention_mask=attn).logits[:, :-1, 0]
+    for b, (s, sl) in enumerate(zip(samples, spans(samples))):
+        n = ids.size(1) - 1
+        adv = torch.zeros(n)
+        adv[sl] = torch.randn(len(s.response_ids), generator=g) + (b % 4 - 1.5)
+        s.advantages = adv[: sl.stop]
+        s.seq_advantage = float(b % 4 - 1.5)  # GSPO's one advantage per response (sequence_advantages)
+        s.old_logprobs = (logp[b] + 0.3 * torch.randn(n, generator=g))[: sl.stop]
+        s.ref_logprobs = ref[b, : sl.stop].clone()
+        s.old_values = (values[b] + 0.2 * torch.randn(n, generator=g))[: sl.stop]
+        s.returns = torch.randn(n, generator=g)[: sl.stop]
+    return samples
+
+
+def sequence_advantages(samples: list[Sample]) -> list[Sample]:
+    """The rollout with one advantage per response on all its tokens (what GSPO is given)."""
+    out = []
+    for s, sl in zip(samples, spans(samples)):
+        adv = torch.zeros_like(s.advantages)
+        adv[sl] = s.seq_advantage
+        out.append(copy.copy(s))
+        out[-1].advantages = adv
+    return out
+
+
+def aggregate_by_definition(per_token: list[torch.Tensor], mode: str) -> torch.Tensor:
+    if mode == "token-mean":
+        return torch.cat(per_token).sum() / sum(t.numel() for t in per_token)
+    if mode == "seq-mean-token-mean":
+        return torch.stack([t.mean() for t in per_token]).mean()
+    if mode == "seq-mean-token-sum":
+        return torch.stack([t.sum() for t in per_token]).mean()
+    return torch.stack([t.sum() for t in per_token]).sum() / (len(per_token) * NORM_LEN)
+
+
+def reference_policy_loss(model, samples, tok, case):
+    ids, attn = padded(samples, tok.pad_token_id)
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+    logp_all = torch.log_softmax(logits.float(), -1)
+    lo, hi = case.get("clip", (0.2, 0.2))
+    per_token = []
+    for b, (s, sl) in enumerate(zip(samples, spans(samples))):
+        lp = logp_all[b, sl].gather(-1, ids[b, 1:][sl][:, None])[:, 0]
+        old, adv = s.old_logprobs[sl], s.advantages[sl]
+        if case["loss"] == "gspo":  # one ratio per sequence: the geometric mean of its token ratios
+            ratio = torch.exp((lp - old).mean())
+            a = s.seq_advantage
+            tok_loss = (-torch.minimum(ratio * a, ratio.clamp(1 - lo, 1 + hi) * a)).expand(len(s.response_ids))
+        elif case["loss"] == "reinforce":
+            tok_loss = -torch.exp(lp - old) * adv
+        else:
+            ratio = torch.exp(lp - old)
+            tok_loss = -torch.minimum(ratio * adv, ratio.clamp(1 - lo, 1 + hi) * adv)
+        if case.get("kl"):  # k3 = exp(ref - lp) - (ref - lp) - 1
+            d = s.ref_logprobs[sl] - lp
+            tok_loss = tok_loss + case["kl"] * (torch.exp(d) - d - 1)
+        if case.get("entropy"):
+            p = torch.softmax(logits[b, sl].float(), -1)
+            tok_loss = tok_loss - case["entropy"] * -(p * torch.log(p)).sum(-1)
+        per_token.append(tok_loss)
+    return aggregate_by_definition(per_token, case["mode"])
+
+
+def reference_value_loss(model, samples, tok, case):
+    ids, attn = padded(samples, tok.pad_token_id)
+    values = model(input_ids=ids, attention_mask=attn).logits[:, :-1, 0]
+    per_token = []
+    for b, (s, sl) in enumerate(zip(samples, spans(samples))):
+        v, old, ret = values[b, sl], s.old_values[sl], s.returns[sl]
+        err = (v - ret) ** 2
+        if case.get("value_clip"):
+            c = case["value_clip"]
+            err = torch.maximum(err, (old + (v - old).clamp(-c, c) - ret) ** 2)
+        per_token.append(0.5 * err)
+    return aggregate_by_definition(per_token, case["mode"])
+
+
+def reference(case, samples, tok) -> tuple[dict, dict]:
+    """Parameters after two SGD steps on the loss by definition, and the initial ones."""
+    critic = case["loss"] == "value"
+    model = fresh_critic(tok) if critic else fresh_policy(tok)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for _ in range(2):
+        opt.zero_grad()
+        (reference_value_loss if critic else reference_policy_loss)(model, samples, tok, case).backward()
+        opt.step()
+    return {k: v.detach() for k, v in model.state_dict().items()}, (fresh_critic(tok) if critic else fresh_policy(tok)).state_dict()
+
+
+def exactrl_run(case, samples, tok, layout) -> dict:
+    algo = {"ppo": "grpo", "gspo": "gspo", "reinforce": "reinforce_pp", "value": "ppo"}[case["loss"]]
+    lo, hi = case.get("clip", (0.2, 0.2))
+    overrides = [*layout, f"distributed.nproc_per_node={dist.get_world_size() if dist.is_initialized() else 1}",
+                 "train.global_batch_size=8", f"train.micro_batch_size={case['micro']}", f"train.loss_agg={case['mode']}",
+                 f"train.loss_agg_norm={NORM_LEN}", "train.max_grad_norm=0", "optim.name=sgd", f"optim.lr={LR}",
+                 "optim.scheduler=constant", f"algo.name={algo}", "algo.group_size=4", f"algo.clip_eps={lo}",
+                 f"algo.clip_eps_high={hi}", f"algo.kl_coef={case.get('kl', 0.0)}", f"algo.entropy_coef={case.get('entropy', 0.0)}",
+                 "algo.ratio_check=off", "critic.optim.name=sgd", f"critic.optim.lr={LR}",
+                 f"critic.value_clip={case.get('value_clip') or 'null'}"]
+    if case["loss"] == "reinforce":
+        overrides.append("algo.policy_loss=reinforce")
+    cfg = load_config(RLConfig, None, overrides)
+    if case["loss"] == "value":
+        model = fresh_critic(tok)
+        critic = Critic(cfg, model, 2, tok.pad_token_id)
+        for _ in range(2):
+            critic.train_step(samples, step_plan(samples, cfg, critic.engine))
+        return full_state(critic.engine, model)
+    model = fresh_policy(tok)
+    engine = build_engine(model, cfg, total_steps=2)
+    for _ in range(2):
+        plan = step_plan(samples, cfg, engine)
+        for mb in plan.micro_batches:
+            loss, share, _ = policy_micro_batch_loss(model, engine, [samples[i] for i in mb], plan.normalizer, cfg, tok.pad_token_id)
+            engine.backward(loss, share, len(mb))
+        engine.step(plan)
+    return full_state(engine, model)
+
+
+POLICY_CASES = [
+    dict(loss="ppo", mode="token-mean"),
+    dict(loss="ppo", mode="seq-mean-token-sum-norm", clip=(0.2, 0.28), kl=0.1, entropy=0.01),
+    dict(loss="gspo", mode="seq-mean-token-mean", clip=(0.03, 0.05)),  # clips some sequences (ratios 0.86-1.13), not all
+    dict(loss="reinforce", mode="seq-mean-token-sum"),
+]
+VALUE_CASES = [dict(loss="value", mode="token-mean", value_clip=0.2), dict(loss="value", mode="seq-mean-token-mean")]
+
+
+def cases(backend: str) -> list[dict]:
+    every = POLICY_CASES + VALUE_CASES
+    if backend == "fsdp2":
+        return [dict(c, micro=2, layout=["distributed.backend=fsdp2"]) for c in every] + \
+               [dict(every[0], micro=m, layout=["distributed.backend=fsdp2"]) for m in (1, 4)]
+    ds = lambda *kv: ["distributed.backend=deepspeed", *(f"deepspeed.{x}" for x in kv)]  # noqa: E731
+    out = []
+    for layout in (ds("zero_stage=2", "offload_optimizer=cpu"), ds("zero_stage=3")):
+        out += [dict(c, micro=2, layout=layout) for c in every]
+    for layout in (ds("zero_stage=0"), ds("zero_stage=1", "offload_optimizer=cpu"),
+                   ds("zero_stage=3", "offload_optimizer=cpu", "offload_param=cpu")):
+        out += [dict(c, micro=1, layout=layout) for c in (POLICY_CASES[0], VALUE_CASES[0])]
+    return out
+
+
+class ScriptedGenerator:
+    """Deterministic responses: prompt k's j-th response has (k * 3 + j) % 7 + 1 tokens."""
+
+    def generate(self, prompt_ids, n=1, **kw):
+        out = []
+        for i, ids in enumerate(prompt_ids):
+            for j in range(n):
+                resp = [10 + (ids[0] + j) % 5] * ((ids[0] * 3 + j) % 7 + 1)
+                out.append(Generation(i, ids, resp, "x" * len(resp), True))
+        return out
+
+
+def response_length_reward(prompts, completions, answers):
+    return [float(len(c) % 3) for c in completions]
+
+
+def rollout_sharing() -> dict:
+    """The rollout every rank assembles and its advantages, against one process doing it all."""
+    prompts = [Prompt([k], f"p{k}", None, f"d:{k}") for k in range(8)]
+    fns = load_rewards(f"{__name__}:response_length_reward", None)
+    out = {}
+    for algo in ("grpo", "reinforce_pp", "rloo"):
+        cfg = load_config(RLConfig, None, ["train.global_batch_size=32", "train.micro_batch_size=4", f"algo.name={algo}",
+                                            "algo.group_size=4"])
+        samples, _ = collect_rollout(ScriptedGenerator(), prompts, fns, cfg)
+        gens = ScriptedGenerator().generate([p.input_ids for p in prompts], n=4)
+        one = [Sample(g.prompt_ids, g.response_ids, float(len(g.text) % 3)) for g in gens]
+        attach_advantages(samples, cfg)
+        attach_advantages(one, cfg)
+        local = [Sample(s.prompt_ids, s.response_ids, s.reward) for s in shard(one)]
+        attach_advantages(local, cfg)
+        everyone = gather([s.advantages for s in samples])
+        out[algo] = {
+            "same_rollout": [(s.prompt_ids, s.response_ids, s.reward) for s in samples] == [(s.prompt_ids, s.response_ids, s.reward) for s in one],
+            "ranks_agree": all(all(torch.equal(a, b) for a, b in zip(adv, everyone[0])) for adv in everyone),
+            "max_diff_vs_one_process": max(float((s.advantages - o.advantages).abs().max()) for s, o in zip(samples, one)),
+            "max_diff_rank_local": max(float((s.advantages - o.advantages).abs().max()) for s, o in zip(local, shard(one))),
+        }
+    return out
+
+
+def main(backend: str, world: int, out_path: str) -> None:
+    tok = build_tokenizer()
+    samples = make_rollout(tok)
+    results = []
+    for case in cases(backend):
+        rollout = sequence_advantages(samples) if case["loss"] == "gspo" else samples
+        got = exactrl_run(case, rollout, tok, case["layout"])
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            ref, init = reference(case, rollout, tok)
+            num = sum(((got[k] - ref[k]).norm() ** 2).item() for k in ref)
+            den = sum(((ref[k] - init[k]).norm() ** 2).item() for k in ref)
+            results.append({**{k: v for k, v in case.items() if k != "layout"}, "config": " ".join(case["layout"]),
+                            "K": 8 // (case["micro"] * world), "rel_err": (num / den) ** 0.5})
+    sharing = rollout_sharing()
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        json.dump({"cases": results, "sharing": sharing}, open(out_path, "w"))
+    shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])

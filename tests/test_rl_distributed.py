@@ -19,6 +19,8 @@ import pytest
 from old_deepspeed import ds_env
 from test_resume_distributed import rel_err
 
+from exactrl.tasks.builtin import BuiltinSpec
+
 ROOT = Path(__file__).resolve().parents[1]
 # The built-in task's untrained model: its answers are wrong, so the reward is the length
 # of the response mod 3 (varied within groups, so every algorithm has advantages to follow).
@@ -74,3 +76,31 @@ def test_distributed_rl_runs_with_the_canary_and_resumes_exactly(tmp_path, layou
     if "ppo" in layout:
         assert rel_err(resumed / "final-critic", full / "final-critic") <= 1e-6
         assert rel_err(checkpoint / "critic", full / "final-critic") > 1e-4
+
+
+ALGOS = ["ppo", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo"]
+MATRIX = {
+    "fsdp2": ["distributed.backend=fsdp2"],
+    "zero0": ["distributed.backend=deepspeed", "deepspeed.zero_stage=0"],
+    "zero1-offload": ["distributed.backend=deepspeed", "deepspeed.zero_stage=1", "deepspeed.offload_optimizer=cpu"],
+    "zero2-offload": ["distributed.backend=deepspeed", "deepspeed.zero_stage=2", "deepspeed.offload_optimizer=cpu"],
+    "zero3": ["distributed.backend=deepspeed", "deepspeed.zero_stage=3"],
+    "zero3-offload-all": ["distributed.backend=deepspeed", "deepspeed.zero_stage=3", "deepspeed.offload_optimizer=cpu",
+                          "deepspeed.offload_param=cpu"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", MATRIX)
+@pytest.mark.parametrize("algo", ALGOS)
+def test_every_algorithm_on_every_layout_at_world_two(tmp_path, algo, layout):
+    """The whole matrix (slow: ~50 launches): two steps of each algorithm, canary on, ratio 1
+    at each rollout's first update, the policy moved."""
+    if "zero" in layout:
+        pytest.importorskip("deepspeed")
+    rl(tmp_path, *MATRIX[layout], f"algo.name={algo}", "train.max_steps=2", "algo.kl_coef=0.05",
+       f"algo.group_size={1 if algo == 'reinforce_pp' else 4}", f"output_dir={tmp_path / 'run'}")
+    steps = [r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if "reward_mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(abs(r["canary"] - 1) <= 1e-5 and r["ratio_dev_first"] <= 1e-6 for r in steps)
+    assert rel_err(tmp_path / "run" / "final", tmp_path / "cache" / BuiltinSpec().key() / "model-init") > 1e-5

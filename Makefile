@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test setup clean
+.PHONY: demo test setup clean bench
 
 setup: $(STAMP)
 
@@ -25,5 +25,20 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# exactrl and TRL side by side (benchmarks/bench.py); TRL lives in .venv-bench.
+BENCH       := .venv-bench
+BENCH_STAMP := $(BENCH)/.installed
+BENCH_ARGS  ?=
+
+$(BENCH_STAMP): requirements-bench.txt
+	test -x $(BENCH)/bin/python || $(PYTHON) -m venv $(BENCH)
+	$(BENCH)/bin/python -m pip install -q --upgrade pip
+	$(BENCH)/bin/python -m pip install -q $(TORCH)
+	$(BENCH)/bin/python -m pip install -q -r requirements-bench.txt
+	touch $@
+
+bench: $(STAMP) $(BENCH_STAMP)
+	$(PY) benchmarks/bench.py $(BENCH_ARGS)
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(BENCH) .pytest_cache

@@ -44,7 +44,10 @@ class Critic:
     @classmethod
     def load(cls, cfg: RLConfig, policy_start: str, total_steps: int, pad_id: int) -> Critic:
         """From the checkpoint being resumed, else critic.path, else the policy's starting model."""
-        path = cfg.train.resume_from and str(Path(cfg.train.resume_from) / "critic") or cfg.critic.path or policy_start
+        if cfg.train.resume_from:
+            path = Path(cfg.train.resume_from) / "critic"
+        else:
+            path = cfg.critic.path or policy_start
         return cls(cfg, load_value_model(path, init_seed=cfg.train.seed), total_steps, pad_id)
 
     def resume(self, checkpoint: Path) -> None:

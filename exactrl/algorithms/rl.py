@@ -203,9 +203,10 @@ def update_policy(model, engine, samples: list[Sample], cfg: RLConfig, rollout: 
     """PPO epochs x mini-batches over one rollout, one optimizer step each (of the policy, and
     of the critic when there is one; during the critic's warm-up only the critic steps).
 
-    Yields (is_first_update, step_loss, this rank's per-micro-batch metrics, step stats) per
-    step. The first update's micro-batches are the ones old log-probs were computed in, so
-    its ratio must be exactly 1 on every rank (check_on_policy).
+    Yields (step_loss, this rank's per-micro-batch metrics, step stats) per step. The first
+    update's micro-batches are the ones old log-probs were computed in, so its ratio must be
+    exactly 1 on every rank (check_on_policy); stats["ratio_dev_first"] holds that reading
+    (None on the other steps).
     """
     a, t = cfg.algo, cfg.train
     train_policy = critic is None or rollout >= cfg.critic.warmup_rollouts
@@ -217,20 +218,21 @@ def update_policy(model, engine, samples: list[Sample], cfg: RLConfig, rollout: 
         for start in range(0, len(order), t.global_batch_size):
             batch = order[start : start + t.global_batch_size]
             plan = step_plan(batch, cfg, engine)
-            step_loss, parts, stats = 0.0, [], {"responses": len(batch), "loss_tokens": plan.normalizer.num_tokens}
-            first = epoch == 0 and start == 0
+            step_loss, parts = 0.0, []
+            stats = {"responses": len(batch), "loss_tokens": plan.normalizer.num_tokens, "ratio_dev_first": None}
             if train_policy:
                 for mb in plan.micro_batches:
                     loss, share, m = policy_micro_batch_loss(model, engine, [batch[i] for i in mb], plan.normalizer, cfg, pad_id, kl_coef)
                     engine.backward(loss, share, num_samples=len(mb))
                     step_loss += loss.item()
                     parts.append(m)
-                if first:
-                    check_on_policy(engine.max_over_ranks(max(p["ratio_dev"] for p in parts)), cfg, rollout)
+                if epoch == 0 and start == 0:
+                    stats["ratio_dev_first"] = engine.max_over_ranks(max(p["ratio_dev"] for p in parts))
+                    check_on_policy(stats["ratio_dev_first"], cfg, rollout)
                 stats |= engine.step(plan)
             if critic is not None:
                 stats |= critic.train_step(batch, plan)
-            yield first and train_policy, engine.sum_over_ranks(step_loss), parts, stats
+            yield engine.sum_over_ranks(step_loss), parts, stats
 
 
 def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = BuiltinSpec(), phase: str = "rl",
@@ -256,15 +258,13 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     prompts_per_rollout = t.global_batch_size * a.mini_batches // a.group_size
     rollouts = math.ceil(t.max_steps / steps_per_rollout) if t.max_steps else max(1, math.ceil(t.epochs * len(prompts) / prompts_per_rollout))
     steps = rollouts * steps_per_rollout
+    warmup = min(cfg.critic.warmup_rollouts, rollouts) * steps_per_rollout if a.name == "ppo" else 0
+    engine = build_engine(model, cfg, max(1, steps - warmup))  # the policy's schedule starts after the critic's warm-up
     critic = None
     if a.name == "ppo":
         from exactrl.algorithms.ppo import Critic
 
-        warmup = min(cfg.critic.warmup_rollouts, rollouts) * steps_per_rollout
-        engine = build_engine(model, cfg, max(1, steps - warmup))  # the policy's schedule starts after the warm-up
         critic = Critic.load(cfg, model_path, steps, tok.pad_token_id)
-    else:
-        engine = build_engine(model, cfg, steps)
     # Several ranks holding shards of the parameters must run every forward together
     # (generate's synced_gpus keeps a rank whose responses have all ended stepping with the others).
     generator = HFEngine(model, tok, cfg.rollout.batch_size, synced=engine.world_size > 1 and engine.shards_parameters)
@@ -300,17 +300,15 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
         if ref is not None:
             rstats["rollout_kl"], rstats["kl_coef"] = kl_control.update(samples), kl_coef
         attach_advantages(samples, cfg, kl_coef)
-        for first, step_loss, parts, stats in update_policy(model, engine, samples, cfg, rollout, group_rng, tok.pad_token_id,
-                                                            kl_coef, critic):
+        for step_loss, parts, stats in update_policy(model, engine, samples, cfg, rollout, group_rng, tok.pad_token_id,
+                                                     kl_coef, critic):
             step += 1
             bar.update(1)
             bar.set_postfix(reward=f"{rstats['reward_mean']:.3f}")
             if step % t.log_every == 0 or step == steps:
                 mean = engine.mean_over_ranks({k: sum(p[k] for p in parts) / len(parts) for k in (parts[0] if parts else {}) if k != "ratio_dev"})
-                log.write({"phase": phase, "step": step, "rollout": rollout, "loss": step_loss, **mean, **stats,
-                           **rstats,
-                           "gen_tokens_per_s": rstats["generated_tokens"] / gen_seconds,
-                           "ratio_dev_first": engine.max_over_ranks(max(p["ratio_dev"] for p in parts)) if first else None})
+                log.write({"phase": phase, "step": step, "rollout": rollout, "loss": step_loss, **mean, **stats, **rstats,
+                           "gen_tokens_per_s": rstats["generated_tokens"] / gen_seconds})
             after_step(cfg, phase, step, steps, model, tok, engine, eval_prompts, log, run_dir, bar,
                        {"step": step, "rollout": rollout, "group_rng": group_rng.getstate(), "kl_coef": kl_control.coef},
                        others=critic.components() if critic is not None else None)

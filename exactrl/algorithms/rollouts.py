@@ -44,11 +44,10 @@ class Sample:
     returns: torch.Tensor | None = None  # the critic's targets (ppo)
 
 
-def shard(items: list, world: int | None = None, me: int | None = None) -> list:
+def shard(items: list) -> list:
     """This rank's contiguous share of ``items`` (their number divides by the world size)."""
-    world, me = world or world_size(), rank() if me is None else me
-    per = len(items) // world
-    return items[me * per : (me + 1) * per]
+    per = len(items) // world_size()
+    return items[rank() * per : (rank() + 1) * per]
 
 
 def gather(obj) -> list:

@@ -110,7 +110,7 @@ def _build_sft_elsewhere(spec: BuiltinSpec, root: Path) -> Path:
                                                             "MASTER_PORT", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")}
     env["EXACTRL_CACHE"] = str(root.parent)
     env.pop("OMP_NUM_THREADS", None)  # torchrun sets 1 per rank; the one builder may use every core
-    code = ("import sys; from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin_sft; "
+    code = ("from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin_sft; "
             f"ensure_builtin_sft(BuiltinSpec(**{asdict(spec)!r}))")
     if subprocess.run([sys.executable, "-c", code], env=env).returncode != 0:
         raise RuntimeError(f"building the built-in SFT model into {root / 'sft-model'} failed (see the output above)")

@@ -22,6 +22,7 @@ import torch
 from exactrl.algorithms.rollouts import Sample, attach_per_token
 from exactrl.config.schema import RLConfig
 from exactrl.data.batching import collate_rl
+from exactrl.models.packing import model_batch
 from exactrl.distributed.checkpoint import resume_engine
 from exactrl.distributed.engine import build_engine
 from exactrl.distributed.step_plan import StepPlan
@@ -57,22 +58,25 @@ class Critic:
         """What a checkpoint saves of the critic (save_checkpoint's ``others``)."""
         return {"critic": (self.model, self.engine)}
 
+    def _model_batch(self, samples: list[Sample]):
+        return model_batch(self.model, [s.prompt_ids + s.response_ids for s in samples], self.pad_id, self.cfg.train.padding_free)
+
     def attach_values(self, samples: list[Sample], micro_batches: list[list[int]], autocast) -> None:
         """The rollout's values under the critic before any update (``old_values``)."""
 
         def compute(chunk):
-            b = collate_rl(chunk, self.pad_id)
+            mb = self._model_batch(chunk)
             with autocast():
-                return token_values(self.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits)
+                return mb.repad(token_values(self.model(**mb.inputs).logits))
 
         attach_per_token(samples, "old_values", micro_batches, compute)
 
     def micro_batch_loss(self, samples: list[Sample], normalizer):
         """This micro-batch's part of the step's value loss, its canary share, and metrics."""
-        b = collate_rl(samples, self.pad_id)
+        b, mb = collate_rl(samples, self.pad_id), self._model_batch(samples)
         with self.engine.autocast():
-            out = self.engine.forward(self.model, input_ids=b["input_ids"], attention_mask=b["attention_mask"])
-        values, mask = token_values(out.logits), b["loss_mask"]
+            out = self.engine.forward(self.model, **mb.inputs)
+        values, mask = mb.repad(token_values(out.logits)), b["loss_mask"]
         tok = value_loss(values, b["old_values"], b["returns"], self.cfg.critic.value_clip)
         with torch.no_grad():
             clipped = value_loss(values, b["old_values"], b["returns"], None) < tok

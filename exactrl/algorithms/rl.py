@@ -44,6 +44,7 @@ from exactrl.losses import aggregate, canary_share, masked_mean
 from exactrl.losses.policy import PolicyInput, get_policy_loss
 from exactrl.losses.token_losses import kl_penalty, token_entropy, token_logprobs
 from exactrl.models.loading import load_causal_lm, load_tokenizer
+from exactrl.models.packing import model_batch
 from exactrl.rewards import load_rewards
 from exactrl.rollout.hf import HFEngine
 from exactrl.tasks.builtin import BuiltinSpec, resolve
@@ -127,9 +128,10 @@ def policy_micro_batch_loss(model, engine, samples: list[Sample], normalizer, cf
                             kl_coef: float | None = None):
     """This micro-batch's part of the step loss, its canary share, and its metrics."""
     b = collate_rl(samples, pad_id)
+    mb = model_batch(model, [s.prompt_ids + s.response_ids for s in samples], pad_id, cfg.train.padding_free)
     with engine.autocast():
-        logits = engine.forward(model, input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
-    logp = token_logprobs(logits, b["input_ids"], cfg.rollout.temperature)
+        logits = engine.forward(model, **mb.inputs).logits
+    logp = mb.repad(token_logprobs(logits, mb.inputs["input_ids"], cfg.rollout.temperature))
     mask = b["loss_mask"]
     a = cfg.algo
     tok_loss, ratio, clipped = get_policy_loss(a.policy_loss or ALGORITHMS[a.name][1])(
@@ -140,7 +142,7 @@ def policy_micro_batch_loss(model, engine, samples: list[Sample], normalizer, cf
         tok_loss = tok_loss + (a.kl_coef if kl_coef is None else kl_coef) * kl
         m["kl"] = masked_mean(kl.detach(), mask).item()
     with torch.set_grad_enabled(a.entropy_coef > 0 and torch.is_grad_enabled()):
-        entropy = token_entropy(logits, cfg.rollout.temperature)
+        entropy = mb.repad(token_entropy(logits, cfg.rollout.temperature))
     if a.entropy_coef > 0:  # a bonus: higher entropy lowers the loss
         tok_loss = tok_loss - a.entropy_coef * entropy
     with torch.no_grad():
@@ -291,9 +293,11 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
         gen_seconds = time.perf_counter() - tg
         gen_tokens += rstats["generated_tokens"]
         first_pass = first_pass_micro_batches(samples, cfg, engine)
-        attach_logprobs(model, samples, "old_logprobs", first_pass, tok.pad_token_id, cfg.rollout.temperature, engine.autocast)
+        attach_logprobs(model, samples, "old_logprobs", first_pass, tok.pad_token_id, cfg.rollout.temperature, engine.autocast,
+                        cfg.train.padding_free)
         if ref is not None:
-            attach_logprobs(ref, samples, "ref_logprobs", first_pass, tok.pad_token_id, cfg.rollout.temperature, engine.autocast)
+            attach_logprobs(ref, samples, "ref_logprobs", first_pass, tok.pad_token_id, cfg.rollout.temperature, engine.autocast,
+                            cfg.train.padding_free)
         if critic is not None:
             critic.attach_values(samples, first_pass, engine.autocast)
         kl_coef = kl_control.coef  # this rollout's; the controller moves it for the next

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 import torch
 
 from exactrl.config.schema import RLConfig
-from exactrl.data.batching import collate_rl
 from exactrl.distributed.launch import rank, world_size
 from exactrl.losses.token_losses import token_logprobs
+from exactrl.models.packing import model_batch
 from exactrl.rewards import score_all
 
 
@@ -158,13 +158,14 @@ def attach_per_token(samples: list[Sample], attr: str, micro_batches: list[list[
 
 
 def attach_logprobs(model, samples: list[Sample], attr: str, micro_batches: list[list[int]], pad_id: int, temperature: float,
-                    autocast) -> None:
-    """Each sample's per-token log-probs, computed in the micro-batches training will use."""
+                    autocast, packed: bool = True) -> None:
+    """Each sample's per-token log-probs, computed in the micro-batches training will use
+    (``packed``: padding-free, as the training forward)."""
 
     def compute(chunk):
-        b = collate_rl(chunk, pad_id)
+        mb = model_batch(model, [s.prompt_ids + s.response_ids for s in chunk], pad_id, packed)
         with autocast():
-            logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
-        return token_logprobs(logits, b["input_ids"], temperature)
+            logits = model(**mb.inputs).logits
+        return mb.repad(token_logprobs(logits, mb.inputs["input_ids"], temperature))
 
     attach_per_token(samples, attr, micro_batches, compute)

@@ -24,6 +24,7 @@ from exactrl.distributed.step_plan import plan_step
 from exactrl.losses import aggregate, canary_share
 from exactrl.losses.token_losses import sft_loss, token_logprobs
 from exactrl.models.loading import load_causal_lm, load_tokenizer
+from exactrl.models.packing import model_batch
 from exactrl.tasks.builtin import BuiltinSpec, resolve
 
 
@@ -36,14 +37,15 @@ class SFTResult:
     trained_tokens: int
 
 
-def sft_micro_batch_loss(model, engine, examples, pad_id: int, normalizer):
-    """Forward one micro-batch; return its part of the step loss (not yet backpropagated) and
-    its canary share."""
-    batch = collate_sft(examples, pad_id)
+def sft_micro_batch_loss(model, engine, examples, pad_id: int, normalizer, packed: bool = True):
+    """Forward one micro-batch (``packed``: padding-free, see exactrl/models/packing.py); return
+    its part of the step loss (not yet backpropagated) and its canary share."""
+    mb = model_batch(model, [e.input_ids for e in examples], pad_id, packed)
     with engine.autocast():
-        logits = engine.forward(model, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    mask = batch["loss_mask"]
-    return aggregate(sft_loss(token_logprobs(logits, batch["input_ids"])), mask, normalizer), canary_share(mask, normalizer)
+        logits = engine.forward(model, **mb.inputs).logits
+    logprobs = mb.repad(token_logprobs(logits, mb.inputs["input_ids"]))
+    mask = collate_sft(examples, pad_id)["loss_mask"]
+    return aggregate(sft_loss(logprobs), mask, normalizer), canary_share(mask, normalizer)
 
 
 def train_sft(cfg: SFTConfig, run_dir: Path | None = None, spec: BuiltinSpec = BuiltinSpec(), phase: str = "sft", final_name: str = "final") -> SFTResult:
@@ -73,7 +75,8 @@ def train_sft(cfg: SFTConfig, run_dir: Path | None = None, spec: BuiltinSpec = B
                          lengths=[len(e.input_ids) for e in batch], world_size=engine.world_size, rank=engine.rank)
         step_loss = 0.0
         for mb in plan.micro_batches:
-            loss, share = sft_micro_batch_loss(model, engine, [batch[i] for i in mb], tok.pad_token_id, plan.normalizer)
+            loss, share = sft_micro_batch_loss(model, engine, [batch[i] for i in mb], tok.pad_token_id, plan.normalizer,
+                                               cfg.train.padding_free)
             engine.backward(loss, share, num_samples=len(mb))
             step_loss += loss.item()
         stats = engine.step(plan)

@@ -37,6 +37,7 @@ class TrainConfig(Section):
     max_steps: int = Field(0, ge=0, description="Optimizer steps; 0 = derive from train.epochs.")
     epochs: float = Field(1.0, gt=0, description="Passes over the training data when max_steps is 0.")
     max_grad_norm: float = Field(1.0, ge=0, description="Clip the full accumulated gradient to this norm (0 = off).")
+    padding_free: bool = Field(True, description="Pack each micro-batch's sequences into one row for the training forwards (no compute on padding; attention stays within each sequence). false = right-padded batches.")
     seed: int = Field(0, description="Seeds data order, initialisation of heads and sampling.")
     loss_agg: LossAgg = Field("token-mean", description="How token losses become one loss per optimizer step (see exactrl/losses/aggregation.py).")
     loss_agg_norm: float | None = Field(None, gt=0, description="Constant length normaliser of seq-mean-token-sum-norm (default: data.max_length, or rollout.max_new_tokens in RL).")

@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from exactrl.models import packing
+
 
 class ModelLoadError(ValueError):
     """A model directory that cannot be loaded; the message says what is missing."""
@@ -36,6 +38,7 @@ def load_causal_lm(path: str | Path, trainable: bool = True) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot load the model in '{p}': {e}") from None
+    packing.enable(model)
     model.train(trainable)
     if not trainable:
         model.requires_grad_(False)
@@ -66,5 +69,6 @@ def load_value_model(path: str | Path, init_seed: int | None = None) -> torch.nn
             model.score.weight.copy_(torch.randn(model.score.weight.shape, generator=g) / (hidden + 1))
             if model.score.bias is not None:
                 model.score.bias.zero_()
+    packing.enable(model)
     model.train(True)
     return model

@@ -51,3 +51,22 @@ def test_responses_stop_at_eos_and_groups_are_ordered(tokenizer, make_model):
         else:
             assert len(g.response_ids) == 6 and not g.finished
     assert model.training, "generate() must restore the model's training mode"
+
+
+def test_preallocated_cache_samples_what_the_default_cache_samples(tokenizer, make_model):
+    """The engine's KV cache (written in place) against generate's own (concatenated each step):
+    the same seed draws the same tokens."""
+    model = make_model(4).eval()
+    prompts = [tokenizer(t)["input_ids"] for t in ("1+2=", "345+678=", "9=")]
+    torch.manual_seed(0)
+    gens = HFEngine(model, tokenizer, batch_size=6).generate(prompts, n=2, temperature=1.0, max_new_tokens=12)
+    width = max(map(len, prompts))
+    requests = [p for p in prompts for _ in range(2)]
+    ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in requests])
+    attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in requests])
+    torch.manual_seed(0)
+    seqs = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=12, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    eos = tokenizer.eos_token_id
+    for g, row in zip(gens, seqs[:, width:].tolist()):
+        assert g.response_ids == (row[: row.index(eos) + 1] if eos in row else row)

@@ -89,7 +89,7 @@ def model_batch(model, seqs: list[list[int]], pad_id: int, packed: bool) -> Mode
         width = max(lengths)
         ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs], dtype=torch.long)
         attn = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], dtype=torch.long)
-        return ModelBatch({"input_ids": ids, "attention_mask": attn}, lengths, False)
+        return ModelBatch({"input_ids": ids, "attention_mask": attn, "use_cache": False}, lengths, False)
     hf = _hf_model(model)
     if getattr(hf.config, "_attn_implementation", None) != ATTENTION:
         enable(hf)  # models not loaded through exactrl.models.loading
@@ -101,6 +101,7 @@ def model_batch(model, seqs: list[list[int]], pad_id: int, packed: bool) -> Mode
         # All ones: SDPA's mask builder then skips the N x N mask that varlen_attention would ignore.
         "attention_mask": torch.ones(1, n, dtype=torch.long),
         "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lengths), "max_length_k": max(lengths),
+        "use_cache": False,  # a training forward: no KV cache to fill
     }
     # Target t of sequence s (predicting its token t+1) sits at flat position cu[s] + t.
     width = max(lengths) - 1

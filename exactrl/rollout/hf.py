@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 
 @dataclass(frozen=True)
@@ -14,6 +16,36 @@ class Generation:
     response_ids: list[int]  # up to and including EOS when the model stopped by itself
     text: str  # decoded response without special tokens
     finished: bool  # True when the model emitted EOS within max_new_tokens
+
+
+class _PreallocatedLayer(DynamicLayer):
+    """A KV-cache layer that writes each step into buffers sized for the whole generation.
+    Hugging Face's DynamicLayer concatenates the cache every step: on CPU that copy was 55%
+    of the time to sample 128 x 48 tokens from the 26M-parameter bench model."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity, self.length = capacity, 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            b, h, _, d = key_states.shape
+            self._k, self._v = (key_states.new_empty(b, h, self.capacity, d) for _ in range(2))
+        end = self.length + key_states.shape[-2]
+        if end > self.capacity:
+            raise RuntimeError(f"KV cache of {self.capacity} positions overflowed at {end}")
+        self._k[:, :, self.length:end] = key_states
+        self._v[:, :, self.length:end] = value_states
+        self.length = end
+        self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
+        return self.keys, self.values
+
+
+def preallocated_cache(model, capacity: int) -> DynamicCache:
+    cache = DynamicCache()
+    cache.layers = [_PreallocatedLayer(capacity) for _ in range(model.config.get_text_config(decoder=True).num_hidden_layers)]
+    return cache
 
 
 class HFEngine:
@@ -50,7 +82,8 @@ class HFEngine:
         sampling = {} if greedy else {"temperature": temperature, "top_p": top_p, "top_k": 0}
         seqs = self.model.generate(
             input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens, do_sample=not greedy,
-            pad_token_id=pad, eos_token_id=eos, use_cache=True, synced_gpus=self.synced, **sampling,
+            pad_token_id=pad, eos_token_id=eos, use_cache=True, synced_gpus=self.synced,
+            past_key_values=preallocated_cache(self.model, width + max_new_tokens), **sampling,
         )
         out = []
         for (idx, ids), row in zip(requests, seqs[:, width:].tolist()):

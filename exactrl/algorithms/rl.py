@@ -134,8 +134,12 @@ def policy_micro_batch_loss(model, engine, samples: list[Sample], normalizer, cf
     logp = mb.repad(token_logprobs(logits, mb.inputs["input_ids"], cfg.rollout.temperature))
     mask = b["loss_mask"]
     a = cfg.algo
+    # A rollout that feeds a single update needs no separate old-log-prob pass: this forward's
+    # own log-probs are the old ones (ratio 1, as TRL does); on-policy is then checked against
+    # the log-probs the generator sampled with.
+    old = b["old_logprobs"] if "old_logprobs" in b else logp.detach()
     tok_loss, ratio, clipped = get_policy_loss(a.policy_loss or ALGORITHMS[a.name][1])(
-        PolicyInput(logp, b["old_logprobs"], b["advantages"], mask, a.clip_eps, a.clip_eps_high or a.clip_eps))
+        PolicyInput(logp, old, b["advantages"], mask, a.clip_eps, a.clip_eps_high or a.clip_eps))
     m = {}
     if a.kl_coef > 0 and not a.kl_in_reward:
         kl = kl_penalty(logp, b["ref_logprobs"], a.kl_estimator)
@@ -148,6 +152,8 @@ def policy_micro_batch_loss(model, engine, samples: list[Sample], normalizer, cf
     with torch.no_grad():
         m["clip_frac"] = masked_mean(clipped, mask).item()
         m["entropy"] = masked_mean(entropy.detach(), mask).item()
+        if "old_logprobs" not in b:
+            ratio = torch.exp(logp.detach() - b["gen_logprobs"])
         m["ratio_dev"] = ((ratio - 1).abs() * mask).max().item()
     return aggregate(tok_loss, mask, normalizer), canary_share(mask, normalizer), m
 
@@ -156,7 +162,8 @@ def check_on_policy(deviation: float, cfg: RLConfig, rollout: int) -> None:
     if cfg.algo.ratio_check == "off" or deviation <= cfg.algo.ratio_tol:
         return
     msg = (f"on-policy check failed at rollout {rollout}: max |ratio - 1| = {deviation:.3g} > algo.ratio_tol={cfg.algo.ratio_tol} "
-           "at the first update after the rollout; the old log-probs are stale or computed differently from the loss's")
+           "at the first update after the rollout; the old log-probs (or, for a rollout feeding one update, the generator's) are "
+           "stale or computed differently from the loss's")
     if cfg.algo.ratio_check == "error":
         raise OnPolicyCheckError(msg)
     warnings.warn(msg, stacklevel=2)
@@ -198,6 +205,15 @@ def first_pass_micro_batches(samples: list[Sample], cfg: RLConfig, engine) -> li
     which old log-probs are computed and the ratio must be exactly 1."""
     g = cfg.train.global_batch_size
     return [[start + i for i in mb] for start in range(0, len(samples), g) for mb in step_plan(samples[start : start + g], cfg, engine).micro_batches]
+
+
+def reuses_first_forward(cfg: RLConfig, samples: list[Sample]) -> bool:
+    """Whether the update's own forward can stand for the old log-probs: the rollout feeds one
+    optimizer step, nothing needs them before it (no KL to a reference), the forward runs in
+    fp32 as generation does, and the generator recorded what it sampled with."""
+    a = cfg.algo
+    return (a.ppo_epochs * a.mini_batches == 1 and a.kl_coef == 0 and cfg.model.dtype == "fp32"
+            and all(s.gen_logprobs is not None for s in samples))
 
 
 def update_policy(model, engine, samples: list[Sample], cfg: RLConfig, rollout: int, group_rng: random.Random, pad_id: int,
@@ -293,8 +309,9 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
         gen_seconds = time.perf_counter() - tg
         gen_tokens += rstats["generated_tokens"]
         first_pass = first_pass_micro_batches(samples, cfg, engine)
-        attach_logprobs(model, samples, "old_logprobs", first_pass, tok.pad_token_id, cfg.rollout.temperature, engine.autocast,
-                        cfg.train.padding_free)
+        if not reuses_first_forward(cfg, samples):
+            attach_logprobs(model, samples, "old_logprobs", first_pass, tok.pad_token_id, cfg.rollout.temperature, engine.autocast,
+                            cfg.train.padding_free)
         if ref is not None:
             attach_logprobs(ref, samples, "ref_logprobs", first_pass, tok.pad_token_id, cfg.rollout.temperature, engine.autocast,
                             cfg.train.padding_free)

@@ -39,6 +39,7 @@ class Sample:
     # Per-token tensors of length len(prompt + response) - 1, aligned with next-token targets:
     advantages: torch.Tensor | None = None  # zero on prompt targets
     old_logprobs: torch.Tensor | None = None  # fixed for the whole rollout
+    gen_logprobs: torch.Tensor | None = None  # the generator's, zero on prompt targets
     ref_logprobs: torch.Tensor | None = None
     old_values: torch.Tensor | None = None  # the critic's, fixed for the rollout (ppo)
     returns: torch.Tensor | None = None  # the critic's targets (ppo)
@@ -81,7 +82,9 @@ def collect_rollout(engine_gen, prompts, rewards_cfg, cfg: RLConfig) -> tuple[li
     samples = []
     for i, (g, rw) in enumerate(zip(gens, rewards)):
         pen = overlong_penalty(len(g.response_ids), r.max_new_tokens, a.overlong_buffer, a.overlong_penalty)
-        samples.append(Sample(g.prompt_ids, g.response_ids, rw + pen, g.finished, {k: v[i] for k, v in parts.items()}, pen))
+        gen_lp = None if g.logprobs is None else torch.tensor([0.0] * (len(g.prompt_ids) - 1) + g.logprobs)
+        samples.append(Sample(g.prompt_ids, g.response_ids, rw + pen, g.finished, {k: v[i] for k, v in parts.items()}, pen,
+                              gen_logprobs=gen_lp))
     shares = gather((samples, len(failures)))
     samples = [s for part, _ in shares for s in part]
     return samples, rollout_stats(samples, sum(n for _, n in shares), cfg)

@@ -56,7 +56,7 @@ def collate_rl(samples, pad_id: int) -> dict[str, torch.Tensor]:
     attn = pad_right([[1] * len(s) for s in seqs], 0)
     mask = pad_right([[0] * len(s.prompt_ids) + [1] * len(s.response_ids) for s in samples], 0)[:, 1:]
     out = {"input_ids": ids, "attention_mask": attn, "loss_mask": mask}
-    for key in ("advantages", "old_logprobs", "ref_logprobs", "old_values", "returns"):
+    for key in ("advantages", "old_logprobs", "gen_logprobs", "ref_logprobs", "old_values", "returns"):
         values = [getattr(s, key) for s in samples]
         if all(v is not None for v in values):
             width = ids.size(1) - 1

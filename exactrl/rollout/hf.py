@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, LogitsProcessor
 from transformers.cache_utils import DynamicLayer
 
 
@@ -16,6 +16,7 @@ class Generation:
     response_ids: list[int]  # up to and including EOS when the model stopped by itself
     text: str  # decoded response without special tokens
     finished: bool  # True when the model emitted EOS within max_new_tokens
+    logprobs: list[float] | None = None  # log p of each response token at the sampling temperature (sampled runs)
 
 
 class _PreallocatedLayer(DynamicLayer):
@@ -40,6 +41,26 @@ class _PreallocatedLayer(DynamicLayer):
         self.length = end
         self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
         return self.keys, self.values
+
+
+class _SampledLogprobs(LogitsProcessor):
+    """Records log p(token) of every token generate draws, at the sampling temperature (before
+    any top-p cut, as the loss computes it). Custom processors run before generate's own
+    temperature and top-p warpers, so the scores seen here are the model's logits; each call
+    keeps one step's log-softmax and reads the token drawn from it at the next call."""
+
+    def __init__(self, temperature: float):
+        self.temperature, self.last, self.steps = temperature, None, []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.take(input_ids[:, -1])
+        self.last = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def take(self, tokens: torch.Tensor) -> None:
+        if self.last is not None:
+            self.steps.append(self.last.gather(1, tokens[:, None])[:, 0])
+            self.last = None
 
 
 def preallocated_cache(model, capacity: int) -> DynamicCache:
@@ -79,15 +100,19 @@ class HFEngine:
         width = max(len(ids) for _, ids in requests)
         input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for _, ids in requests])
         attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, ids in requests])
-        sampling = {} if greedy else {"temperature": temperature, "top_p": top_p, "top_k": 0}
+        recorder = _SampledLogprobs(temperature)
+        sampling = {} if greedy else {"temperature": temperature, "top_p": top_p, "top_k": 0, "logits_processor": [recorder]}
         seqs = self.model.generate(
             input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens, do_sample=not greedy,
             pad_token_id=pad, eos_token_id=eos, use_cache=True, synced_gpus=self.synced,
             past_key_values=preallocated_cache(self.model, width + max_new_tokens), **sampling,
         )
+        recorder.take(seqs[:, -1])
+        logprobs = torch.stack(recorder.steps, 1).tolist() if recorder.steps else [None] * len(requests)
         out = []
-        for (idx, ids), row in zip(requests, seqs[:, width:].tolist()):
+        for (idx, ids), row, lp in zip(requests, seqs[:, width:].tolist(), logprobs):
             finished = eos in row
             response = row[: row.index(eos) + 1] if finished else row
-            out.append(Generation(idx, ids, response, self.tok.decode(response, skip_special_tokens=True), finished))
+            out.append(Generation(idx, ids, response, self.tok.decode(response, skip_special_tokens=True), finished,
+                                  None if lp is None else lp[: len(response)]))
         return out

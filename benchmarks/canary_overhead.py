@@ -5,7 +5,8 @@ optimizer offloaded to CPU -- where the canary reads the offloaded fp32 gradient
 usage: DS_ACCELERATOR=cpu .venv/bin/python benchmarks/canary_overhead.py [pairs] [warmup]
 The two run side by side, one step each in turn on the same batch; prints median step times,
 the quartiles of the per-pair time ratio and `RATIO canary_on/off[<backend>] = X.XXX` (the
-median ratio; goal: <= 1.01).
+median ratio; goal: <= 1.01). benchmarks/bench.py calls measure() for the single engine on its
+own model.
 """
 
 from __future__ import annotations
@@ -42,23 +43,37 @@ LAYOUTS = {
 class Trainer:
     """One SFT setup (model + engine) for a layout and canary policy, stepped on demand."""
 
-    def __init__(self, layout: str, policy: str, paths, examples, tok, steps: int):
-        cfg = load_config(SFTConfig, None, [*LAYOUTS[layout], f"audit.canary={policy}", "train.global_batch_size=64",
-                                            "train.micro_batch_size=16"])
+    def __init__(self, layout: str, policy: str, model_path, examples, tok, steps: int, batch: int, micro: int):
+        cfg = load_config(SFTConfig, None, [*LAYOUTS[layout], f"audit.canary={policy}", f"train.global_batch_size={batch}",
+                                            f"train.micro_batch_size={micro}"])
         torch.manual_seed(0)
-        self.model, self.examples, self.tok = load_causal_lm(paths.model), examples, tok
+        self.model, self.examples, self.tok, self.micro = load_causal_lm(str(model_path)), examples, tok, micro
         self.engine = build_engine(self.model, cfg, steps)
-        self.sampler = StepSampler(len(examples), 64, 0)
+        self.sampler = StepSampler(len(examples), batch, 0)
 
     def step(self, step: int) -> float:
         batch = [self.examples[i] for i in self.sampler.batch(step)]
         t0 = time.perf_counter()
-        plan = plan_step([e.loss_tokens for e in batch], 16, "token-mean", lengths=[len(e.input_ids) for e in batch])
+        plan = plan_step([e.loss_tokens for e in batch], self.micro, "token-mean", lengths=[len(e.input_ids) for e in batch])
         for mb in plan.micro_batches:
             loss, share = sft_micro_batch_loss(self.model, self.engine, [batch[i] for i in mb], self.tok.pad_token_id, plan.normalizer)
             self.engine.backward(loss, share, len(mb))
         self.engine.step(plan)
         return time.perf_counter() - t0
+
+
+def measure(layout: str, model_path, examples, tok, pairs: int = 60, warmup: int = 3, batch: int = 64, micro: int = 16) -> dict:
+    """Median step times with the canary on and off, and the quartiles of the paired on/off ratio."""
+    on, off = (Trainer(layout, policy, model_path, examples, tok, pairs + warmup, batch, micro) for policy in ("error", "off"))
+    # Step by step, alternating which goes first, both on the same batch: machine noise
+    # (this is a VM) hits both alike, and each pair gives one ratio.
+    ratios, t_on, t_off = [], [], []
+    for step in range(pairs + warmup):
+        pair = (on.step(step), off.step(step)) if step % 2 == 0 else tuple(reversed((off.step(step), on.step(step))))
+        if step >= warmup:
+            t_on.append(pair[0]), t_off.append(pair[1]), ratios.append(pair[0] / pair[1])
+    return {"on_ms": 1e3 * statistics.median(t_on), "off_ms": 1e3 * statistics.median(t_off),
+            "quartiles": statistics.quantiles(ratios, n=4), "pairs": pairs}
 
 
 def main(steps: int = 60, warmup: int = 3) -> None:
@@ -74,18 +89,12 @@ def main(steps: int = 60, warmup: int = 3) -> None:
         if layout.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
             print(f"{layout}: deepspeed not installed, skipped")
             continue
-        on, off = (Trainer(layout, policy, paths, examples, tok, steps + warmup) for policy in ("error", "off"))
-        # Step by step, alternating which goes first, both on the same batch: machine noise
-        # (this is a VM) hits both alike, and each pair gives one ratio.
-        ratios, t_on, t_off = [], [], []
-        for step in range(steps + warmup):
-            pair = (on.step(step), off.step(step)) if step % 2 == 0 else tuple(reversed((off.step(step), on.step(step))))
-            if step >= warmup:
-                t_on.append(pair[0]), t_off.append(pair[1]), ratios.append(pair[0] / pair[1])
-        q = statistics.quantiles(ratios, n=4)
-        print(f"{layout}: median step canary on {1e3 * statistics.median(t_on):.2f} ms, off {1e3 * statistics.median(t_off):.2f} ms; "
+        r = measure(layout, paths.model, examples, tok, steps, warmup)
+        q = r["quartiles"]
+        print(f"{layout}: median step canary on {r['on_ms']:.2f} ms, off {r['off_ms']:.2f} ms; "
               f"paired on/off ratio quartiles {q[0]:.3f} / {q[1]:.3f} / {q[2]:.3f} ({steps} pairs, tiny built-in model, batch 64 x 4 micro-batches)")
         print(f"RATIO canary_on/off[{layout}] = {q[1]:.3f}", flush=True)
+
 
 if __name__ == "__main__":
     main(*(int(a) for a in sys.argv[1:]))

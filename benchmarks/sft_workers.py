@@ -13,14 +13,13 @@ what its side needs.
 
 from __future__ import annotations
 
-import json
-import resource
 import sys
-import time
+
+from worker_common import run, trl_clock
 
 
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def rates(tokens: int, seconds: float, steps: int) -> dict:
+    return {"tokens": tokens, "seconds": seconds, "steps": steps, "tokens_per_s": tokens / seconds}
 
 
 def run_exactrl(model_dir: str, data: str, batch: int, out: str) -> dict:
@@ -32,46 +31,32 @@ def run_exactrl(model_dir: str, data: str, batch: int, out: str) -> dict:
                                         "train.max_grad_norm=1.0", "train.log_every=1000000", "optim.name=adamw", "optim.lr=1e-4",
                                         "optim.scheduler=constant", "optim.warmup_steps=0", f"output_dir={out}"])
     result = train_sft(cfg)
-    return {"system": "exactrl", "tokens": result.trained_tokens, "seconds": result.seconds, "steps": result.steps}
+    return rates(result.trained_tokens, result.seconds, result.steps)
 
 
 def run_trl(model_dir: str, data: str, batch: int, out: str) -> dict:
     from datasets import load_dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32")
     ds = load_dataset("json", data_files=data, split="train")
-    times = {}
-
-    class Clock(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kw):
-            times["start"] = time.perf_counter()
-
-        def on_train_end(self, args, state, control, **kw):
-            times["end"] = time.perf_counter()
-
+    clock = trl_clock()
     args = SFTConfig(output_dir=out, per_device_train_batch_size=batch, gradient_accumulation_steps=1, num_train_epochs=1,
                      learning_rate=1e-4, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, weight_decay=0.0,
                      bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=True, report_to=[], save_strategy="no",
                      logging_steps=1000000, dataloader_num_workers=0, max_length=256, completion_only_loss=True,
                      packing=False, seed=0, disable_tqdm=True)
-    trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok, callbacks=[Clock()])
+    trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok, callbacks=[clock])
     tokens = sum(len(ids) for ids in trainer.train_dataset["input_ids"])
     trainer.train()
-    return {"system": "trl", "tokens": tokens, "seconds": times["end"] - times["start"], "steps": trainer.state.global_step}
+    return rates(tokens, clock.end - clock.begin, trainer.state.global_step)
 
 
 def main() -> None:
     system, model_dir, data, batch, threads, out = sys.argv[1:7]
-    import torch
-
-    torch.set_num_threads(int(threads))
-    row = (run_exactrl if system == "exactrl" else run_trl)(model_dir, data, int(batch), out)
-    row.update(tokens_per_s=row["tokens"] / row["seconds"], peak_rss_mb=peak_rss_mb(), threads=int(threads),
-               torch=torch.__version__)
-    print("RESULT " + json.dumps(row), flush=True)
+    run({"exactrl": run_exactrl, "trl": run_trl}, system, int(threads), model_dir, data, int(batch), out)
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ class Critic:
         return {"critic": (self.model, self.engine)}
 
     def _model_batch(self, samples: list[Sample]):
-        return model_batch(self.model, [s.prompt_ids + s.response_ids for s in samples], self.pad_id, self.cfg.train.padding_free)
+        return model_batch(self.model, [s.ids for s in samples], self.pad_id, self.cfg.train.padding_free)
 
     def attach_values(self, samples: list[Sample], micro_batches: list[list[int]], autocast) -> None:
         """The rollout's values under the critic before any update (``old_values``)."""

@@ -128,7 +128,7 @@ def policy_micro_batch_loss(model, engine, samples: list[Sample], normalizer, cf
                             kl_coef: float | None = None):
     """This micro-batch's part of the step loss, its canary share, and its metrics."""
     b = collate_rl(samples, pad_id)
-    mb = model_batch(model, [s.prompt_ids + s.response_ids for s in samples], pad_id, cfg.train.padding_free)
+    mb = model_batch(model, [s.ids for s in samples], pad_id, cfg.train.padding_free)
     with engine.autocast():
         logits = engine.forward(model, **mb.inputs).logits
     logp = mb.repad(token_logprobs(logits, mb.inputs["input_ids"], cfg.rollout.temperature))

@@ -44,6 +44,11 @@ class Sample:
     old_values: torch.Tensor | None = None  # the critic's, fixed for the rollout (ppo)
     returns: torch.Tensor | None = None  # the critic's targets (ppo)
 
+    @property
+    def ids(self) -> list[int]:
+        """Prompt and response, the sequence every forward sees."""
+        return self.prompt_ids + self.response_ids
+
 
 def shard(items: list) -> list:
     """This rank's contiguous share of ``items`` (their number divides by the world size)."""
@@ -166,7 +171,7 @@ def attach_logprobs(model, samples: list[Sample], attr: str, micro_batches: list
     (``packed``: padding-free, as the training forward)."""
 
     def compute(chunk):
-        mb = model_batch(model, [s.prompt_ids + s.response_ids for s in chunk], pad_id, packed)
+        mb = model_batch(model, [s.ids for s in chunk], pad_id, packed)
         with autocast():
             logits = model(**mb.inputs).logits
         return mb.repad(token_logprobs(logits, mb.inputs["input_ids"], temperature))

@@ -51,7 +51,7 @@ class StepSampler:
 def collate_rl(samples, pad_id: int) -> dict[str, torch.Tensor]:
     """Prompt+response sequences, right-padded. ``loss_mask`` [B, L-1] marks response targets;
     per-token tensors stored on the samples (advantages, old/ref log-probs, old values, returns) are padded to the same width."""
-    seqs = [s.prompt_ids + s.response_ids for s in samples]
+    seqs = [s.ids for s in samples]
     ids = pad_right(seqs, pad_id)
     attn = pad_right([[1] * len(s) for s in seqs], 0)
     mask = pad_right([[0] * len(s.prompt_ids) + [1] * len(s.response_ids) for s in samples], 0)[:, 1:]

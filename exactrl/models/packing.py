@@ -18,12 +18,14 @@ forward is the same code on both paths; tests/test_packing.py holds them equal.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from exactrl.data.batching import pad_right
 
 ATTENTION = "exactrl_varlen"
 
@@ -69,15 +71,13 @@ class ModelBatch:
     ([rows, positions - 1], as token_logprobs returns them) map to the padded [B, L-1] layout."""
 
     inputs: dict[str, torch.Tensor]
-    lengths: list[int]
-    packed: bool
-    _index: torch.Tensor | None = field(default=None, repr=False)
+    targets: tuple[torch.Tensor, torch.Tensor] | None = None  # packed: (flat index, valid) per [B, L-1] slot
 
     def repad(self, per_target: torch.Tensor) -> torch.Tensor:
-        if not self.packed:
+        if self.targets is None:
             return per_target
+        index, valid = self.targets
         flat = per_target[0]
-        index, valid = self._index
         return torch.where(valid, flat[index], flat.new_zeros(()))
 
 
@@ -86,10 +86,8 @@ def model_batch(model, seqs: list[list[int]], pad_id: int, packed: bool) -> Mode
     row with per-sequence position ids and the cumulative lengths ``varlen_attention`` reads."""
     lengths = [len(s) for s in seqs]
     if not packed:
-        width = max(lengths)
-        ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs], dtype=torch.long)
-        attn = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], dtype=torch.long)
-        return ModelBatch({"input_ids": ids, "attention_mask": attn, "use_cache": False}, lengths, False)
+        attn = pad_right([[1] * n for n in lengths], 0)
+        return ModelBatch({"input_ids": pad_right(seqs, pad_id), "attention_mask": attn, "use_cache": False})
     hf = _hf_model(model)
     if getattr(hf.config, "_attn_implementation", None) != ATTENTION:
         enable(hf)  # models not loaded through exactrl.models.loading
@@ -108,4 +106,4 @@ def model_batch(model, seqs: list[list[int]], pad_id: int, packed: bool) -> Mode
     pos = torch.arange(width)
     valid = pos[None, :] < torch.tensor(lengths)[:, None] - 1
     index = torch.where(valid, cu[:-1, None].long() + pos[None, :], 0)
-    return ModelBatch(inputs, lengths, True, (index, valid))
+    return ModelBatch(inputs, (index, valid))

@@ -1,7 +1,8 @@
 """RL on every backend: each policy loss and the critic's value loss apply exactly the
 full-rollout update on FSDP2 and DeepSpeed (ZeRO 0-3, offload) at world size 1 and 2, with
 the canary on; and the rollout each rank assembles, and its advantages, are those of one
-process (tests/dist/rl_equivalence.py, one process group per backend and world size).
+process (tests/dist/rl_equivalence.py, one process group per backend and world size); and
+sampling with sharded parameters keeps every rank stepping until the last rank's rows end.
 
 The policy losses: PPO's clipped token ratio (GRPO, RLOO, REINFORCE++), with clip-higher, a
 k3 KL and an entropy bonus under Dr.GRPO's constant-length aggregation (DAPO/Dr.GRPO); GSPO's
@@ -52,3 +53,15 @@ def test_ranks_assemble_the_one_process_rollout_and_advantages(results):
         # same; REINFORCE++ whitens over the whole rollout, so its share alone would differ.
         assert r["sharing"]["grpo"]["max_diff_rank_local"] == 0.0 and r["sharing"]["rloo"]["max_diff_rank_local"] == 0.0
         assert r["sharing"]["reinforce_pp"]["max_diff_rank_local"] > 1e-3
+
+
+def test_sharded_ranks_sample_what_one_process_samples_when_one_rank_finishes_first(results):
+    _, world, r = results
+    if world == 1:
+        assert r["synced_generation"] is None
+        return
+    ranks = r["synced_generation"]
+    assert [x["rank"] for x in ranks] == [0, 1] and all(x["shards"] for x in ranks)
+    assert set(ranks[0]["lengths"]) == {1} and max(ranks[1]["lengths"]) == 10  # rank 0 had nothing to do for 9 steps
+    for x in ranks:
+        assert x["same_tokens"] and x["max_logprob_diff"] < 1e-5, x

@@ -79,7 +79,7 @@ class AuditConfig(Section):
 
 class EvalConfig(Section):
     max_new_tokens: int = Field(48, gt=0, description="Generation budget when measuring accuracy.")
-    batch_size: int = Field(500, gt=0, description="Prompts per generate() call when evaluating.")
+    batch_size: int = Field(500, gt=0, description="Prompts decoded together when evaluating.")
     reward_fn: str = Field("exactrl.tasks.arithmetic:reward", description="module:function that scores eval answers; accuracy = share with reward >= 1.")
 
 
@@ -119,11 +119,11 @@ class SFTConfig(CommonConfig):
 
 
 class RolloutConfig(Section):
-    engine: Literal["hf"] = Field("hf", description="Generation engine: 'hf' (transformers generate, KV cache).")
+    engine: Literal["hf"] = Field("hf", description="Generation engine: 'hf' (the Hugging Face model's own forward in a KV-cached decode loop).")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature; log-probs are computed at the same temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling.")
     max_new_tokens: int = Field(48, gt=0, description="Response length limit.")
-    batch_size: int = Field(256, gt=0, description="Sequences per generate() call.")
+    batch_size: int = Field(256, gt=0, description="Sequences decoded together.")
 
 
 RL_ALGOS = ("ppo", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo")

@@ -1,11 +1,12 @@
-"""Generation with Hugging Face ``generate`` (KV cache, batched sampling): the CPU default engine."""
+"""Generation with the trainer's own Hugging Face model (KV cache, batched sampling, finished
+rows leaving the batch): the CPU default engine."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, LogitsProcessor
+from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 
@@ -42,31 +43,87 @@ class _PreallocatedLayer(DynamicLayer):
         self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
         return self.keys, self.values
 
-
-class _SampledLogprobs(LogitsProcessor):
-    """Records log p(token) of every token generate draws, at the sampling temperature (before
-    any top-p cut, as the loss computes it). Custom processors run before generate's own
-    temperature and top-p warpers, so the scores seen here are the model's logits; each call
-    keeps one step's log-softmax and reads the token drawn from it at the next call."""
-
-    def __init__(self, temperature: float):
-        self.temperature, self.last, self.steps = temperature, None, []
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        self.take(input_ids[:, -1])
-        self.last = torch.log_softmax(scores.float() / self.temperature, dim=-1)
-        return scores
-
-    def take(self, tokens: torch.Tensor) -> None:
-        if self.last is not None:
-            self.steps.append(self.last.gather(1, tokens[:, None])[:, 0])
-            self.last = None
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the rows ``indices`` (finished rows leave the batch), copying the filled part."""
+        if not self.is_initialized:
+            return
+        for name in ("_k", "_v"):
+            old = getattr(self, name)
+            new = old.new_empty(len(indices), *old.shape[1:])
+            new[:, :, : self.length] = old[indices, :, : self.length]
+            setattr(self, name, new)
+        self.keys, self.values = self._k[:, :, : self.length], self._v[:, :, : self.length]
 
 
 def preallocated_cache(model, capacity: int) -> DynamicCache:
     cache = DynamicCache()
     cache.layers = [_PreallocatedLayer(capacity) for _ in range(model.config.get_text_config(decoder=True).num_hidden_layers)]
     return cache
+
+
+def _draw(logits: torch.Tensor, greedy: bool, temperature: float, top_p: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Next tokens from fp32 logits [rows, vocab] as Hugging Face's sampler draws them
+    (temperature, then top-p keeping at least one token, then one multinomial draw per row),
+    with log p of each drawn token at the temperature before the top-p cut, as the loss computes it."""
+    if greedy:
+        return logits.argmax(-1), None
+    scores = logits / temperature
+    logp = torch.log_softmax(scores, dim=-1)
+    if top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=False)
+        cut = sorted_scores.softmax(-1).cumsum(-1) <= 1 - top_p
+        cut[:, -1] = False
+        scores = scores.masked_fill(cut.scatter(1, order, cut), float("-inf"))
+    token = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1)[:, 0]
+    return token, logp.gather(1, token[:, None])[:, 0]
+
+
+def _any_live(live: torch.Tensor, synced: bool) -> bool:
+    flag = live.any().to(torch.int32)
+    if synced:  # every rank steps while any rank has a live row
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag)
+
+
+@torch.no_grad()
+def sample(model, input_ids: torch.Tensor, attention: torch.Tensor, *, max_new_tokens: int, eos: int, pad: int,
+           greedy: bool = False, temperature: float = 1.0, top_p: float = 1.0, synced: bool = False,
+           compact_at: float = 0.125) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A lean decode loop over left-padded prompts: one prefill, then one single-token forward
+    per step into a cache written in place. Rows that emitted EOS leave the batch (and the
+    cache) once they are at least ``compact_at`` of it, so late steps run only live rows;
+    until then they feed ``pad`` as generate does, and their draws are discarded. Returns
+    tokens [rows, max_new_tokens] (``pad`` after a row's EOS) and, sampled, the log-prob of
+    each token at ``temperature`` (0 after EOS).
+
+    ``synced`` (parameters sharded over ranks): every rank runs as many forwards, stepping
+    at least one row until no rank has a live one."""
+    rows = input_ids.shape[0]
+    tokens = torch.full((rows, max_new_tokens), pad, dtype=torch.long)
+    logprobs = None if greedy else torch.zeros(rows, max_new_tokens)
+    cache = preallocated_cache(model, input_ids.shape[1] + max_new_tokens)
+    mask = attention
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    row = torch.arange(rows)  # the original row of each batch row
+    live = torch.ones(rows, dtype=torch.bool)
+    for t in range(max_new_tokens):
+        token, logp = _draw(out.logits[:, -1].float(), greedy, temperature, top_p)
+        tokens[row[live], t] = token[live]
+        if logprobs is not None:
+            logprobs[row[live], t] = logp[live]
+        live = live & (token != eos)
+        if t + 1 == max_new_tokens or not _any_live(live, synced):
+            break
+        token = torch.where(live, token, pad)
+        if (~live).sum() >= max(1.0, compact_at * len(live)):
+            keep = live.nonzero()[:, 0] if live.any() else torch.zeros(1, dtype=torch.long)
+            row, live, token, mask = row[keep], live[keep], token[keep], mask[keep]
+            cache.batch_select_indices(keep)
+        mask = torch.cat([mask, mask.new_ones(len(mask), 1)], 1)
+        out = model(input_ids=token[:, None], attention_mask=mask, position_ids=mask.sum(-1, keepdim=True) - 1,
+                    past_key_values=cache, use_cache=True)
+    return tokens, logprobs
 
 
 class HFEngine:
@@ -100,17 +157,11 @@ class HFEngine:
         width = max(len(ids) for _, ids in requests)
         input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for _, ids in requests])
         attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, ids in requests])
-        recorder = _SampledLogprobs(temperature)
-        sampling = {} if greedy else {"temperature": temperature, "top_p": top_p, "top_k": 0, "logits_processor": [recorder]}
-        seqs = self.model.generate(
-            input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens, do_sample=not greedy,
-            pad_token_id=pad, eos_token_id=eos, use_cache=True, synced_gpus=self.synced,
-            past_key_values=preallocated_cache(self.model, width + max_new_tokens), **sampling,
-        )
-        recorder.take(seqs[:, -1])
-        logprobs = torch.stack(recorder.steps, 1).tolist() if recorder.steps else [None] * len(requests)
+        tokens, logprobs = sample(self.model, input_ids, attention, max_new_tokens=max_new_tokens, eos=eos, pad=pad, greedy=greedy,
+                                  temperature=temperature, top_p=top_p, synced=self.synced)
+        logprobs = [None] * len(requests) if logprobs is None else logprobs.tolist()
         out = []
-        for (idx, ids), row, lp in zip(requests, seqs[:, width:].tolist(), logprobs):
+        for (idx, ids), row, lp in zip(requests, tokens.tolist(), logprobs):
             finished = eos in row
             response = row[: row.index(eos) + 1] if finished else row
             out.append(Generation(idx, ids, response, self.tok.decode(response, skip_special_tokens=True), finished,

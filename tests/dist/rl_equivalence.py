@@ -267,6 +267,38 @@ def rollout_sharing() -> dict:
     return out
 
 
+def synced_generation(backend: str, tok) -> list[dict]:
+    """Sampling with parameters sharded over two ranks, where rank 0's rows all end at their
+    first token (EOS made certain there) and rank 1's run to the length limit: rank 0 must
+    keep stepping with rank 1 (or both hang), and each rank's responses and log-probs must be
+    those of the same model unsharded in one process, same seed."""
+    from exactrl.rollout.hf import HFEngine
+
+    layout = ["distributed.backend=fsdp2"] if backend == "fsdp2" else ["distributed.backend=deepspeed", "deepspeed.zero_stage=3"]
+    cfg = load_config(RLConfig, None, [*layout, "distributed.nproc_per_node=2", "train.global_batch_size=16", "train.micro_batch_size=4",
+                                         "algo.group_size=4"])
+    rank = dist.get_rank()
+    prompts = [[tok.bos_token_id, 5 + rank, 7 + k] for k in range(3)]
+
+    def run(model, engine_synced):
+        if rank == 0:  # EOS certain everywhere on this rank only
+            model.lm_head.register_forward_hook(lambda m, a, out: out.index_fill(-1, torch.tensor([tok.eos_token_id]), 1e4))
+        torch.manual_seed(11 + rank)
+        gens = HFEngine(model, tok, batch_size=4, synced=engine_synced).generate(prompts, n=2, temperature=1.0, max_new_tokens=10)
+        return [(g.response_ids, g.logprobs) for g in gens]
+
+    sharded = fresh_policy(tok)
+    engine = build_engine(sharded, cfg, total_steps=1)
+    got = run(sharded, True)
+    ref = run(fresh_policy(tok), False)
+    mine = {"rank": rank, "shards": engine.shards_parameters, "lengths": [len(r) for r, _ in got],
+            "same_tokens": [r for r, _ in got] == [r for r, _ in ref],
+            "max_logprob_diff": max(max(abs(a - b) for a, b in zip(lg, lr)) for (_, lg), (_, lr) in zip(got, ref))}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
 def main(backend: str, world: int, out_path: str) -> None:
     tok = build_tokenizer()
     samples = make_rollout(tok)
@@ -281,8 +313,9 @@ def main(backend: str, world: int, out_path: str) -> None:
             results.append({**{k: v for k, v in case.items() if k != "layout"}, "config": " ".join(case["layout"]),
                             "K": 8 // (case["micro"] * world), "rel_err": (num / den) ** 0.5})
     sharing = rollout_sharing()
+    synced = synced_generation(backend, tok) if world == 2 else None
     if not dist.is_initialized() or dist.get_rank() == 0:
-        json.dump({"cases": results, "sharing": sharing}, open(out_path, "w"))
+        json.dump({"cases": results, "sharing": sharing, "synced_generation": synced}, open(out_path, "w"))
     shutdown()
 
 

@@ -380,9 +380,15 @@ def test_one_update_rollout_reuses_its_forward_and_checks_the_generator(tokenize
     (l0, d0, g0), (l1, d1, g1) = results[False], results[True]
     assert abs(l1 - l0) <= 1e-6 * abs(l0) and (g1 - g0).norm() <= 1e-5 * g0.norm()
     assert d0 < 1e-6 and d1 < 1e-5  # the generator's log-probs agree with the training forward
-    samples[3].gen_logprobs[-1] += 0.01
+    samples[3].gen_logprobs[-1] += 0.05
     _, _, m = policy_micro_batch_loss(model, build_engine(model, cfg, 1), samples, plan.normalizer, cfg, tokenizer.pad_token_id)
-    assert m["ratio_dev"] > 5e-3
+    assert m["ratio_dev"] > 0.04
+    with pytest.raises(OnPolicyCheckError, match="generator's log-probs"):
+        check_on_policy(m["ratio_dev"], cfg, rollout=3, against_generator=True)
+    # Against the generator the check allows decoding's rounding (algo.gen_ratio_tol), not ratio_tol.
+    check_on_policy(2.4e-4, cfg, rollout=3, against_generator=True)
+    with pytest.raises(OnPolicyCheckError, match="old log-probs"):
+        check_on_policy(2.4e-4, cfg, rollout=3)
 
 
 def test_which_rollouts_reuse_the_update_forward(tokenizer, make_model):

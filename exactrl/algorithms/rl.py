@@ -158,12 +158,19 @@ def policy_micro_batch_loss(model, engine, samples: list[Sample], normalizer, cf
     return aggregate(tok_loss, mask, normalizer), canary_share(mask, normalizer), m
 
 
-def check_on_policy(deviation: float, cfg: RLConfig, rollout: int) -> None:
-    if cfg.algo.ratio_check == "off" or deviation <= cfg.algo.ratio_tol:
+def check_on_policy(deviation: float, cfg: RLConfig, rollout: int, against_generator: bool = False) -> None:
+    """The first update after a rollout must see ratio 1: against old log-probs from the same
+    forward code (``algo.ratio_tol``), or, when a one-update rollout skips that pass, against
+    the log-probs the generator sampled with (``algo.gen_ratio_tol``: KV-cached single-token
+    decoding sums in another order; 2.4e-4 was seen 15 steps into examples/grpo_tiny.yaml,
+    while a generator with stale or wrong weights is off by far more)."""
+    key = "gen_ratio_tol" if against_generator else "ratio_tol"
+    tol = getattr(cfg.algo, key)
+    if cfg.algo.ratio_check == "off" or deviation <= tol:
         return
-    msg = (f"on-policy check failed at rollout {rollout}: max |ratio - 1| = {deviation:.3g} > algo.ratio_tol={cfg.algo.ratio_tol} "
-           "at the first update after the rollout; the old log-probs (or, for a rollout feeding one update, the generator's) are "
-           "stale or computed differently from the loss's")
+    what = "the generator's log-probs are" if against_generator else "the old log-probs are"
+    msg = (f"on-policy check failed at rollout {rollout}: max |ratio - 1| = {deviation:.3g} > algo.{key}={tol} "
+           f"at the first update after the rollout; {what} stale or computed differently from the loss's")
     if cfg.algo.ratio_check == "error":
         raise OnPolicyCheckError(msg)
     warnings.warn(msg, stacklevel=2)
@@ -228,6 +235,7 @@ def update_policy(model, engine, samples: list[Sample], cfg: RLConfig, rollout: 
     """
     a, t = cfg.algo, cfg.train
     train_policy = critic is None or rollout >= cfg.critic.warmup_rollouts
+    reused = samples[0].old_logprobs is None  # no old-log-prob pass: the check reads the generator's
     groups = [samples[i : i + a.group_size] for i in range(0, len(samples), a.group_size)]
     for epoch in range(a.ppo_epochs):
         if epoch > 0:  # reshuffle whole groups, never splitting one across optimizer steps
@@ -246,7 +254,7 @@ def update_policy(model, engine, samples: list[Sample], cfg: RLConfig, rollout: 
                     parts.append(m)
                 if epoch == 0 and start == 0:
                     stats["ratio_dev_first"] = engine.max_over_ranks(max(p["ratio_dev"] for p in parts))
-                    check_on_policy(stats["ratio_dev_first"], cfg, rollout)
+                    check_on_policy(stats["ratio_dev_first"], cfg, rollout, against_generator=reused)
                 stats |= engine.step(plan)
             if critic is not None:
                 stats |= critic.train_step(batch, plan)

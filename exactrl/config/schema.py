@@ -155,6 +155,7 @@ class AlgoConfig(Section):
     mini_batches: int = Field(1, gt=0, description="Optimizer steps per rollout epoch; a rollout holds mini_batches x train.global_batch_size responses.")
     ratio_check: CheckPolicy = Field("error", description="On-policy check: the ratio must be 1 at the first update after a rollout.")
     ratio_tol: float = Field(1e-4, gt=0, description="Allowed |ratio - 1| for the on-policy check.")
+    gen_ratio_tol: float = Field(1e-2, gt=0, description="Allowed |ratio - 1| for the on-policy check when a rollout feeding one update is checked against the generator's log-probs (KV-cached decoding rounds differently from the training forward; the loss uses the forward's own).")
 
 
 class RewardConfig(Section):

@@ -33,6 +33,7 @@ def _quiet_libraries() -> None:
 
 def _run(kind: str, config: Optional[Path], overrides: Optional[list[str]], fn) -> None:
     from exactrl.audit.canary import CanaryError
+    from exactrl.checks.packing import PackingCheckError
     from exactrl.data.jsonl import DataError
     from exactrl.distributed.checkpoint import CheckpointError
     from exactrl.models.loading import ModelLoadError
@@ -48,7 +49,7 @@ def _run(kind: str, config: Optional[Path], overrides: Optional[list[str]], fn) 
         _quiet_libraries()
         fn(cfg)
         shutdown()
-    except (ConfigError, DataError, ModelLoadError, RewardError, CheckpointError) as e:
+    except (ConfigError, DataError, ModelLoadError, RewardError, CheckpointError, PackingCheckError) as e:
         console.print(f"[bold red]error:[/bold red] {escape(str(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
     except CanaryError as e:  # the step was not applied; checkpoints written so far are intact

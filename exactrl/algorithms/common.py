@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,8 @@ import torch
 from tqdm.auto import tqdm
 
 from exactrl.algorithms.evaluate import Accuracy, evaluate_accuracy
-from exactrl.audit.manifest import write_manifest
+from exactrl.audit.manifest import record_check, write_manifest
+from exactrl.checks.packing import check_packing
 from exactrl.config.loader import ConfigError
 from exactrl.config.schema import check_layout, check_rl_layout
 from exactrl.distributed.checkpoint import save_checkpoint
@@ -19,6 +21,7 @@ from exactrl.distributed.launch import broadcast_str, is_main, world_size
 from exactrl.data.encode import encode_prompts
 from exactrl.data.jsonl import read_jsonl
 from exactrl.metrics import MetricsLog
+from exactrl.models.loading import load_causal_lm
 from exactrl.run_dir import create_run_dir
 
 
@@ -50,6 +53,23 @@ def open_run(cfg, command: str, run_dir: Path | None, data_files: dict) -> tuple
     if world_size() > 1:
         broadcast_str(str(run_dir))
     return run_dir, MetricsLog(run_dir / "metrics.jsonl")
+
+
+def load_model(cfg, path, run_dir: Path, phase: str, role: str, longest: int, trainable: bool = True, loader=None):
+    """A model for ``role`` (policy, reference, critic) loaded as cfg.model says, after the
+    packing self-check (exactrl/checks/packing.py) has confirmed the path the run will train on
+    and recorded its figures in the manifest. ``longest``: the run's longest sequence."""
+    m = cfg.model
+    model = (loader or load_causal_lm)(path, trainable=trainable, attn=m.attn_implementation, dropout=not m.disable_dropout)
+    t = cfg.train
+    if t.packing_check != "off":
+        report = check_packing(model, model.config.get_text_config(decoder=True).vocab_size, longest, t.padding_free,
+                               t.packing_check, t.packing_check_tol, what=f"the {role} model")
+        if is_main():
+            record_check(run_dir, f"packing/{phase}/{role}", report.as_dict())
+            if report.notice:
+                warnings.warn(report.notice, UserWarning, stacklevel=2)
+    return model
 
 
 def steps_for(train_cfg, num_items: int, items_per_step: int) -> int:

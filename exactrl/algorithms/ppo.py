@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from exactrl.algorithms.common import load_model
 from exactrl.algorithms.rollouts import Sample, attach_per_token
 from exactrl.config.schema import RLConfig
 from exactrl.data.batching import collate_rl
@@ -43,13 +44,17 @@ class Critic:
         self.engine = build_engine(model, cfg.model_copy(update={"optim": cfg.critic.optim}), total_steps)
 
     @classmethod
-    def load(cls, cfg: RLConfig, policy_start: str, total_steps: int, pad_id: int) -> Critic:
-        """From the checkpoint being resumed, else critic.path, else the policy's starting model."""
+    def load(cls, cfg: RLConfig, policy_start: str, total_steps: int, pad_id: int, run_dir: Path, phase: str, longest: int) -> Critic:
+        """From the checkpoint being resumed, else critic.path, else the policy's starting model;
+        packing self-checked like the policy."""
         if cfg.train.resume_from:
             path = Path(cfg.train.resume_from) / "critic"
         else:
             path = cfg.critic.path or policy_start
-        return cls(cfg, load_value_model(path, init_seed=cfg.train.seed), total_steps, pad_id)
+        def loader(p, trainable, attn, dropout):  # a value head is new: seeded; its dropout is off
+            return load_value_model(p, init_seed=cfg.train.seed, attn=attn)
+
+        return cls(cfg, load_model(cfg, path, run_dir, phase, "critic", longest, loader=loader), total_steps, pad_id)
 
     def resume(self, checkpoint: Path) -> None:
         resume_engine(checkpoint / "critic", self.engine)

@@ -29,7 +29,8 @@ import torch
 
 from exactrl.advantages import AdvantageInput, get_advantage
 from exactrl.advantages.estimators import EPS, whiten
-from exactrl.algorithms.common import after_step, check_world, finish, load_eval_prompts, open_run, progress, seed_everything
+from exactrl.algorithms.common import (after_step, check_world, finish, load_eval_prompts, load_model, open_run, progress,
+                                      seed_everything)
 from exactrl.algorithms.rollouts import (RolloutError, Sample, attach_logprobs, collect_dynamic_rollout, collect_rollout,
                                          overlong_penalty)
 from exactrl.config.schema import RLConfig
@@ -43,7 +44,7 @@ from exactrl.distributed.step_plan import StepPlan, plan_step
 from exactrl.losses import aggregate, canary_share, masked_mean
 from exactrl.losses.policy import PolicyInput, get_policy_loss
 from exactrl.losses.token_losses import kl_penalty, token_entropy, token_logprobs
-from exactrl.models.loading import load_causal_lm, load_tokenizer
+from exactrl.models.loading import load_tokenizer
 from exactrl.models.packing import model_batch
 from exactrl.rewards import load_rewards
 from exactrl.rollout.hf import HFEngine
@@ -276,8 +277,9 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     if cfg.train.resume_from:
         check_resumable(cfg.train.resume_from)
     run_dir, log = open_run(cfg, "rl", run_dir, {"train": train_path, "eval": eval_path})
-    model = load_causal_lm(cfg.train.resume_from or model_path)
-    ref = load_causal_lm(model_path, trainable=False) if cfg.algo.kl_coef > 0 else None
+    longest = cfg.data.max_length + cfg.rollout.max_new_tokens
+    model = load_model(cfg, cfg.train.resume_from or model_path, run_dir, phase, "policy", longest)
+    ref = load_model(cfg, model_path, run_dir, phase, "reference", longest, trainable=False) if cfg.algo.kl_coef > 0 else None
 
     a, t = cfg.algo, cfg.train
     steps_per_rollout = a.ppo_epochs * a.mini_batches
@@ -290,7 +292,7 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     if a.name == "ppo":
         from exactrl.algorithms.ppo import Critic
 
-        critic = Critic.load(cfg, model_path, steps, tok.pad_token_id)
+        critic = Critic.load(cfg, model_path, steps, tok.pad_token_id, run_dir, phase, longest)
     # Several ranks holding shards of the parameters must run every forward together
     # (generate's synced_gpus keeps a rank whose responses have all ended stepping with the others).
     generator = HFEngine(model, tok, cfg.rollout.batch_size, synced=engine.world_size > 1 and engine.shards_parameters)

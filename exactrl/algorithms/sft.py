@@ -13,7 +13,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from exactrl.algorithms.common import after_step, check_world, finish, load_eval_prompts, open_run, progress, seed_everything, steps_for
+from exactrl.algorithms.common import (after_step, check_world, finish, load_eval_prompts, load_model, open_run, progress, seed_everything,
+                                      steps_for)
 from exactrl.config.schema import SFTConfig
 from exactrl.data.batching import StepSampler, collate_sft
 from exactrl.data.encode import encode_sft
@@ -23,7 +24,7 @@ from exactrl.distributed.engine import build_engine
 from exactrl.distributed.step_plan import plan_step
 from exactrl.losses import aggregate, canary_share
 from exactrl.losses.token_losses import sft_loss, token_logprobs
-from exactrl.models.loading import load_causal_lm, load_tokenizer
+from exactrl.models.loading import load_tokenizer
 from exactrl.models.packing import model_batch
 from exactrl.tasks.builtin import BuiltinSpec, resolve
 
@@ -60,7 +61,7 @@ def train_sft(cfg: SFTConfig, run_dir: Path | None = None, spec: BuiltinSpec = B
     if cfg.train.resume_from:
         check_resumable(cfg.train.resume_from)
     run_dir, log = open_run(cfg, "sft", run_dir, {"train": train_path, "eval": eval_path})
-    model = load_causal_lm(cfg.train.resume_from or model_path)
+    model = load_model(cfg, cfg.train.resume_from or model_path, run_dir, phase, "policy", cfg.data.max_length)
     steps = steps_for(cfg.train, len(examples), cfg.train.global_batch_size)
     engine = build_engine(model, cfg, steps)
     start = resume(cfg.train.resume_from, engine)["step"] if cfg.train.resume_from else 0

@@ -69,3 +69,13 @@ def write_manifest(run_dir: Path, seed: int, data_files: dict[str, str | Path | 
     }
     (run_dir / "manifest.json").write_text(json.dumps(manifest, indent=2))
     return manifest
+
+
+def record_check(run_dir: Path, name: str, result: dict) -> None:
+    """Add a start-up check's figures to the run's manifest under ``checks.<name>``."""
+    path = run_dir / "manifest.json"
+    manifest = json.loads(path.read_text()) if path.is_file() else {}
+    manifest.setdefault("checks", {})[name] = result
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(manifest, indent=2))
+    tmp.replace(path)

@@ -22,6 +22,8 @@ class Section(BaseModel):
 class ModelConfig(Section):
     path: str = Field("builtin", description="Local Hugging Face model directory (from_pretrained), or 'builtin'.")
     dtype: Literal["fp32", "bf16"] = Field("fp32", description="Compute dtype: bf16 autocasts forward passes; weights and optimizer stay fp32.")
+    attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="Attention kernel of every forward, packed or padded: sdpa (PyTorch's fused kernel; layers with attention-logit softcapping, e.g. Gemma2, run eager) or eager (scores, softmax and weighted sum written out: Hugging Face's reference path).")
+    disable_dropout: bool = Field(True, description="Set every dropout rate of the model to 0 (TRL's disable_dropout): the policy's log-probs must equal the generator's (eval mode) and a verified step needs a deterministic forward. false keeps the model config's dropout (sft only).")
 
 
 class DataConfig(Section):
@@ -38,6 +40,8 @@ class TrainConfig(Section):
     epochs: float = Field(1.0, gt=0, description="Passes over the training data when max_steps is 0.")
     max_grad_norm: float = Field(1.0, ge=0, description="Clip the full accumulated gradient to this norm (0 = off).")
     padding_free: bool = Field(True, description="Pack each micro-batch's sequences into one row for the training forwards (no compute on padding; attention stays within each sequence). false = right-padded batches.")
+    packing_check: Literal["fallback", "error", "off"] = Field("fallback", description="Packing self-check before the first step: a few sequences packed, padded and alone must agree (exactrl/checks/packing.py). fallback: where only the packed path disagrees, train on padded batches with a notice; error: stop; off: skip.")
+    packing_check_tol: float = Field(1e-4, gt=0, description="Allowed max |difference| of the self-check's outputs, relative to their largest magnitude (fp32 kernels agree to ~1e-6; a wrong mask is off by 1e-3 or more).")
     seed: int = Field(0, description="Seeds data order, initialisation of heads and sampling.")
     loss_agg: LossAgg = Field("token-mean", description="How token losses become one loss per optimizer step (see exactrl/losses/aggregation.py).")
     loss_agg_norm: float | None = Field(None, gt=0, description="Constant length normaliser of seq-mean-token-sum-norm (default: data.max_length, or rollout.max_new_tokens in RL).")
@@ -199,6 +203,13 @@ class RLConfig(CommonConfig):
         if self.train.save_every % per_rollout:
             raise ValueError(f"train.save_every={self.train.save_every} must be a multiple of algo.ppo_epochs x algo.mini_batches = "
                              f"{per_rollout}: checkpoints are taken between rollouts, so a resumed run needs no half-used rollout")
+        return self
+
+    @model_validator(mode="after")
+    def _deterministic_policy(self):
+        if not self.model.disable_dropout:
+            raise ValueError("model.disable_dropout=false: an RL policy with dropout computes other log-probs than the generator "
+                             "sampled with (the on-policy check would fail); RL trains with dropout off")
         return self
 
     @model_validator(mode="after")

@@ -30,7 +30,9 @@ def load_tokenizer(path: str | Path):
     return tok
 
 
-def load_causal_lm(path: str | Path, trainable: bool = True) -> torch.nn.Module:
+def load_causal_lm(path: str | Path, trainable: bool = True, attn: str = "sdpa", dropout: bool = False) -> torch.nn.Module:
+    """A causal LM in fp32 whose attention takes packed rows (``attn``: the kernel, sdpa or
+    eager), with its dropout off unless ``dropout`` (see packing.disable_dropout)."""
     p = Path(path)
     if not (p / "config.json").is_file():
         raise ModelLoadError(f"'{p}' has no config.json: not a Hugging Face model directory")
@@ -38,16 +40,18 @@ def load_causal_lm(path: str | Path, trainable: bool = True) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot load the model in '{p}': {e}") from None
-    packing.enable(model)
+    packing.enable(model, attn)
+    if not dropout:
+        packing.disable_dropout(model)
     model.train(trainable)
     if not trainable:
         model.requires_grad_(False)
     return model
 
 
-def load_value_model(path: str | Path, init_seed: int | None = None) -> torch.nn.Module:
+def load_value_model(path: str | Path, init_seed: int | None = None, attn: str = "sdpa") -> torch.nn.Module:
     """A critic: the model's architecture with a scalar head per position (Hugging Face's
-    *ForTokenClassification, num_labels=1, no dropout), from a causal-LM or a saved critic
+    *ForTokenClassification, num_labels=1, dropout off), from a causal-LM or a saved critic
     directory. A new head (from a causal LM) is initialised from ``init_seed`` -- weights
     N(0, 1/(hidden+1)^2) as in OpenRLHF's value head, bias 0 -- identically on every rank."""
     from transformers import AutoConfig, AutoModelForTokenClassification
@@ -69,6 +73,7 @@ def load_value_model(path: str | Path, init_seed: int | None = None) -> torch.nn
             model.score.weight.copy_(torch.randn(model.score.weight.shape, generator=g) / (hidden + 1))
             if model.score.bias is not None:
                 model.score.bias.zero_()
-    packing.enable(model)
+    packing.enable(model, attn)
+    packing.disable_dropout(model)
     model.train(True)
     return model

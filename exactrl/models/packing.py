@@ -8,12 +8,16 @@ keep the packed forward equal to the padded one:
 * position ids restart at 0 for each sequence (rotary embeddings see the same positions);
 * attention stays within each sequence: ``varlen_attention`` gathers each sequence's
   queries, keys and values into a right-padded [sequences, heads, longest, dim] block and
-  runs causal SDPA on it. Under a causal mask a real query never sees a pad key, pad queries
-  are dropped, so no pad contributes to any output or gradient.
+  runs causal attention on it -- with the layer's sliding window and logit softcapping when
+  it has them. Under a causal mask a real query never sees a pad key, pad queries are
+  dropped, so no pad contributes to any output or gradient.
 
-Per-target results (log-probs, entropies, values) come back to the padded [B, L-1] layout
-the losses, masks and normalisers use (``ModelBatch.repad``), so everything after the
-forward is the same code on both paths; tests/test_packing.py holds them equal.
+Models whose attention never calls the registered function (Falcon, Bloom: ALiBi) cannot be
+packed this way; the packing self-check (exactrl/checks/packing.py) finds them, and every other
+disagreement, before the first step. Per-target results (log-probs, entropies, values) come
+back to the padded [B, L-1] layout the losses, masks and normalisers use (``ModelBatch.repad``),
+so everything after the forward is the same code on both paths; tests/test_packing.py and
+tests/test_arch_matrix.py hold them equal.
 """
 
 from __future__ import annotations
@@ -27,22 +31,82 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from exactrl.data.batching import pad_right
 
-ATTENTION = "exactrl_varlen"
+# One registered name per attention kernel (model.attn_implementation); both take packed rows.
+KERNELS = {"sdpa": "exactrl_varlen", "eager": "exactrl_varlen_eager"}
+ATTENTION = KERNELS["sdpa"]
 
 
-def varlen_attention(module, query, key, value, attention_mask, *, cu_seq_lens_q=None, max_length_q=None, **kwargs):
-    """SDPA, or per-sequence causal SDPA on a packed row when ``cu_seq_lens_q`` (the cumulative
-    sequence lengths, as flash-attention's varlen kernels take them) is given."""
-    if cu_seq_lens_q is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+class PackingUnsupported(RuntimeError):
+    """The model cannot run packed rows (its attention ignores the registered function)."""
+
+
+def eager_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                    is_causal: bool | None = None, softcap: float | None = None, **kwargs):
+    """Attention written out (Hugging Face's eager path, for any decoder): scores, softcap,
+    mask, fp32 softmax, dropout. ``attention_mask``: boolean (True = attend), additive float,
+    or None (causal when there are several queries). Returns [B, Q, H, D] and the weights."""
+    n_rep = query.shape[1] // key.shape[1]  # grouped- or multi-query attention
+    if n_rep > 1:
+        key, value = key.repeat_interleave(n_rep, 1), value.repeat_interleave(n_rep, 1)
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    q_len, kv_len = scores.shape[-2:]
+    if attention_mask is None and q_len > 1 and (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
+        attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=scores.device).tril(kv_len - q_len)
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+        else:
+            scores = scores + attention_mask[..., :kv_len]
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = torch.nn.functional.dropout(weights, p=dropout, training=dropout > 0)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+def _kernel(module, softcap):
+    """SDPA unless the model asked for eager or the layer softcaps its logits (SDPA cannot)."""
+    eager = softcap is not None or module.config._attn_implementation == KERNELS["eager"]
+    return eager_attention if eager else sdpa_attention_forward
+
+
+# Packed calls seen since the counter was last read: a packed forward that made none never
+# reached varlen_attention, so its attention ran across the sequences of the row.
+packed_calls = 0
+
+
+def varlen_attention(module, query, key, value, attention_mask, *, cu_seq_lens_q=None, max_length_q=None,
+                     sliding_window=None, softcap=None, **kwargs):
+    """Attention, or per-sequence causal attention on a packed row when ``cu_seq_lens_q`` (the
+    cumulative sequence lengths, as flash-attention's varlen kernels take them) is given."""
+    kernel = _kernel(module, softcap)
+    if softcap is not None:
+        kwargs["softcap"] = softcap
+    if cu_seq_lens_q is None:  # the mask Hugging Face built already holds any sliding window
+        return kernel(module, query, key, value, attention_mask, **kwargs)
+    global packed_calls
+    packed_calls += 1
     width = int(max_length_q)
     gather, keep = _gather_index(cu_seq_lens_q, width)
     # [1, H, N, D] -> [S, H, Lmax, D]: each sequence in its own row, right-padded. index_select
     # (its backward is index_add) rather than advanced indexing (index_put with accumulate):
     # that gather and its inverse were a third of the attention time of a GRPO micro-batch.
     q, k, v = (t[0].index_select(1, gather).unflatten(1, (-1, width)).transpose(0, 1) for t in (query, key, value))
-    out, _ = sdpa_attention_forward(module, q, k, v, None, is_causal=True, **kwargs)  # [S, Lmax, H, D]
+    mask = window_mask(width, sliding_window, query.device)
+    out, _ = kernel(module, q, k, v, mask, is_causal=mask is None, **kwargs)  # [S, Lmax, H, D]
     return out.flatten(0, 1).index_select(0, keep).unsqueeze(0), None  # [1, N, H, D]
+
+
+def window_mask(width: int, window: int | None, device=None) -> torch.Tensor | None:
+    """Causal mask [width, width] that also hides keys ``window`` or more positions back
+    (Hugging Face's sliding_window_overlay: key j is seen from query i when i - window < j <= i);
+    None when no window is narrower than the block (plain causal attention)."""
+    if window is None or window >= width:
+        return None
+    i = torch.arange(width, device=device)
+    back = i[:, None] - i[None, :]
+    return (back >= 0) & (back < window)
 
 
 def _gather_index(cu: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,14 +120,44 @@ def _gather_index(cu: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Ten
     return gather, valid.flatten().nonzero()[:, 0]
 
 
-AttentionInterface.register(ATTENTION, varlen_attention)
-ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)
+for _name in KERNELS.values():
+    AttentionInterface.register(_name, varlen_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(_name, sdpa_mask)
 
 
-def enable(model: torch.nn.Module) -> torch.nn.Module:
-    """Let ``model`` (a Hugging Face decoder) take packed rows; unpacked inputs still run SDPA."""
-    model.set_attn_implementation(ATTENTION)
+def enable(model: torch.nn.Module, kernel: str = "sdpa") -> torch.nn.Module:
+    """Route ``model``'s attention (a Hugging Face decoder) through ``varlen_attention`` with
+    ``kernel`` (sdpa or eager); unpacked inputs run that kernel with Hugging Face's own mask."""
+    model.set_attn_implementation(KERNELS[kernel])
     return model
+
+
+def can_pack(model) -> bool:
+    """False once the self-check has turned packing off for this model."""
+    return getattr(_hf_model(model), "exactrl_packing", True)
+
+
+def disable(model) -> None:
+    """Padded batches from now on for ``model`` (its packed forward is wrong or unsupported)."""
+    _hf_model(model).exactrl_packing = False
+
+
+def disable_dropout(model: torch.nn.Module) -> int:
+    """Set every dropout probability in ``model`` to 0, as RL and preference trainers do (TRL's
+    disable_dropout): a policy in train mode must compute the log-probs the generator (eval
+    mode) sampled with, and a verified step needs a deterministic forward. Covers nn.Dropout
+    modules and the float rates attention layers pass to their kernel (``attention_dropout``).
+    Returns how many rates were non-zero."""
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            changed += module.p > 0
+            module.p = 0.0
+        for name, value in vars(module).items():
+            if "dropout" in name and isinstance(value, float) and not isinstance(value, bool):
+                changed += value > 0
+                setattr(module, name, 0.0)
+    return changed
 
 
 def _hf_model(model):
@@ -88,14 +182,15 @@ class ModelBatch:
 
 
 def model_batch(model, seqs: list[list[int]], pad_id: int, packed: bool) -> ModelBatch:
-    """Inputs of ``model`` for ``seqs``: right-padded with an attention mask, or (``packed``) one
-    row with per-sequence position ids and the cumulative lengths ``varlen_attention`` reads."""
+    """Inputs of ``model`` for ``seqs``: right-padded with an attention mask, or (``packed``, and
+    the model can pack) one row with per-sequence position ids and the cumulative lengths
+    ``varlen_attention`` reads."""
     lengths = [len(s) for s in seqs]
-    if not packed:
+    if not packed or not can_pack(model):
         attn = pad_right([[1] * n for n in lengths], 0)
         return ModelBatch({"input_ids": pad_right(seqs, pad_id), "attention_mask": attn, "use_cache": False})
     hf = _hf_model(model)
-    if getattr(hf.config, "_attn_implementation", None) != ATTENTION:
+    if hf.config._attn_implementation not in KERNELS.values():
         enable(hf)  # models not loaded through exactrl.models.loading
     n = sum(lengths)
     cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)

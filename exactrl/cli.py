@@ -135,14 +135,14 @@ def audit_run_cmd(paths: list[Path] = typer.Argument(..., help="Run directories 
     """Read what past runs left behind; AFFECTED / NOT AFFECTED / UNKNOWN per known bug. Nothing is unpickled."""
     import json
 
-    from exactrl.audit import runs
+    from exactrl.audit import report, runs
 
     audits = runs.audit_runs(paths)
     if as_json:
-        print(json.dumps(runs.to_json(audits), indent=2))
+        print(json.dumps(report.to_json(audits), indent=2))
     else:
-        Console(width=120).print(runs.format_table(audits))
-    raise typer.Exit(runs.exit_code(audits))
+        Console(width=120).print(report.format_table(audits))
+    raise typer.Exit(report.exit_code(audits))
 
 
 @app.command("config")

@@ -8,7 +8,8 @@ import pytest
 from packaging.version import Version
 
 from exactrl.audit.evidence import Doc, Reading, package_list_kind, package_pins, shell_commands
-from exactrl.audit.rules import RULES, Status, candidates, deepspeed_offload, openrlhf_mean_of_means, transformers_ga
+from exactrl.audit.judging import candidates
+from exactrl.audit.rules import RULES, Status, deepspeed_offload, openrlhf_mean_of_means, transformers_ga
 
 A, N, U = Status.AFFECTED, Status.NOT_AFFECTED, Status.UNKNOWN
 DS, ORLHF, TF = "deepspeed-offload-accumulation", "openrlhf-mean-of-means", "transformers-ga-normalisation"
@@ -52,7 +53,7 @@ def test_deepspeed_rule(over, status):
 ])
 def test_openrlhf_rule(version, k, world, status):
     facts = {"is_openrlhf": True, "version:openrlhf": version and Version(version), "effective_k": k,
-             "world_size": world}
+             "world_size": world, "trainer": "sft", "packing_samples": False}  # SFT: a token mean in every release
     assert openrlhf_mean_of_means(facts).status.value == status
     assert openrlhf_mean_of_means({**facts, "is_openrlhf": False}).status.value == N
 

@@ -119,6 +119,8 @@ class Doc:
     def parse(cls, file: str, text: str, kind: str) -> "Doc":
         """kind is "json" or "yaml"; raises ValueError with the parser's message on bad syntax, on
         nesting too deep for the recursive parsers and on YAML aliases that expand past MAX_NODES."""
+        if _bracket_depth(text) > MAX_DEPTH:
+            raise ValueError(f"nested more than {MAX_DEPTH} levels deep")
         try:
             if kind == "json":
                 return cls(file, json.loads(text), _json_lines(text), text.splitlines())
@@ -159,7 +161,18 @@ class Doc:
         return list(node) if isinstance(node, dict) else []
 
 
+MAX_DEPTH = 500  # the parsers recurse once per level; a real config nests a handful of levels
 MAX_NODES = 200_000  # a real config has a few thousand values; a YAML alias bomb expands to billions
+
+
+def _bracket_depth(text: str) -> int:
+    """Deepest nesting of [ and { (brackets inside strings count too: a bound, not a parse). Checked
+    before parsing because the pure-Python YAML scanner takes seconds to reach a RecursionError."""
+    depth = deepest = 0
+    for ch in re.sub(r"[^\[\]{}]", "", text):
+        depth += 1 if ch in "[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
 
 
 def _bounded(root: yaml.Node | None) -> None:

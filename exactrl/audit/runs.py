@@ -312,8 +312,6 @@ class RunReader:
                 self.c.add(fact, true(given[fact][0]), given[fact][1])
             elif not saved:  # a whole command line: an absent store_true flag is False
                 self.c.add(fact, False, origin, note="not on the command line")
-        if given["nll"] is not None and str(given["nll"][0]).replace(".", "", 1).isdigit() and float(given["nll"][0]):
-            self.c.add("trainer", "dpo + NLL term", given["nll"][1], note="--nll_loss_coef adds a token-averaged loss")
         parallel = [(whole(args[k][0]), args[k][1]) for k in OPENRLHF_PARALLEL if k in args and whole(args[k][0])]
         if any(v > 1 for v, _ in parallel):
             size = 1
@@ -362,7 +360,10 @@ class RunReader:
         trainer = (re.search(r"train_(\w+?)(?:_ray)?(?:\.py)?$", prog) if hint == "openrlhf" else
                    trl_script if trl_script else None)
         trainer = trainer.group(1) if trainer else words[program + 1] if rest == program + 2 and hint == "trl" else None
-        if trainer and rest <= len(words):
+        nll = next((args[k] for k in OPENRLHF_FLAGS["nll"] if k in args), None) if hint == "openrlhf" else None
+        if nll and re.fullmatch(r"[\d.e-]+", str(nll[0])) and float(nll[0]) > 0:  # a token-averaged NLL term
+            trainer = f"{trainer} + NLL term"
+        if trainer:
             self.c.add("trainer", trainer, ev(program), note=f"the program {prog}")
         if hint == "llamafactory" and rest < len(words) and words[rest].endswith((".yaml", ".yml", ".json")):
             self.refer("args", words[rest], ev(rest), base, hint="llamafactory")

@@ -36,10 +36,10 @@ TABLE = {
     ("openrlhf_0_6_dpo", DS): (N, "ZeRO stage 3"),
     ("openrlhf_0_6_dpo", ORLHF): (N, "DPO averages one loss per pair"),
     ("openrlhf_0_6_dpo", TF): (N, "Not a Trainer-based run"),
-    ("openrlhf_0_9_ppo_dynamic_batch", DS): (N, "--use_dynamic_batch sets DeepSpeed's gradient_accumulation_steps to 1"),
+    ("openrlhf_0_9_ppo_dynamic_batch", DS): (N, "--use_dynamic_batch sets DeepSpeed's gradient_accumulation_steps"),
     ("openrlhf_0_9_ppo_dynamic_batch", ORLHF): (A, "With openrlhf 0.9.0 (ppo), K = 4 on 8 ranks"),
     ("openrlhf_0_9_ppo_dynamic_batch", TF): (N, "Not a Trainer-based run"),
-    ("llamafactory_0_9_dpo_z2_offload", DS): (A, "With deepspeed 0.15.4, ZeRO stage 2, offload_optimizer cpu and K = 8"),
+    ("llamafactory_0_9_dpo_z2_offload", DS): (A, "With deepspeed 0.15.4, ZeRO stage 2, offload_optimizer cpu and K = 8,"),
     ("llamafactory_0_9_dpo_z2_offload", ORLHF): (N, "Not an OpenRLHF run"),
     ("llamafactory_0_9_dpo_z2_offload", TF): (N, "DPO averages one loss per pair"),
     ("trl_0_11_sft_accelerate_zero2", DS): (N, "The offload_optimizer device is none"),
@@ -122,7 +122,8 @@ def test_llamafactory_stage_decides_the_transformers_rule(tmp_path, stage, extra
 
 def test_bare_deepspeed_launch_gives_a_conditional_verdict(tmp_path):
     audit = run(tmp_path, {"run.sh": "deepspeed --module openrlhf.cli.train_sft --micro_train_batch_size 2 "
-                                     "--train_batch_size 128 --adam_offload\n", "pip_freeze.txt": "deepspeed==0.16.4\n"})
+                                     "--train_batch_size 128 --adam_offload\n",
+                           "pip_freeze.txt": "deepspeed==0.16.4\n"})
     ds = of(audit, DS)
     assert ds.status is C and ds.condition == "run on <= 21 GPUs"  # 128 / (2 x 21) >= 3 > 128 / (2 x 22)
     assert exit_code([audit]) == 2
@@ -200,7 +201,8 @@ def test_hostile_files_are_unreadable_evidence_quickly(tmp_path, name, text, say
     audit = audit_runs([tmp_path])[0]
     assert time.perf_counter() - start < 1.5
     (problem,) = audit.problems
-    assert problem.kind == "unreadable" and problem.message.startswith(f"{name}: not read as") and says in problem.message
+    assert problem.kind == "unreadable" and problem.message.startswith(f"{name}: not read as")
+    assert says in problem.message
 
 
 # ---------------------------------------------------------------- exit codes

@@ -329,8 +329,8 @@ def package_pins(text: str, kind: str) -> list[Pin]:
             except InvalidRequirement:
                 continue
             archive = _ARCHIVE.search(req.url or "")
-            spec = (f"=={unquote(archive.group(2))}" if archive and canonicalize_name(archive.group(1)) == canonicalize_name(
-                req.name) else "" if req.url else str(req.specifier))
+            named = archive and canonicalize_name(archive.group(1)) == canonicalize_name(req.name)
+            spec = f"=={unquote(archive.group(2))}" if named else "" if req.url else str(req.specifier)
             pins.append(Pin(canonicalize_name(req.name), spec, number, s))
     return pins
 

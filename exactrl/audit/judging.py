@@ -223,8 +223,8 @@ def derive(c: Collected, complete_lists: list[tuple[Evidence, set[str]]]) -> tup
                                     tuple(e for r in readings for e in r.evidence), fact))
     for fact, evidence in c.autos:
         if not facts.get(fact) and not (fact in RELATED["effective_k"] and facts.get("effective_k")):
-            problems.append(Problem("unresolved", f"DeepSpeed's {fact} is \"auto\" at {evidence.at} and nothing in the run "
-                                    "resolves it (the HF Trainer fills it from TrainingArguments)", (evidence,), fact))
+            problems.append(Problem("unresolved", f"DeepSpeed's {fact} is \"auto\" at {evidence.at} and nothing in the "
+                                    "run resolves it (the HF Trainer fills it from TrainingArguments)", (evidence,), fact))
     return facts, problems
 
 

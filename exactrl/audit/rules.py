@@ -144,7 +144,8 @@ def deepspeed_offload(f: Mapping[str, Any]) -> Outcome:
         no.append("K = 1: no accumulation" if k <= 1 else
                   "K = 2 is accidentally right (the first and last micro-batches are the only ones)")
     if v is not None and not DS_BROKEN <= v < DS_FIXED:
-        no.append(f"the deepspeed version {v} is {'before PR #6550 (0.15.2)' if v < DS_BROKEN else 'fixed (PR #7967, 0.19.0)'}")
+        when = "before PR #6550 (0.15.2)" if v < DS_BROKEN else "fixed (PR #7967, 0.19.0)"
+        no.append(f"the deepspeed version {v} is {when}")
     missing = [n for n, x in (("zero_stage", stage), ("offload_optimizer", device), ("effective_k", k),
                               ("version:deepspeed", v)) if x is None and not (n == "effective_k" and dynamic)]
     return _decide(no, missing,

@@ -146,7 +146,8 @@ class RunReader:
             try:
                 doc = Doc.parse(name, path.read_text(errors="replace"), "json" if suffix == ".json" else "yaml")
             except ValueError as e:
-                self.c.problem("unreadable", f"{name}: not read as {suffix[1:].upper()} ({e})", Evidence(name, None, ""))
+                self.c.problem("unreadable", f"{name}: not read as {suffix[1:].upper()} ({e})",
+                               Evidence(name, None, ""))
                 return
             if isinstance(doc.data, dict):
                 self.read_doc(path, doc, hint)

@@ -134,6 +134,28 @@ def test_bare_deepspeed_launch_gives_a_conditional_verdict(tmp_path):
         assert of(audit_runs([tmp_path])[0], DS).status is status
 
 
+def test_unknown_asks_only_for_what_the_world_size_does_not_decide(tmp_path):
+    audit = run(tmp_path, {"run.sh": "deepspeed --module openrlhf.cli.train_sft --micro_train_batch_size 2 "
+                                     "--train_batch_size 128 --adam_offload\n"})  # no versions anywhere
+    ds, orlhf = of(audit, DS), of(audit, ORLHF)
+    assert ds.status is U and orlhf.status is U
+    for v in (ds, orlhf):
+        assert v.action == f"Provide {v.bug.split('-')[0]} version (pip freeze, conda list, requirements.txt or W&B's " \
+                           "requirements.txt)."
+        assert v.reason.count("world size") + v.reason.count("GPUs (N)") <= 1
+    assert "On 32 or 64 GPUs the run is NOT AFFECTED whatever the deepspeed version is" in ds.reason
+    assert "The world size would not change that." in orlhf.reason
+
+
+def test_world_size_sweep_is_quick_on_large_batches(tmp_path):
+    audit = run(tmp_path, {"run.sh": "deepspeed --module openrlhf.cli.train_sft --micro_train_batch_size 1 "
+                                     "--train_batch_size 8192 --adam_offload\n", "pip_freeze.txt": "deepspeed==0.16.4\n"})
+    start = time.perf_counter()
+    assert of(audit_runs([tmp_path])[0], DS).condition == "run on <= 2730 GPUs"  # 8192 / 3 = 2730.7
+    assert time.perf_counter() - start < 1.0
+    assert of(audit, DS).status is C
+
+
 def test_dynamic_batch_fixes_deepspeed_k_at_one_and_gets_the_7981_note(tmp_path):
     cmd = ("deepspeed --num_gpus 2 --module openrlhf.cli.train_ppo --micro_train_batch_size 1 --train_batch_size 64 "
            "--adam_offload {}\n")

@@ -81,6 +81,7 @@ def _judge(rule: BugRule, facts: Mapping[str, list[Reading]], problems: Iterable
                                             "the versions it admits lead to different verdicts")
         return disagreement(n, facts[n])
 
+    missing: tuple[str, ...] = ()
     if len(statuses) == 1:
         status, action = statuses[0], rule.fix
         # Explain with the facts every reading shares when they suffice; otherwise by example.
@@ -113,7 +114,7 @@ def _judge(rule: BugRule, facts: Mapping[str, list[Reading]], problems: Iterable
             f"Pin down the {', '.join(n[8:] for n in versions if n[8:] not in commits)} version: provide a pip "
             "freeze or conda list of the run's environment."] * bool([n for n in versions if n[8:] not in commits]))
     note = rule.note({n: options[n][0] for n in rule.needs})
-    return Verdict(rule.name, rule.title, status, f"{reason} {note}".strip(), action, evidence)
+    return Verdict(rule.name, rule.title, status, f"{reason} {note}".strip(), action, evidence, missing=missing)
 
 
 def _batch_only(facts: Mapping[str, list[Reading]]) -> tuple[Reading, Reading, Reading] | None:
@@ -142,29 +143,58 @@ def _over_world_sizes(rule: BugRule, facts: Mapping[str, list[Reading]], problem
 
     whole = {r * d.value: at(r, slots // r) for r in range(1, slots + 1) if slots % r == 0}
     statuses = {v.status for v in whole.values()}
-    if not statuses <= {Status.AFFECTED, Status.NOT_AFFECTED}:
-        return None
     per = f"{m.value} x N" + (f" / {d.value}" if d.value > 1 else "")
     why = (f"The files do not say how many GPUs (N) the run used; K = {g.value} / ({per}) must be whole, "
            f"so N is one of {', '.join(map(str, whole))}.")
     every = tuple(dict.fromkeys(e for v in whole.values() for e in v.evidence))
+    if Status.UNKNOWN in statuses:
+        return _unknown_besides_world(rule, whole, why, every, facts, problems)
     if len(statuses) == 1:
         n = min(whole, key=lambda n: abs(n - 8))  # a typical node for the example
         first = whole[n]
         return replace(first, reason=f"{why} Every one gives {first.status.value}; e.g. on N = {n}: {first.reason}",
                        evidence=every)
-    # Where the verdict turns, with K = slots / ranks as a real number: "K >= 3" is "N <= 21" for 128 / (2 x N).
-    hit = [r * d.value for r in range(1, slots + 1) if at(r, Fraction(slots, r)).status is Status.AFFECTED]
-    missed = [r * d.value for r in range(1, slots + 1) if r * d.value not in hit]
-    condition = (f"run on <= {max(hit)} GPUs" if max(hit) < min(missed) else
-                 f"run on >= {min(hit)} GPUs" if min(hit) > max(missed) else
-                 "run on " + " or ".join(str(n) for n, v in whole.items() if v.status is Status.AFFECTED) + " GPUs")
+    hit = [n for n, v in whole.items() if v.status is Status.AFFECTED]
+    missed = [n for n in whole if n not in hit]
+    if max(hit) < min(missed) or min(hit) > max(missed):
+        # Where the verdict turns between two accepted N, with K = slots / ranks as a real number:
+        # "K >= 3" is "N <= 21" for K = 128 / (2 x N).
+        below = max(hit) < min(missed)  # AFFECTED on few GPUs (K large), NOT AFFECTED on many
+        inside, outside = (max(hit), min(missed)) if below else (min(hit), max(missed))
+        lo, hi = inside // d.value, outside // d.value  # ranks: AFFECTED at lo, not at hi; bisect between
+        while abs(hi - lo) > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if at(mid, Fraction(slots, mid)).status is Status.AFFECTED else (lo, mid)
+        condition = f"run on {'<=' if below else '>='} {lo * d.value} GPUs"
+    else:
+        condition = "run on " + " or ".join(map(str, hit)) + " GPUs"
     # The two world sizes either side of the turn make the clearest example.
     yes = max(((n, v) for n, v in whole.items() if v.status is Status.AFFECTED), key=lambda x: x[0])
     no = min(((n, v) for n, v in whole.items() if v.status is Status.NOT_AFFECTED), key=lambda x: x[0])
     reason = f"{why} AFFECTED if {condition}. On N = {yes[0]}: {yes[1].reason} On N = {no[0]}: {no[1].reason}"
     action = f"Find how many GPUs the run used; if it was {condition[7:]}: {rule.fix}"
     return Verdict(rule.name, rule.title, Status.CONDITIONAL, reason, action, every, condition)
+
+
+def _unknown_besides_world(rule: BugRule, whole: dict[int, Verdict], why: str, every: tuple[Evidence, ...],
+                           facts: Mapping[str, list[Reading]], problems: Iterable[Problem]) -> Verdict | None:
+    """UNKNOWN for some world sizes: ask only for what else is missing, and say what N alone decides."""
+    missing = tuple(dict.fromkeys(m for v in whole.values() for m in v.missing if m not in ("effective_k", "world_size")))
+    if not missing:
+        return None
+    reason, action = _unknown_text(missing, facts, problems)
+    known = {n: v for n, v in whole.items() if v.status is not Status.UNKNOWN}
+    if not known:
+        return Verdict(rule.name, rule.title, Status.UNKNOWN, f"{reason} The world size would not change that.",
+                       action, every, missing=missing)
+    what = " and ".join(f"{m[8:]} version" if m.startswith("version:") else m for m in missing)
+    decided = []
+    for status in dict.fromkeys(v.status for v in known.values()):
+        sizes = [n for n, v in known.items() if v.status is status]
+        decided.append(f"On {' or '.join(map(str, sizes))} GPUs the run is {status.value} whatever the {what} is; "
+                       f"e.g. on N = {sizes[0]}: {known[sizes[0]].reason}")
+    return Verdict(rule.name, rule.title, Status.UNKNOWN, " ".join([reason, why, *decided]), action, every,
+                   missing=missing)
 
 
 def _unknown_text(missing: tuple[str, ...], facts: Mapping[str, list[Reading]],

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -78,6 +78,7 @@ class Verdict:
     action: str
     evidence: tuple[Evidence, ...]
     condition: str = ""  # for CONDITIONAL: when the run is AFFECTED, e.g. "run on <= 21 GPUs"
+    missing: tuple[str, ...] = field(default=(), repr=False)  # for UNKNOWN: the facts it lacks
 
     @property
     def shown(self) -> str:

@@ -133,17 +133,24 @@ def audit_stack_cmd(as_json: bool = typer.Option(False, "--json", help="Machine-
 @audit_app.command("run")
 def audit_run_cmd(paths: list[Path] = typer.Argument(..., help="Run directories or files (configs, launch scripts, pip freeze...)."),
                   as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")):
-    """Read what past runs left behind; AFFECTED / NOT AFFECTED / UNKNOWN per known bug. Nothing is unpickled."""
+    """Read what past runs left behind; AFFECTED / NOT AFFECTED / CONDITIONAL / UNKNOWN per known bug.
+
+    Nothing is run or unpickled. CONDITIONAL: AFFECTED only under a condition the files leave open
+    (e.g. "run on <= 21 GPUs").
+
+    Exit codes: 0: every verdict NOT AFFECTED. 1: some verdict AFFECTED. 2: none AFFECTED, some
+    UNKNOWN or CONDITIONAL (the files leave the answer open).
+    """
     import json
 
-    from exactrl.audit import runs
+    from exactrl.audit import report, runs
 
     audits = runs.audit_runs(paths)
     if as_json:
-        print(json.dumps(runs.to_json(audits), indent=2))
+        print(json.dumps(report.to_json(audits), indent=2))
     else:
-        Console(width=120).print(runs.format_table(audits))
-    raise typer.Exit(runs.exit_code(audits))
+        Console(width=120).print(report.format_table(audits))
+    raise typer.Exit(report.exit_code(audits))
 
 
 @app.command("config")

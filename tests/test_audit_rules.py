@@ -8,7 +8,8 @@ import pytest
 from packaging.version import Version
 
 from exactrl.audit.evidence import Doc, Reading, package_list_kind, package_pins, shell_commands
-from exactrl.audit.rules import RULES, Status, candidates, deepspeed_offload, openrlhf_mean_of_means, transformers_ga
+from exactrl.audit.judging import candidates
+from exactrl.audit.rules import RULES, Status, deepspeed_offload, openrlhf_mean_of_means, transformers_ga
 
 A, N, U = Status.AFFECTED, Status.NOT_AFFECTED, Status.UNKNOWN
 DS, ORLHF, TF = "deepspeed-offload-accumulation", "openrlhf-mean-of-means", "transformers-ga-normalisation"
@@ -38,6 +39,10 @@ def ds_facts(**over):
     ({"version_deepspeed": None, "zero_stage": 3}, N),  # one known-false condition decides
     ({"version_deepspeed": None, "effective_k": None, "offload_optimizer": "none"}, N),
     ({"uses_deepspeed": False, "zero_stage": None}, N),
+    ({"uses_deepspeed": False, "zero_stage": None, "fsdp": "FSDP (verl)"}, N),
+    ({"dynamic_batch": True}, N),  # OpenRLHF --use_dynamic_batch: DeepSpeed's K is 1
+    ({"dynamic_batch": True, "effective_k": None}, N),
+    ({"dynamic_batch": False}, A),
 ])
 def test_deepspeed_rule(over, status):
     assert deepspeed_offload(ds_facts(**over)).status.value == status
@@ -52,9 +57,28 @@ def test_deepspeed_rule(over, status):
 ])
 def test_openrlhf_rule(version, k, world, status):
     facts = {"is_openrlhf": True, "version:openrlhf": version and Version(version), "effective_k": k,
-             "world_size": world}
+             "world_size": world, "trainer": "sft", "packing_samples": False}  # SFT: a token mean in every release
     assert openrlhf_mean_of_means(facts).status.value == status
     assert openrlhf_mean_of_means({**facts, "is_openrlhf": False}).status.value == N
+
+
+@pytest.mark.parametrize("trainer, version, packing, status", [
+    ("sft", "0.6.1", False, A), ("dpo", "0.6.1", False, N), ("rm", "0.9.0", True, N), ("kto", "0.9.0", False, N),
+    ("dpo + NLL term", "0.6.1", False, A),
+    ("ppo", "0.6.4", False, N), ("ppo", "0.6.4", True, A), ("ppo", "0.6.4", None, U),  # per sequence unless packed
+    ("ppo", "0.7.0", False, A), ("ppo", None, False, U), (None, "0.9.0", False, U), ("ppo", "0.10.4", True, N),
+])
+def test_openrlhf_rule_models_the_loss(trainer, version, packing, status):
+    facts = {"is_openrlhf": True, "version:openrlhf": version and Version(version), "effective_k": 4,
+             "world_size": 8, "trainer": trainer, "packing_samples": packing}
+    assert openrlhf_mean_of_means(facts).status.value == status
+
+
+@pytest.mark.parametrize("trainer, status", [(None, A), ("sft", A), ("pt", A), ("dpo", N), ("rm", N), ("kto", N),
+                                             ("reward_modeling", N), ("dpo + pref_ftx 1", A)])
+def test_transformers_rule_models_the_loss(trainer, status):
+    facts = {"uses_hf_trainer": True, "version:transformers": Version("4.45.2"), "effective_k": 8, "trainer": trainer}
+    assert transformers_ga(facts).status.value == status
 
 
 @pytest.mark.parametrize("hf, version, k, status", [

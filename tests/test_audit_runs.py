@@ -14,10 +14,11 @@ import pytest
 from rich.console import Console
 
 from exactrl.audit.rules import Status
-from exactrl.audit.runs import audit_runs, exit_code, format_table, to_json
+from exactrl.audit.report import exit_code, format_table, to_json
+from exactrl.audit.runs import audit_runs
 
 RUNS = Path(__file__).parent / "fixtures" / "runs"
-A, N, U = "AFFECTED", "NOT AFFECTED", "UNKNOWN"
+A, N, U, C = "AFFECTED", "NOT AFFECTED", "UNKNOWN", "CONDITIONAL"
 DS, ORLHF, TF = "deepspeed-offload-accumulation", "openrlhf-mean-of-means", "transformers-ga-normalisation"
 
 # fixture -> (DeepSpeed offload drop, OpenRLHF mean of means, transformers GA normalisation)
@@ -30,7 +31,7 @@ EXPECTED = {
     "accelerate_yaml_range_unknown": (U, U, U),
     "llamafactory_conda_affected": (A, N, A),
     "wandb_hf_trainer_affected": (N, N, A),
-    "wandb_openrlhf_metadata_unknown": (U, U, N),
+    "wandb_openrlhf_metadata_no_world_size": (C, A, N),  # every N DeepSpeed accepts decides (issue 14)
     "deepspeed_json_only_unknown_version": (U, U, U),
     "deepspeed_auto_unresolved": (U, N, N),
     "pickle_only": (U, U, U),
@@ -100,10 +101,10 @@ def test_openrlhf_old_flags_heredoc_script():
     assert where(run, "version:openrlhf") == [line_of(d + "pip_freeze.txt", "openrlhf==")]
     ds = verdict(run, DS)
     assert "(g_first + g_last)/8" in ds.reason and "PR #6550" in ds.reason and "PR #7967" in ds.reason
-    assert "PR #7981" in ds.reason
+    assert "PR #7981" not in ds.reason  # that note is for K = 1 with several backward() calls (--use_dynamic_batch)
     assert ds.action.startswith("Upgrade to deepspeed>=0.19.0, or use K<=2, or disable offload_optimizer")
-    assert "openrlhf 0.5.4 with K = 8 on 8 ranks" in verdict(run, ORLHF).reason
-    assert verdict(run, TF).reason.startswith("not a Trainer-based run")
+    assert "With openrlhf 0.5.4 (sft), K = 8 on 8 ranks" in verdict(run, ORLHF).reason
+    assert verdict(run, TF).reason.startswith("Not a Trainer-based run")
 
 
 def test_openrlhf_dotted_flags_two_nodes():
@@ -116,7 +117,7 @@ def test_openrlhf_dotted_flags_two_nodes():
     assert values(run, "world_size") == [16]  # --num_nodes 2 x --num_gpus 8
     assert values(run, "effective_k") == [4]  # 128 / (2 x 16)
     # every DeepSpeed condition holds except the version: the verdict must say that one
-    assert verdict(run, DS).reason == "deepspeed 0.19.1 is fixed (PR #7967, 0.19.0)."
+    assert verdict(run, DS).reason == "The deepspeed version 0.19.1 is fixed (PR #7967, 0.19.0)."
     assert "0.11.0" in verdict(run, ORLHF).reason and "PR #1249" in verdict(run, ORLHF).reason
 
 
@@ -144,13 +145,13 @@ def test_hf_trainer_json_follows_deepspeed_path_and_resolves_auto():
     assert not [p for p in run.problems if p.kind == "unresolved"]
     assert values(run, "version:deepspeed") == ["==0.15.4+cu121"]  # a local version, still in [0.15.2, 0.19.0)
     assert values(run, "version:transformers") == ["==4.44.2"]
-    assert "transformers 4.44.2 with gradient_accumulation_steps = 8" in verdict(run, TF).reason
+    assert "With transformers 4.44.2 and gradient_accumulation_steps = 8" in verdict(run, TF).reason
 
 
 def test_trl_yaml_with_accelerate_zero3_and_range_pins():
     run = audit("trl_yaml_accelerate_zero3")
     d = "trl_yaml_accelerate_zero3/"
-    assert values(run, "framework") == ["trl"]
+    assert values(run, "framework") == ["trl", "trl"]  # the YAML and trl/scripts/sft.py on the launch line
     assert values(run, "zero_stage") == [3]
     assert where(run, "zero_stage") == [line_of(d + "deepspeed_zero3.yaml", "zero_stage:")]
     assert values(run, "world_size") == [8]
@@ -170,7 +171,7 @@ def test_accelerate_config_with_a_range_that_spans_the_bug_is_unknown():
     ds = verdict(run, DS)
     assert ("The deepspeed version is known only as a range, deepspeed>=0.14.0 (requirements.txt:3): weaker evidence "
             "than an exact == pin; the versions it admits lead to different verdicts") in ds.reason
-    assert "with deepspeed 0.14.0: NOT AFFECTED" in ds.reason and "with deepspeed 0.15.2: AFFECTED" in ds.reason
+    assert "With deepspeed 0.14.0: NOT AFFECTED" in ds.reason and "with deepspeed 0.15.2: AFFECTED" in ds.reason
     assert "pip freeze or conda list" in ds.action
     assert "training framework" in verdict(run, ORLHF).reason
 
@@ -196,21 +197,25 @@ def test_wandb_config_and_requirements():
     assert values(run, "effective_k") == [16]
     k_line = int(line_of(f + "config.yaml", "gradient_accumulation_steps:").rsplit(":", 1)[1]) + 2  # its `value:`
     assert where(run, "effective_k") == [f"{f.split('/', 1)[1]}config.yaml:{k_line}"]
-    assert verdict(run, DS).reason == "the run did not use DeepSpeed."
+    assert verdict(run, DS).reason == "The run did not use DeepSpeed."
 
 
-def test_wandb_metadata_args_without_world_size_is_unknown():
-    run = audit("wandb_openrlhf_metadata_unknown")
-    f = "wandb_openrlhf_metadata_unknown/wandb/run-20250310_081122-p0q9z8yy/files/"
+def test_wandb_metadata_args_without_world_size_judged_for_every_world_size():
+    run = audit("wandb_openrlhf_metadata_no_world_size")
+    f = "wandb_openrlhf_metadata_no_world_size/wandb/run-20250310_081122-p0q9z8yy/files/"
     assert values(run, "framework") == ["openrlhf"]
     assert values(run, "zero_stage") == [2]
     assert where(run, "zero_stage") == [line_of(f + "wandb-metadata.json", '"--zero_stage"')]
     assert values(run, "offload_optimizer") == ["cpu"]
     assert values(run, "world_size") == [] and values(run, "effective_k") == []
     assert values(run, "version:openrlhf") == ["==0.6.1.post1"]
-    ds = verdict(run, DS)
-    assert ds.reason.startswith("Not enough evidence, missing: gradient accumulation steps")
-    assert "world size" in verdict(run, ORLHF).reason
+    ds = verdict(run, DS)  # K = 64 / (1 x N) >= 3 iff N <= 21
+    assert ds.status is Status.CONDITIONAL and ds.condition == "run on <= 21 GPUs"
+    assert "N is one of 1, 2, 4, 8, 16, 32, 64" in ds.reason
+    assert "On N = 16: With deepspeed 0.16.2" in ds.reason and "On N = 32: K = 2 is accidentally right" in ds.reason
+    assert ds.action.startswith("Find how many GPUs the run used; if it was <= 21 GPUs: Upgrade to deepspeed")
+    orlhf = verdict(run, ORLHF)  # SFT: K > 1 or N > 1 whatever N is
+    assert orlhf.status is Status.AFFECTED and "Every one gives AFFECTED" in orlhf.reason
 
 
 def test_deepspeed_json_only():
@@ -263,7 +268,7 @@ def test_contradictory_stages_make_the_verdict_unknown():
     assert contradictions == {"zero_stage", "version:transformers"}
     ds = verdict(run, DS)
     assert "The readings of zero_stage disagree: 2 (ds_stage2.json:6) vs 3 (ds_stage3.json:6)" in ds.reason
-    assert "with zero_stage = 2: AFFECTED" in ds.reason and "with zero_stage = 3: NOT AFFECTED" in ds.reason
+    assert "With zero_stage = 2: AFFECTED" in ds.reason and "with zero_stage = 3: NOT AFFECTED" in ds.reason
     assert ds.action == "Resolve zero_stage: keep only the files the run used."
     tf = verdict(run, TF)
     assert "transformers==4.46.0 (pip_freeze.txt:3) vs transformers==4.45.2 (requirements.txt:2)" in tf.reason

@@ -17,6 +17,7 @@ import re
 import shlex
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import unquote
 
 import yaml
 from packaging.requirements import InvalidRequirement, Requirement
@@ -116,13 +117,21 @@ class Doc:
 
     @classmethod
     def parse(cls, file: str, text: str, kind: str) -> "Doc":
-        """kind is "json" or "yaml"; raises ValueError with the parser's message on bad syntax."""
+        """kind is "json" or "yaml"; raises ValueError with the parser's message on bad syntax, on
+        nesting too deep for the recursive parsers and on YAML aliases that expand past MAX_NODES."""
+        if _bracket_depth(text) > MAX_DEPTH:
+            raise ValueError(f"nested more than {MAX_DEPTH} levels deep")
         try:
-            data, lines = ((json.loads(text), _json_lines(text)) if kind == "json" else
-                           (yaml.safe_load(text), _yaml_lines(yaml.compose(text, Loader=yaml.SafeLoader))))
+            if kind == "json":
+                return cls(file, json.loads(text), _json_lines(text), text.splitlines())
+            node = yaml.compose(text, Loader=yaml.SafeLoader)  # aliases stay shared here: cheap
+            _bounded(node)
+            return cls(file, yaml.safe_load(text), _yaml_lines(node), text.splitlines())
         except (json.JSONDecodeError, yaml.YAMLError) as e:
             raise ValueError(str(e).replace("\n", " ")) from None
-        return cls(file, data, lines, text.splitlines())
+        except RecursionError:
+            raise ValueError("nested too deeply to read") from None
+
 
     def node(self, *path) -> Any:
         node = self.data
@@ -150,6 +159,38 @@ class Doc:
     def keys(self) -> list:
         node = self.node()
         return list(node) if isinstance(node, dict) else []
+
+
+MAX_DEPTH = 500  # the parsers recurse once per level; a real config nests a handful of levels
+MAX_NODES = 200_000  # a real config has a few thousand values; a YAML alias bomb expands to billions
+
+
+def _bracket_depth(text: str) -> int:
+    """Deepest nesting of [ and { (brackets inside strings count too: a bound, not a parse). Checked
+    before parsing because the pure-Python YAML scanner takes seconds to reach a RecursionError."""
+    depth = deepest = 0
+    for ch in re.sub(r"[^\[\]{}]", "", text):
+        depth += 1 if ch in "[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def _bounded(root: yaml.Node | None) -> None:
+    """Count the nodes the document expands to, each shared (aliased) node once per use,
+    without expanding anything; a billion-laughs document is refused in microseconds."""
+    sizes: dict[int, int] = {}
+
+    def size(node: yaml.Node) -> int:
+        if id(node) not in sizes:
+            children = ([c for pair in node.value for c in pair] if isinstance(node, yaml.MappingNode) else
+                        node.value if isinstance(node, yaml.SequenceNode) else [])
+            sizes[id(node)] = 1 + sum(size(c) for c in children)
+            if sizes[id(node)] > MAX_NODES:
+                raise ValueError(f"its aliases expand to more than {MAX_NODES:,} values (an alias bomb?)")
+        return sizes[id(node)]
+
+    if root is not None:
+        size(root)
 
 
 # ---------------------------------------------------------------------------- shell
@@ -248,13 +289,30 @@ def package_list_kind(name: str, text: str) -> str | None:
     if body and all(s.count("=") >= 2 and "==" not in s and " " not in s for s in body):
         return "table"  # conda list --export: name=version=build
     pins = sum(bool(re.match(r"^[A-Za-z0-9_.\-\[\],]+\s*(==|>=|<=|~=|!=|>|<| @ )", s)) for s in body)
-    return "requirements" if "requirement" in name.lower() else "freeze" if pins >= max(1, len(body) // 2) else None
+    exact = sum(bool(re.match(r"^[A-Za-z0-9_.\-\[\],]+==[^=,;*]+$", s)) for s in body)
+    if "requirement" in name.lower():
+        # Exact pins of a whole environment are a freeze saved under another name; a few
+        # hand-written pins are not a claim about what else was (not) installed.
+        return "freeze" if exact == len(body) >= MIN_FREEZE_PINS else "requirements"
+    return "freeze" if pins >= max(1, len(body) // 2) else None
+
+
+MIN_FREEZE_PINS = 20  # a training environment's freeze lists well over a hundred packages
+_EDITABLE_NOTE = re.compile(r"^#\s*Editable install with no version control \(([A-Za-z0-9_.\-]+)==([^)\s]+)\)")
+_ARCHIVE = re.compile(r"/([A-Za-z0-9_.]+?)-(\d[^-/]*?)(?:-[^/]*)?\.(?:whl|tar\.gz|zip)$")
 
 
 def package_pins(text: str, kind: str) -> list[Pin]:
+    """Versions a package list states. Besides `name==version` rows: pip freeze's comment
+    `# Editable install with no version control (name==version)`, a wheel or sdist named by URL
+    (`name @ file:///.../name-1.2.3-py3-none-any.whl`), and `-e git+URL@commit#egg=name` whose
+    spec is `@commit` (no version: the commit says which release it belongs to)."""
     pins = []
     for number, raw in enumerate(text.splitlines(), start=1):
         s = raw.strip()
+        editable = _EDITABLE_NOTE.match(s)
+        if editable:
+            pins.append(Pin(canonicalize_name(editable.group(1)), f"=={editable.group(2)}", number, s))
         if not s or s.startswith("#"):
             continue
         if kind == "table":  # `name version [build [channel]]`, or `name=version=build` (--export)
@@ -262,14 +320,18 @@ def package_pins(text: str, kind: str) -> list[Pin]:
             if len(row) >= 2:
                 pins.append(Pin(canonicalize_name(row[0]), f"=={row[1]}", number, s))
         elif s.startswith(("-e ", "--editable")):  # installed from a checkout: no version
-            egg = re.search(r"#egg=([A-Za-z0-9_.\-]+)", s)
-            pins += [Pin(canonicalize_name(egg.group(1)), "", number, s)] if egg else []
+            egg, commit = re.search(r"#egg=([A-Za-z0-9_.\-]+)", s), re.search(r"@([0-9a-f]{7,40})#", s)
+            spec = f"@{commit.group(1)}" if commit else ""
+            pins += [Pin(canonicalize_name(egg.group(1)), spec, number, s)] if egg else []
         elif not s.startswith("-"):  # (skips pip options such as --index-url)
             try:
                 req = Requirement(s.split(" #")[0])
             except InvalidRequirement:
                 continue
-            pins.append(Pin(canonicalize_name(req.name), "" if req.url else str(req.specifier), number, s))
+            archive = _ARCHIVE.search(req.url or "")
+            named = archive and canonicalize_name(archive.group(1)) == canonicalize_name(req.name)
+            spec = f"=={unquote(archive.group(2))}" if named else "" if req.url else str(req.specifier)
+            pins.append(Pin(canonicalize_name(req.name), spec, number, s))
     return pins
 
 

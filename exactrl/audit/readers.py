@@ -37,6 +37,8 @@ def read_accelerate_config(doc: Doc, c: Collected) -> tuple[str, Evidence] | Non
     ds = doc.sub("deepspeed_config") if isinstance(doc.node("deepspeed_config"), dict) else None
     if kind:
         c.add("uses_deepspeed", str(kind[0]).upper() == "DEEPSPEED", kind[1], note="accelerate distributed_type")
+        if str(kind[0]).upper() == "FSDP":
+            c.add("fsdp", "FSDP (Accelerate distributed_type: FSDP)", kind[1])
     if doc.has("num_processes"):
         c.value("world_size", doc.get("num_processes"))
     if ds is None or not (kind is None or str(kind[0]).upper() == "DEEPSPEED"):

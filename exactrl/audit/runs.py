@@ -32,8 +32,11 @@ gradient_accumulation_steps and, whenever known, global batch / (micro batch x w
 (OpenRLHF divides the world by ring-attention x tensor-parallel size); disagreeing readings are
 reported, and a verdict other than UNKNOWN needs every reading of the evidence to agree.
 
-Exit code (`exit_code`): 0 when every verdict of every run is NOT AFFECTED, 1 when any is
-AFFECTED, 2 when none is AFFECTED but some are UNKNOWN (evidence missing or contradictory).
+The rules also need to know what the run computed: the trainer (OpenRLHF's ``train_*``
+program, LLaMA-Factory's ``stage``, TRL's ``trl sft`` / ``trl/scripts/sft.py``), OpenRLHF's
+``--packing_samples`` and ``--use_dynamic_batch``, and whether the engine was FSDP (verl,
+Accelerate FSDP) rather than DeepSpeed. DeepSpeed-Chat's ``main.py --zero_stage --offload`` is
+read too. Output and exit codes: exactrl/audit/report.py.
 """
 
 from __future__ import annotations
@@ -44,19 +47,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rich.console import Group
-from rich.table import Table
-from rich.text import Text
-
 from exactrl.audit.evidence import (Collected, Doc, Evidence, Problem, Reading, Token, package_list_kind, package_pins,
                                     pickle_kind, shell_commands, true, whole)
+from exactrl.audit.judging import derive, judge
 from exactrl.audit.readers import parse_flags, read_accelerate_config, read_deepspeed_config, read_launcher
-from exactrl.audit.rules import RULES, Status, Verdict, derive, judge
+from exactrl.audit.rules import RULES, Verdict
 
 PACKAGES = ("deepspeed", "transformers", "openrlhf", "trl", "accelerate", "llamafactory", "torch")
 FACTS = ("framework", "uses_deepspeed", "zero_stage", "offload_optimizer", "micro_batch_size", "global_batch_size",
          "world_size", "parallel_divisor", "gradient_accumulation_steps", "effective_k", "is_openrlhf",
-         "uses_hf_trainer", *(f"version:{p}" for p in PACKAGES))
+         "uses_hf_trainer", "trainer", "packing_samples", "dynamic_batch", "fsdp", *(f"version:{p}" for p in PACKAGES))
 TEXT_SUFFIXES = {".json", ".yaml", ".yml", ".sh", ".bash", ".zsh", ".txt", ".cmd", ".log", ".out"}
 SCRIPT_SUFFIXES = (".sh", ".bash", ".zsh", ".txt", ".cmd")
 PICKLE_SUFFIXES = (".bin", ".pkl", ".pickle", ".pt")
@@ -69,11 +69,15 @@ OPENRLHF_KEYS = {"zero_stage": "zero_stage", "ds.zero_stage": "zero_stage", "ada
                  "train.batch_size": "global_batch_size"}
 OPENRLHF_MARKERS = {"micro_train_batch_size", "train.micro_batch_size", "adam_offload", "ds.adam_offload",
                     "ds.zero_stage"}
+OPENRLHF_FLAGS = {"packing_samples": ("packing_samples", "ds.packing_samples"),
+                  "dynamic_batch": ("use_dynamic_batch", "train.dynamic_batch_enable"),
+                  "nll": ("nll_loss_coef", "model.nll_loss_coef")}
 OPENRLHF_PARALLEL = ("ring_attn_size", "ds.ring_attn_size", "ds_tensor_parallel_size", "ds.tensor_parallel_size")
 OPENRLHF_ACTOR = (("actor_num_nodes", "actor.num_nodes", 1), ("actor_num_gpus_per_node", "actor.num_gpus_per_node", 8))
 HF_KEYS = {"per_device_train_batch_size": "micro_batch_size", "gradient_accumulation_steps": "gradient_accumulation_steps"}
 TRL_MARKERS = {"dataset_name", "num_generations", "max_seq_length", "dataset_text_field", "max_prompt_length"}
 LLAMAFACTORY_MARKERS = {"stage", "finetuning_type", "template"}
+TRL_SCRIPT = re.compile(r"(?:^|/)(?:examples/scripts|trl/scripts)/(\w+)\.py$")  # TRL's example scripts, by trainer
 PICKLE_HELP = ("not read (unpickling runs code). In the run's own environment, if you trust the file: python -c "
                "\"import torch; print(torch.load('{}', weights_only=False).to_json_string())\" > training_args.json, "
                "or provide the TrainingArguments JSON.")
@@ -142,7 +146,8 @@ class RunReader:
             try:
                 doc = Doc.parse(name, path.read_text(errors="replace"), "json" if suffix == ".json" else "yaml")
             except ValueError as e:
-                self.c.problem("unreadable", f"{name}: not valid {suffix[1:].upper()} ({e})", Evidence(name, None, ""))
+                self.c.problem("unreadable", f"{name}: not read as {suffix[1:].upper()} ({e})",
+                               Evidence(name, None, ""))
                 return
             if isinstance(doc.data, dict):
                 self.read_doc(path, doc, hint)
@@ -179,7 +184,8 @@ class RunReader:
             pins = package_pins(text, kind)
             for pin in (p for p in pins if p.name in PACKAGES):
                 note = ("exact pin" if pin.spec.startswith("==") and "*" not in pin.spec else
-                        "unpinned" if not pin.spec else "a range: weaker evidence than an exact == pin")
+                        "unpinned" if not pin.spec else f"git commit {pin.spec[1:]}" if pin.spec.startswith("@")
+                        else "a range: weaker evidence than an exact == pin")
                 self.c.add(f"version:{pin.name}", pin.spec, Evidence(name, pin.line, pin.text), note=note)
             if kind != "requirements":  # a whole environment: what it lacks was not installed
                 self.complete_lists.append((Evidence(name, None, f"{kind} list"), {p.name for p in pins}))
@@ -245,12 +251,15 @@ class RunReader:
 
     def read_args(self, args: dict[str, tuple], doc: Doc | None, origin: Evidence, saved: bool,
                   hint: str | None = None, base: Path | None = None) -> None:
-        """Saved arguments or command-line flags of OpenRLHF, the HF Trainer, TRL or LLaMA-Factory."""
+        """Saved arguments or command-line flags of OpenRLHF, the HF Trainer, TRL, LLaMA-Factory or
+        DeepSpeed-Chat."""
         keys = set(args)
         framework, markers = next(((name, marks) for name, marks, found in (
             ("openrlhf", OPENRLHF_MARKERS, hint == "openrlhf" or keys & OPENRLHF_MARKERS),
             ("llamafactory", LLAMAFACTORY_MARKERS, hint == "llamafactory" or len(keys & LLAMAFACTORY_MARKERS) >= 2),
             ("trl", TRL_MARKERS, hint == "trl" or (saved and keys & TRL_MARKERS and "output_dir" in keys)),
+            # DeepSpeed-Chat's main.py: its own loop, `--zero_stage N --offload` on the command line
+            ("deepspeed-chat", {"zero_stage"}, not saved and {"zero_stage", "deepspeed"} <= keys),
             ("transformers-trainer", {"per_device_train_batch_size"},
              saved and {"output_dir", "per_device_train_batch_size"} <= keys)) if found), (None, set()))
         if framework:
@@ -260,6 +269,19 @@ class RunReader:
             return self.read_openrlhf(args, origin, saved)
         for key in HF_KEYS.keys() & keys:
             self.c.value(HF_KEYS[key], args[key][:2])
+        if framework == "llamafactory" and (saved or "stage" in args):
+            stage, where = args.get("stage", ("sft", origin))[:2]  # LLaMA-Factory's default stage is sft
+            extra = [f"{k} {args[k][0]}" for k in ("pref_ftx",) if k in args and (whole(args[k][0]) or 0) > 0]
+            extra += ["pref_loss orpo"] if stage == "dpo" and args.get("pref_loss", ("",))[0] == "orpo" else []
+            self.c.add("trainer", f"{stage} + {', '.join(extra)}" if extra else str(stage), where,
+                       note="LLaMA-Factory stage" + (" with a token-averaged SFT term" if extra else ""))
+        if framework == "deepspeed-chat":
+            self.c.add("uses_deepspeed", True, origin, note="DeepSpeed-Chat trains with DeepSpeed")
+            self.c.value("zero_stage", args["zero_stage"][:2])
+            offload = args.get("offload")
+            self.c.add("offload_optimizer", "cpu" if offload else "none", offload[1] if offload else origin,
+                       note="--offload" if offload else "no --offload")
+            return
         if "deepspeed" in args:
             value, evidence, path = args["deepspeed"]
             if value in (None, "", False):
@@ -280,11 +302,17 @@ class RunReader:
                 self.c.add("offload_optimizer", "cpu" if true(args[key][0]) else "none", args[key][1], note=key)
             else:
                 self.c.value(OPENRLHF_KEYS[key], args[key][:2])
+        given = {fact: next((args[k] for k in names if k in args), None) for fact, names in OPENRLHF_FLAGS.items()}
         if not saved:  # argparse defaults, the same from v0.3 to v0.11: --zero_stage 2, no --adam_offload
             if not args.keys() & {"zero_stage", "ds.zero_stage"}:
                 self.c.add("zero_stage", 2, origin, note="OpenRLHF default (no --zero_stage)")
             if not args.keys() & {"adam_offload", "ds.adam_offload"}:
                 self.c.add("offload_optimizer", "none", origin, note="OpenRLHF default (no --adam_offload)")
+        for fact in ("packing_samples", "dynamic_batch"):
+            if given[fact] is not None:
+                self.c.add(fact, true(given[fact][0]), given[fact][1])
+            elif not saved:  # a whole command line: an absent store_true flag is False
+                self.c.add(fact, False, origin, note="not on the command line")
         parallel = [(whole(args[k][0]), args[k][1]) for k in OPENRLHF_PARALLEL if k in args and whole(args[k][0])]
         if any(v > 1 for v, _ in parallel):
             size = 1
@@ -299,6 +327,16 @@ class RunReader:
                                                                                   for k in keys),
                            note="actor nodes x GPUs per node (OpenRLHF defaults 1 x 8 where not given)")
 
+    def read_verl(self, args: dict[str, tuple], origin: Evidence) -> None:
+        """verl trains with FSDP (or Megatron) workers that Ray places; it never uses DeepSpeed."""
+        self.c.add("framework", "verl", origin)
+        strategy = args.get("actor_rollout_ref.actor.strategy", ("fsdp", origin))
+        offload = [args[k][1] for k in args if k.startswith("actor_rollout_ref.actor.fsdp_config.") and
+                   k.endswith("_offload") and true(args[k][0])]
+        self.c.add("uses_deepspeed", False, strategy[1], note=f"verl trains with {strategy[0]}")
+        engine = "Megatron" if str(strategy[0]).lower() == "megatron" else "FSDP"
+        self.c.add("fsdp", f"{engine} (verl{', with its own offload' if offload else ''})", strategy[1], *offload)
+
     def read_command(self, tokens: list[Token], file: str, lines: list[str], launcher_seen: bool,
                      base: Path | None = None) -> None:
         words = [t.text for t in tokens]
@@ -306,16 +344,28 @@ class RunReader:
                                 if 0 < tokens[i].line <= len(lines) else words[i])
         start = next((i for i, w in enumerate(words) if not re.match(r"^[A-Za-z_]\w*=", w)), len(words))
         program = next((i for i, w in enumerate(words) if i >= start and (
-            w.startswith("openrlhf.cli.") or w.endswith((".py", "llamafactory-cli")) or w.rsplit("/")[-1] == "trl")),
-            None)
+            w.startswith(("openrlhf.cli.", "verl.")) or w.endswith((".py", "llamafactory-cli"))
+            or w.rsplit("/")[-1] == "trl")), None)
         if program is None:
             return
         prog, base = words[program], base or self.root
+        trl_script = TRL_SCRIPT.search(prog)
         hint = ("openrlhf" if re.match(r"openrlhf\.cli\.|.*openrlhf/cli/\w+\.py$", prog)
+                else "verl" if prog.startswith("verl.") or re.search(r"(^|/)verl/.*main_\w+\.py$", prog)
                 else "llamafactory" if prog.endswith("llamafactory-cli")
-                else "trl" if prog.rsplit("/")[-1] == "trl" else None)
-        rest = program + (2 if hint in ("llamafactory", "trl") else 1)  # skip the subcommand (train, sft, ...)
+                else "trl" if prog.rsplit("/")[-1] == "trl" or trl_script else None)
+        rest = program + (2 if hint == "llamafactory" or prog.rsplit("/")[-1] == "trl" else 1)  # skip `train`, `sft`
         args = parse_flags(words[rest:], [ev(i) for i in range(rest, len(words))])
+        if hint == "verl":
+            return self.read_verl(args, ev(program))
+        trainer = (re.search(r"train_(\w+?)(?:_ray)?(?:\.py)?$", prog) if hint == "openrlhf" else
+                   trl_script if trl_script else None)
+        trainer = trainer.group(1) if trainer else words[program + 1] if rest == program + 2 and hint == "trl" else None
+        nll = next((args[k] for k in OPENRLHF_FLAGS["nll"] if k in args), None) if hint == "openrlhf" else None
+        if nll and re.fullmatch(r"[\d.e-]+", str(nll[0])) and float(nll[0]) > 0:  # a token-averaged NLL term
+            trainer = f"{trainer} + NLL term"
+        if trainer:
+            self.c.add("trainer", trainer, ev(program), note=f"the program {prog}")
         if hint == "llamafactory" and rest < len(words) and words[rest].endswith((".yaml", ".yml", ".json")):
             self.refer("args", words[rest], ev(rest), base, hint="llamafactory")
         if hint == "trl" and "config" in args:
@@ -327,63 +377,11 @@ class RunReader:
         # Ray places OpenRLHF's PPO actors (--actor(.)num_* flags); trl and llamafactory-cli pick their own
         # launcher; only `python script.py` / `python -m module` with nothing around it is one process.
         if launcher_seen and "train_ppo_ray" not in prog and (training or distributed):
-            if all(re.fullmatch(r"python[\d.]*|-[mubOE]+", w.rsplit("/", 1)[-1]) for w in pre) and hint not in (
-                    "trl", "llamafactory"):
+            if all(re.fullmatch(r"python[\d.]*|-[mubOE]+", w.rsplit("/", 1)[-1]) for w in pre) and not (
+                    hint == "llamafactory" or prog.rsplit("/")[-1] == "trl"):
                 self.c.add("world_size", 1, ev(program), note="plain launch: one process")
             config = read_launcher(pre, [ev(i) for i in range(start, program)], self.c)
             if config:
                 self.refer("accelerate", *config, base)
         if training:
             self.read_args(args, None, ev(program), saved=False, hint=hint, base=base)
-
-
-# ------------------------------------------------------------------------ output
-
-STYLE = {Status.AFFECTED: "bold red", Status.NOT_AFFECTED: "green", Status.UNKNOWN: "yellow"}
-
-
-def _value(fact: str, r: Reading) -> Any:
-    return f"{fact[8:]}{r.value or ' (unpinned)'}" if fact.startswith("version:") else r.value
-
-
-def format_table(audits: list[RunAudit]) -> Group:
-    """Human output: a summary when there are several runs, then per run the verdicts, the facts
-    with their evidence, and the problems."""
-    parts: list[Any] = []
-    if len(audits) > 1:
-        summary = Table(title="summary")
-        for column in ("run", *RULES):
-            summary.add_column(column, overflow="fold")
-        for a in audits:
-            summary.add_row(a.path, *(Text(v.status.value, style=STYLE[v.status]) for v in a.verdicts))
-        parts.append(summary)
-    for audit in audits:
-        verdicts = Table("bug", "verdict", "why", "what to do", title=f"run: {audit.path}", show_lines=True,
-                         expand=True)
-        for v in audit.verdicts:
-            verdicts.add_row(v.title, Text(v.status.value, style=STYLE[v.status]), v.reason, v.action)
-        facts = Table("fact", "value", "evidence", title="facts", expand=True)
-        for fact in FACTS:
-            for r in audit.facts.get(fact, []):
-                facts.add_row(fact, str(_value(fact, r)),
-                              ", ".join(e.at for e in r.evidence) + (f" ({r.note})" if r.note else ""))
-        parts += [verdicts, facts, *(Text(f"{p.kind}: {p.message}", style="yellow") for p in audit.problems)]
-    return Group(*parts)
-
-
-def to_json(audits: list[RunAudit]) -> dict:
-    """Machine output: every fact with its readings and evidence, the problems, the verdicts and
-    the exit code."""
-    return {"exit_code": exit_code(audits), "runs": [{
-        "path": a.path,
-        "facts": {f: [{"value": _value(f, r), "note": r.note, "evidence": [e.to_json() for e in r.evidence]}
-                      for r in a.facts[f]] for f in FACTS if a.facts.get(f)},
-        "problems": [p.to_json() for p in a.problems],
-        "verdicts": [v.to_json() for v in a.verdicts],
-    } for a in audits]}
-
-
-def exit_code(audits: list[RunAudit]) -> int:
-    """0: every verdict NOT AFFECTED; 1: any AFFECTED; 2: none AFFECTED but some UNKNOWN."""
-    statuses = {v.status for a in audits for v in a.verdicts}
-    return 1 if Status.AFFECTED in statuses else 2 if Status.UNKNOWN in statuses else 0

@@ -60,11 +60,11 @@ def _run(kind: str, config: Optional[Path], overrides: Optional[list[str]], fn) 
     from exactrl.distributed.engine import NonFiniteError
     from exactrl.models.loading import ModelLoadError
     from exactrl.rewards import RewardError
-    from exactrl.run_dir import record_event, set_status
+    from exactrl.run_dir import forget_current, record_event, set_status
 
     from exactrl.distributed.launch import relaunch_under_torchrun, shutdown, under_launcher
 
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         cfg = load_config(COMMANDS[kind], config, _replay_overrides(config, overrides or []))
         nproc = getattr(getattr(cfg, "distributed", None), "nproc_per_node", 1)
@@ -93,6 +93,9 @@ def _run(kind: str, config: Optional[Path], overrides: Optional[list[str]], fn) 
     except BaseException as e:  # a bug: record it, keep the traceback
         set_status("error", f"{type(e).__name__}: {e}")
         raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        forget_current()
 
 
 def _replay_overrides(config: Optional[Path], overrides: list[str]) -> list[str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,16 +17,36 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from exactrl import run_dir as run_dir_mod
 from exactrl.config import DemoConfig, load_config
 
 TINY = ["data.eval=null", "train.global_batch_size=8", "train.micro_batch_size=4"]
 
 
+class Result:
+    def __init__(self, returncode: int, stderr: str):
+        self.returncode, self.stderr = returncode, stderr
+
+
 def exactrl(args, cwd, cache, **kw):
-    env = {**os.environ, "EXACTRL_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "exactrl.cli", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=600, **kw)
+    """The CLI in this process (its code path, exit code and messages; seconds instead of the
+    ~12 s a fresh interpreter takes to import torch and transformers here)."""
+    from exactrl.cli import app
+
+    old = os.environ.get("EXACTRL_CACHE")
+    os.environ["EXACTRL_CACHE"] = str(cache)
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        result = CliRunner().invoke(app, args)
+    finally:
+        os.chdir(here)
+        if old is None:
+            os.environ.pop("EXACTRL_CACHE")
+        else:
+            os.environ["EXACTRL_CACHE"] = old
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return Result(result.exit_code, result.output)
 
 
 def one_line_error(proc, code: int) -> str:
@@ -58,13 +79,11 @@ def test_non_finite_config_value_is_one_line(tmp_path, cache):
     assert "Traceback" not in proc.stderr and not (tmp_path / "r").exists()
 
 
-def test_corrupt_safetensors_is_one_line_and_the_run_dir_is_reusable(tmp_path, cache):
+def test_corrupt_safetensors_is_one_line_and_the_run_dir_is_reusable(tmp_path, cache, monkeypatch):
     from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin
 
-    os.environ["EXACTRL_CACHE"] = str(cache)
+    monkeypatch.setenv("EXACTRL_CACHE", str(cache))
     model = tmp_path / "model"
-    import shutil
-
     shutil.copytree(ensure_builtin(BuiltinSpec()).model, model)
     weights = model / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
@@ -89,7 +108,9 @@ def test_output_dir_that_is_a_file(tmp_path, cache):
     assert target.read_text() == "my notes"
 
 
+@pytest.mark.slow
 def test_sigterm_is_recorded_and_exits_143(tmp_path, cache):
+    """A real process and a real signal (23 s here, mostly the interpreter's imports)."""
     out = tmp_path / "run"
     env = {**os.environ, "EXACTRL_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "exactrl.cli", "sft", *TINY, "train.max_steps=100000", "train.log_every=1",
@@ -105,22 +126,30 @@ def test_sigterm_is_recorded_and_exits_143(tmp_path, cache):
     assert status["state"] == "interrupted" and status["message"].startswith("SIGTERM")
 
 
+def test_sigint_is_recorded_and_exits_130(tmp_path, cache, monkeypatch):
+    from exactrl.algorithms import sft
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sft, "build_engine", interrupted)  # Ctrl-C while the model loads
+    out = tmp_path / "run"
+    proc = exactrl(["sft", *TINY, "train.max_steps=1", f"output_dir={out}"], tmp_path, cache)
+    assert proc.returncode == 130 and "interrupted: SIGINT" in proc.stderr
+    assert json.loads((out / "status.json").read_text())["state"] == "interrupted"
+
+
 def test_full_disk_is_one_line_and_recorded(tmp_path, monkeypatch, cache):
-    from exactrl.cli import app
     from exactrl.distributed import engine
 
     def no_space(self, path, tokenizer):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
-    monkeypatch.setenv("EXACTRL_CACHE", str(cache))
     monkeypatch.setattr(engine.SingleEngine, "save_pretrained", no_space)
-    run_dir_mod.forget_current()
     out = tmp_path / "run"
-    result = CliRunner().invoke(app, ["sft", *TINY, "train.max_steps=1", f"output_dir={out}"])
-    assert result.exit_code == 2, result.output
-    assert f"error: No space left on device '{out / 'final'}'; free space or fix the permissions" in result.output
+    line = one_line_error(exactrl(["sft", *TINY, "train.max_steps=1", f"output_dir={out}"], tmp_path, cache), 2)
+    assert line == f"error: No space left on device '{out / 'final'}'; free space or fix the permissions, then run again"
     assert json.loads((out / "status.json").read_text())["state"] == "error"
-    run_dir_mod.forget_current()
 
 
 def test_replaying_a_run_with_an_explicit_output_dir(tmp_path, cache):

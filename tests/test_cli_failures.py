@@ -182,3 +182,9 @@ def test_help_and_version():
     demo = runner.invoke(app, ["demo", "--help"], terminal_width=200).output
     example = demo.split("Dotted overrides, e.g.", 1)[1].split("│")[0].split()
     assert example and load_config(DemoConfig, None, example)  # the example the help shows is accepted
+
+
+def test_tables_off_a_terminal_are_not_wrapped_at_80_columns():
+    from exactrl.cli import _stdout_console
+
+    assert _stdout_console().width == 160  # pytest captures stdout: not a terminal

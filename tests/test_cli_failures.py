@@ -152,6 +152,20 @@ def test_full_disk_is_one_line_and_recorded(tmp_path, monkeypatch, cache):
     assert json.loads((out / "status.json").read_text())["state"] == "error"
 
 
+def test_canary_stop_exits_3_and_is_recorded(tmp_path, monkeypatch, cache):
+    from exactrl.audit.canary import CanaryError
+    from exactrl.distributed import engine
+
+    def stopped(self, plan):
+        raise CanaryError("canary failed at optimizer step 0: injected")
+
+    monkeypatch.setattr(engine.SingleEngine, "step", stopped)
+    out = tmp_path / "run"
+    proc = exactrl(["sft", *TINY, "train.max_steps=1", f"output_dir={out}"], tmp_path, cache)
+    assert proc.returncode == 3 and "stopped by the canary: canary failed at optimizer step 0: injected" in proc.stderr
+    assert json.loads((out / "status.json").read_text())["state"] == "canary"
+
+
 def test_replaying_a_run_with_an_explicit_output_dir(tmp_path, cache):
     out = tmp_path / "mine"
     assert exactrl(["sft", *TINY, "train.max_steps=1", f"output_dir={out}"], tmp_path, cache).returncode == 0

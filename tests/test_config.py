@@ -193,6 +193,14 @@ def test_suggestion_fixes_section_and_leaf_separately(given, expected):
     assert f"did you mean '{expected}'?" in msg, msg
 
 
+def test_a_misspelt_section_is_matched_as_a_section():
+    from exactrl.config.loader import _suggest
+
+    # The reported case: a misspelt section alone was matched against whole keys ('train.seed').
+    assert _suggest("trian", valid_keys(SFTConfig)) == "; did you mean 'train'?"
+    assert "did you mean 'train.max_steps'?" in error_of(SFTConfig, overrides=["trian.max_steps=1"])
+
+
 @pytest.mark.parametrize("override,key", [("optim.lr=inf", "optim.lr"), ("optim.lr=.nan", "optim.lr"),
                                           ("train.max_grad_norm=.inf", "train.max_grad_norm"),
                                           ("optim.betas=[0.9, .nan]", "optim.betas.1"), ("reward.fallback=.nan", "reward.fallback"),

@@ -22,7 +22,8 @@ console = Console(stderr=True)
 
 ConfigOpt = typer.Option(None, "--config", "-c", help="YAML config file (e.g. examples/sft_tiny.yaml or runs/X/config.yaml).")
 OverridesArg = typer.Argument(None, help="Dotted overrides, e.g. optim.lr=3e-4 train.micro_batch_size=4")
-DemoOverridesArg = typer.Argument(None, help="Dotted overrides, e.g. task.n_sft=5000 sft.train.max_steps=200 rl.optim.lr=1e-4")
+DemoOverridesArg = typer.Argument(None, help="Dotted overrides, e.g. task.n_sft=5000 sft.train.max_steps=200 "
+                                              "rl.optim.lr=1e-4")
 COMMANDS = {"sft": SFTConfig, "rl": RLConfig, "demo": DemoConfig}
 
 
@@ -83,9 +84,11 @@ def _run(kind: str, config: Optional[Path], overrides: Optional[list[str]], fn) 
         raise _fail("nonfinite", "stopped", str(e), 4) from None
     except OSError as e:  # a full disk, a file that cannot be written: the OS's reason and the file
         where = f" '{e.filename}'" if e.filename else ""
-        raise _fail("error", "error", f"{e.strerror or e}{where}; free space or fix the permissions, then run again", 2) from None
+        message = f"{e.strerror or e}{where}; free space or fix the permissions, then run again"
+        raise _fail("error", "error", message, 2) from None
     except KeyboardInterrupt:
-        raise _fail("interrupted", "interrupted", "SIGINT (Ctrl-C); checkpoints written so far are intact", 130) from None
+        raise _fail("interrupted", "interrupted", "SIGINT (Ctrl-C); checkpoints written so far are intact",
+                    130) from None
     except Terminated:
         raise _fail("interrupted", "terminated", "SIGTERM; checkpoints written so far are intact", 143) from None
     except typer.Exit:
@@ -110,8 +113,8 @@ def _replay_overrides(config: Optional[Path], overrides: list[str]) -> list[str]
     out = saved.get("output_dir") if isinstance(saved, dict) else None
     if not isinstance(out, str) or "{time}" in out or Path(out).resolve() != config.parent.resolve():
         return overrides
-    console.print(f"replaying {config}: output_dir '{out}' holds that run, so this one writes to '{out}-replay-{{time}}'",
-                  highlight=False, soft_wrap=True)
+    console.print(f"replaying {config}: output_dir '{out}' holds that run, so this one writes to "
+                  f"'{out}-replay-{{time}}'", highlight=False, soft_wrap=True)
     return [*overrides, f"output_dir={out}-replay-{{time}}"]
 
 
@@ -136,7 +139,8 @@ def _version(value: bool) -> None:
 
 
 @app.callback()
-def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit.")):
+def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the version and exit.")):
     """exactrl: LLM post-training where every optimizer step applies exactly the gradient asked for."""
 
 

@@ -50,4 +50,5 @@ def progress(total: int, desc: str, start: int = 0, enabled: bool = True):
     """A tqdm bar if stderr is a terminal, else plain periodic lines; nothing if not ``enabled``."""
     if enabled and not sys.stderr.isatty():
         return PlainProgress(total, desc, start)
-    return tqdm(total=total, initial=start, desc=desc, unit="step", dynamic_ncols=True, mininterval=1.0, disable=not enabled)
+    return tqdm(total=total, initial=start, desc=desc, unit="step", dynamic_ncols=True, mininterval=1.0,
+                disable=not enabled)

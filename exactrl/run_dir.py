@@ -57,7 +57,8 @@ def _reusable(path: Path, status: dict | None) -> bool:
 
 def _refusal(path: Path, status: dict | None) -> str:
     if status is None:
-        how = "no status.json: a run from before exactrl wrote one, or not a run; delete it if it holds nothing you need"
+        how = ("no status.json: a run from before exactrl wrote one, or not a run; "
+               "delete it if it holds nothing you need")
     elif status.get("state") == "running" and _alive(status):
         how = f"its run is still going (pid {status.get('pid')} on {status.get('host')})"
     else:
@@ -92,9 +93,11 @@ def create_run_dir(template: str, command: str, cfg) -> Path:
         path.mkdir(parents=True, exist_ok=True)
         _claim(path)
     except (FileExistsError, NotADirectoryError):
-        raise ConfigError(f"output_dir '{path}': it (or a parent) is a file, not a directory; choose another output_dir") from None
+        raise ConfigError(f"output_dir '{path}': it (or a parent) is a file, not a directory; "
+                          "choose another output_dir") from None
     except OSError as e:
-        raise ConfigError(f"output_dir '{path}': cannot create the run directory ({e.strerror}); choose another output_dir") from None
+        raise ConfigError(f"output_dir '{path}': cannot create the run directory ({e.strerror}); "
+                          "choose another output_dir") from None
     _current = path
     set_status("running", command=command)
     tmp = path / ".config.yaml.tmp"  # a crash mid-write leaves no half config.yaml

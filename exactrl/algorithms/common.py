@@ -64,7 +64,8 @@ def progress(total: int, desc: str, start: int = 0):
 def check_data_size(num_items: int, per_step: int, what: str, path) -> None:
     """A step larger than the data would hold some of it twice: a mistake, not a schedule."""
     if per_step > num_items:
-        key = "train.global_batch_size" if what == "samples" else "train.global_batch_size x algo.mini_batches / algo.group_size"
+        key = ("train.global_batch_size" if what == "samples"
+               else "train.global_batch_size x algo.mini_batches / algo.group_size")
         raise ConfigError(f"{key} asks for {per_step} {what} per step (or rollout), but '{path}' has only {num_items}: "
                           "a step would repeat some of them; lower the batch size or add data")
 

@@ -15,10 +15,10 @@ from exactrl.distributed.checkpoint import CheckpointError, check_resumable
 
 # How long to run, how often to log/save/evaluate, where to write and what to evaluate on,
 # how checks react, and how a step is split into micro-batches (the gradient is the same).
-MAY_CHANGE = ("output_dir", "train.max_steps", "train.epochs", "train.save_every", "train.log_every", "train.eval_every",
-              "train.resume_from", "train.resume_allow_changes", "train.save_total_limit", "train.nonfinite",
-              "train.micro_batch_size", "data.eval", "data.eval_size", "eval.", "audit.", "reward.timeout", "reward.retries",
-              "distributed.nproc_per_node")
+MAY_CHANGE = ("output_dir", "train.max_steps", "train.epochs", "train.save_every", "train.log_every",
+              "train.eval_every", "train.resume_from", "train.resume_allow_changes", "train.save_total_limit",
+              "train.nonfinite", "train.micro_batch_size", "data.eval", "data.eval_size", "eval.", "audit.",
+              "reward.timeout", "reward.retries", "distributed.nproc_per_node")
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -46,11 +46,11 @@ def check_resume(cfg, command: str, steps: int) -> None:
     extra = state.get("extra", {})
     was = "rl" if "rollout" in extra else "sft"
     if was != command:
-        raise CheckpointError(f"train.resume_from: '{p}' is an {was} checkpoint and cannot be resumed by `exactrl {command}`; "
-                              f"to start {command} from its weights, set model.path={p} instead")
+        raise CheckpointError(f"train.resume_from: '{p}' is an {was} checkpoint and cannot be resumed by "
+                              f"`exactrl {command}`; to start {command} from its weights, set model.path={p} instead")
     if extra.get("step", 0) >= steps:
-        raise CheckpointError(f"train.resume_from: '{p}' is at step {extra.get('step')}, and this run ends at step {steps} "
-                              "(train.max_steps / train.epochs); raise train.max_steps to continue it")
+        raise CheckpointError(f"train.resume_from: '{p}' is at step {extra.get('step')}, and this run ends at step "
+                              f"{steps} (train.max_steps / train.epochs); raise train.max_steps to continue it")
     saved_path = p.parent / "config.yaml"
     try:
         saved = yaml.safe_load(saved_path.read_text())
@@ -62,6 +62,6 @@ def check_resume(cfg, command: str, steps: int) -> None:
     if diff:
         flat_saved, flat_now = _flat(saved), _flat(now)
         shown = "; ".join(f"{k}: {flat_saved.get(k)!r} -> {flat_now.get(k)!r}" for k in diff)
-        raise CheckpointError(f"train.resume_from: this config differs from the checkpoint's run ({saved_path}) in {shown}. "
-                              "Exact resume needs the same data and layout: restore them, or continue anyway with "
+        raise CheckpointError(f"train.resume_from: this config differs from the checkpoint's run ({saved_path}) "
+                              f"in {shown}. Exact resume needs the same data and layout: restore them, or continue anyway with "
                               f"train.resume_allow_changes=[{','.join(diff)}]")

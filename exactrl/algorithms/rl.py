@@ -29,7 +29,8 @@ import torch
 
 from exactrl.advantages import AdvantageInput, get_advantage
 from exactrl.advantages.estimators import EPS, whiten
-from exactrl.algorithms.common import after_step, check_data_size, check_world, finish, load_eval_prompts, open_run, progress, seed_everything
+from exactrl.algorithms.common import (after_step, check_data_size, check_world, finish, load_eval_prompts,
+                                      open_run, progress, seed_everything)
 from exactrl.algorithms.rollouts import (RolloutError, Sample, attach_logprobs, collect_dynamic_rollout, collect_rollout,
                                          overlong_penalty)
 from exactrl.algorithms.resume import check_resume

@@ -13,7 +13,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from exactrl.algorithms.common import after_step, check_data_size, check_world, finish, load_eval_prompts, open_run, progress, seed_everything, steps_for
+from exactrl.algorithms.common import (after_step, check_data_size, check_world, finish, load_eval_prompts,
+                                      open_run, progress, seed_everything, steps_for)
 from exactrl.algorithms.resume import check_resume
 from exactrl.config.schema import SFTConfig
 from exactrl.data.batching import StepSampler, collate_sft

@@ -53,7 +53,8 @@ def _suggest(key: str, keys: list[str]) -> str:
             return 0.9 * leaf_score - 0.01 * abs(len(c_sections) - len(sections))
         # The leaf weighs most (a key put in the wrong section, 'train.lr' -> 'optim.lr'); the
         # section breaks ties ('modle.path' -> 'model.path', not 'critic.path').
-        section_score = difflib.SequenceMatcher(None, ".".join(sections), ".".join(c_sections)).ratio() if sections else 1.0
+        section_score = (difflib.SequenceMatcher(None, ".".join(sections), ".".join(c_sections)).ratio()
+                         if sections else 1.0)
         return 0.9 * leaf_score + 0.1 * section_score
 
     best = max(candidates, key=score)
@@ -86,7 +87,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as e:
-        raise ConfigError(f"override '{text}': the value is not valid YAML ({str(e).splitlines()[0]}); quote it") from None
+        first = str(e).splitlines()[0]
+        raise ConfigError(f"override '{text}': the value is not valid YAML ({first}); quote it") from None
     return key.split("."), value
 
 
@@ -160,7 +162,8 @@ def _check_scalars(node, p: Path) -> None:
         seen.add(id(n))
         if isinstance(n, yaml.ScalarNode):
             if not _encodable(n.value):
-                raise ConfigError(f"{p}:{n.start_mark.line + 1}: {n.value!r} holds a lone surrogate (not valid Unicode text)")
+                raise ConfigError(f"{p}:{n.start_mark.line + 1}: {n.value!r} holds a lone surrogate "
+                                  "(not valid Unicode text)")
         elif isinstance(n, yaml.MappingNode):
             stack.extend(x for pair in n.value for x in pair)
         else:

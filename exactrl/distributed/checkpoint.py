@@ -108,7 +108,8 @@ class CheckpointError(ValueError):
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:
     """A run directory's checkpoint-N directories, oldest first (never the .tmp of one being written)."""
-    found = [d for d in Path(run_dir).glob("checkpoint-*") if d.is_dir() and d.name.removeprefix("checkpoint-").isdigit()]
+    found = [d for d in Path(run_dir).glob("checkpoint-*")
+             if d.is_dir() and d.name.removeprefix("checkpoint-").isdigit()]
     return sorted(found, key=lambda d: int(d.name.removeprefix("checkpoint-")))
 
 
@@ -117,8 +118,9 @@ def check_resumable(path: str | Path) -> dict:
     p = Path(path)
     if p.name.startswith(".") and p.name.endswith((".tmp", ".old")):
         done = [d.name for d in complete_checkpoints(p.parent)]
-        raise CheckpointError(f"train.resume_from: '{p}' is a checkpoint whose write was interrupted (never renamed into "
-                              f"place); resume from a complete one{': ' + ', '.join(done) if done else ' (this run has none)'}")
+        which = ": " + ", ".join(done) if done else " (this run has none)"
+        raise CheckpointError(f"train.resume_from: '{p}' is a checkpoint whose write was interrupted (never renamed "
+                              f"into place); resume from a complete one{which}")
     missing = [name for name in (STATE_FILE, "config.json") if not (p / name).is_file()]
     if missing:
         raise CheckpointError(f"train.resume_from: '{p}' lacks {', '.join(missing)}; point it at a checkpoint-N directory of a run")

@@ -143,14 +143,15 @@ class DeepSpeedEngine(SingleEngine):
         self._finite = None
         torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
         if not finite.item():
-            raise NonFiniteError(nonfinite_message("a micro-batch loss is inf or NaN", self.step_count), self.step_count)
+            what = "a micro-batch loss is inf or NaN"
+            raise NonFiniteError(nonfinite_message(what, self.step_count), self.step_count)
         self.ds.step()
         norm = self.ds.get_global_grad_norm()
         if norm is not None and not torch.isfinite(torch.tensor(float(norm))).item():
             # Too late to keep these weights: stop before anything saves them.
-            raise NonFiniteError(f"optimizer step {self.step_count + 1}: the gradient norm is {float(norm)} and DeepSpeed has "
-                                 "applied it; the run stops before saving (lower optim.lr, check the data and rewards)",
-                                 self.step_count)
+            raise NonFiniteError(f"optimizer step {self.step_count + 1}: the gradient norm is {float(norm)} and "
+                                 "DeepSpeed has applied it; the run stops before saving (lower optim.lr, check the "
+                                 "data and rewards)", self.step_count)
         self.step_count += 1
         stats = {"grad_norm": float(norm) if norm is not None else None, "lr": lr, "micro_batches": self._micro_seen,
                  "samples": self._samples_seen, "canary": canary, "skipped_nonfinite": 0}

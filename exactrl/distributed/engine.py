@@ -103,17 +103,18 @@ class SingleEngine:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         if hasattr(grad_norm, "full_tensor"):  # a sharded (DTensor) norm
             grad_norm = grad_norm.full_tensor()
-        grad_norm = float(grad_norm)  # the full gradient's norm, the same on every rank: a NaN or inf anywhere shows here
+        grad_norm = float(grad_norm)  # the full gradient's, the same on every rank: any NaN or inf shows here
         lr = self.optimizer.param_groups[0]["lr"]
         skipped = not torch.isfinite(torch.tensor(grad_norm)).item()
         if skipped and self.nonfinite == "error":
-            raise NonFiniteError(nonfinite_message(f"the gradient norm is {grad_norm}", self.step_count), self.step_count)
+            what = f"the gradient norm is {grad_norm}"
+            raise NonFiniteError(nonfinite_message(what, self.step_count), self.step_count)
         if not skipped:
             self.optimizer.step()
         self.skipped += skipped
         # A skipped step still moves the schedule and the step count, so step N stays step N on resume.
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()` before `optimizer.step()`")
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()` before")
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1

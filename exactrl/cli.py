@@ -190,12 +190,11 @@ def audit_stack_cmd(as_json: bool = typer.Option(False, "--json", help="Machine-
     """Tiny real runs of every backend configuration; EXACT / BROKEN / ERROR per row. Exit 1 unless all exact."""
     import json
 
-    from tqdm.auto import tqdm
-
     from exactrl.audit import stack
+    from exactrl.progress import progress
 
     versions = stack.probe_versions(python or sys.executable)
-    bar = tqdm(total=len(stack.configurations(versions)) * len(world), desc="audit stack", unit="config", disable=as_json)
+    bar = progress(len(stack.configurations(versions)) * len(world), "audit stack", enabled=not as_json, unit="config")
     versions, rows = stack.audit_stack(python, tuple(world), progress=lambda: bar.update(1))
     bar.close()
     if as_json:

@@ -202,3 +202,19 @@ def test_tables_off_a_terminal_are_not_wrapped_at_80_columns():
     from exactrl.cli import _stdout_console
 
     assert _stdout_console().width == 160  # pytest captures stdout: not a terminal
+
+
+def test_plain_progress_lines():
+    import io
+
+    from exactrl.progress import PlainProgress
+
+    out = io.StringIO()
+    bar = PlainProgress(4, "sft", start=1, every_s=3600, file=out)
+    bar.set_postfix(loss="0.5")
+    for _ in range(3):
+        bar.update(1)
+    bar.write("[sft] step 4: eval")
+    lines = out.getvalue().splitlines()  # one line at the end (the period is an hour), then the message
+    assert len(lines) == 2 and lines[0].startswith("sft: step 4/4 (100%), ") and lines[0].endswith("ETA 0 s, loss=0.5")
+    assert "\r" not in out.getvalue()

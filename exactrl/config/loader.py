@@ -202,6 +202,8 @@ def _explain(e: ValidationError, path) -> str:
             continue
         key = ".".join(str(x) for x in err["loc"])
         lines.append(f"  {key}: {err['msg']} (given: {err['input']!r})")
+    if len(lines) == 2:  # one problem: one line
+        return f"{lines[0]} {lines[1].strip()}"
     return "\n".join(lines)
 
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
+import yaml
 from rich.console import Console
 from rich.markup import escape
 
@@ -20,6 +22,8 @@ console = Console(stderr=True)
 
 ConfigOpt = typer.Option(None, "--config", "-c", help="YAML config file (e.g. examples/sft_tiny.yaml or runs/X/config.yaml).")
 OverridesArg = typer.Argument(None, help="Dotted overrides, e.g. optim.lr=3e-4 train.micro_batch_size=4")
+DemoOverridesArg = typer.Argument(None, help="Dotted overrides, e.g. task.n_sft=5000 sft.train.max_steps=200 "
+                                              "rl.optim.lr=1e-4")
 COMMANDS = {"sft": SFTConfig, "rl": RLConfig, "demo": DemoConfig}
 
 
@@ -31,30 +35,88 @@ def _quiet_libraries() -> None:
     transformers.utils.logging.set_verbosity_error()
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread so the run records how it ended (as SIGINT does)."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
+def _fail(status: str, label: str, message: str, code: int):
+    from exactrl.run_dir import set_status
+
+    set_status(status, message)
+    console.print(f"[bold red]{label}:[/bold red] {escape(message)}", highlight=False, soft_wrap=True)
+    return typer.Exit(code)
+
+
 def _run(kind: str, config: Optional[Path], overrides: Optional[list[str]], fn) -> None:
+    """Exit codes: 0 success, 2 a problem in the config, data, model, checkpoint, output_dir or
+    disk, 3 stopped by the canary, 4 a non-finite loss, gradient or weight, 130/143 SIGINT/SIGTERM.
+    Every run directory's status.json records the same end."""
     from exactrl.audit.canary import CanaryError
     from exactrl.checks.packing import PackingCheckError
     from exactrl.data.jsonl import DataError
     from exactrl.distributed.checkpoint import CheckpointError
+    from exactrl.distributed.engine import NonFiniteError
     from exactrl.models.loading import ModelLoadError
     from exactrl.rewards import RewardError
+    from exactrl.run_dir import forget_current, record_event, set_status
 
     from exactrl.distributed.launch import relaunch_under_torchrun, shutdown, under_launcher
 
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        cfg = load_config(COMMANDS[kind], config, overrides or [])
+        cfg = load_config(COMMANDS[kind], config, _replay_overrides(config, overrides or []))
         nproc = getattr(getattr(cfg, "distributed", None), "nproc_per_node", 1)
         if nproc > 1 and not under_launcher():
             raise typer.Exit(relaunch_under_torchrun(nproc))
         _quiet_libraries()
         fn(cfg)
+        set_status("success")
         shutdown()
     except (ConfigError, DataError, ModelLoadError, RewardError, CheckpointError, PackingCheckError) as e:
-        console.print(f"[bold red]error:[/bold red] {escape(str(e))}", highlight=False, soft_wrap=True)
-        raise typer.Exit(2) from None
+        raise _fail("error", "error", str(e), 2) from None
     except CanaryError as e:  # the step was not applied; checkpoints written so far are intact
-        console.print(f"[bold red]stopped by the canary:[/bold red] {escape(str(e))}", highlight=False, soft_wrap=True)
-        raise typer.Exit(3) from None
+        raise _fail("canary", "stopped by the canary", str(e), 3) from None
+    except NonFiniteError as e:
+        record_event({"event": "nonfinite", "step": None if e.step is None else e.step + 1, "message": str(e)})
+        raise _fail("nonfinite", "stopped", str(e), 4) from None
+    except OSError as e:  # a full disk, a file that cannot be written: the OS's reason and the file
+        where = f" '{e.filename}'" if e.filename else ""
+        message = f"{e.strerror or e}{where}; free space or fix the permissions, then run again"
+        raise _fail("error", "error", message, 2) from None
+    except KeyboardInterrupt:
+        raise _fail("interrupted", "interrupted", "SIGINT (Ctrl-C); checkpoints written so far are intact",
+                    130) from None
+    except Terminated:
+        raise _fail("interrupted", "terminated", "SIGTERM; checkpoints written so far are intact", 143) from None
+    except typer.Exit:
+        raise
+    except BaseException as e:  # a bug: record it, keep the traceback
+        set_status("error", f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        forget_current()
+
+
+def _replay_overrides(config: Optional[Path], overrides: list[str]) -> list[str]:
+    """Replaying ``--config runs/X/config.yaml`` of a run with an explicit output_dir would
+    collide with that run: unless output_dir is given, the replay goes next to it."""
+    if config is None or config.name != "config.yaml" or any(o.startswith("output_dir=") for o in overrides):
+        return overrides
+    try:
+        saved = yaml.safe_load(config.read_text()) or {}
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        return overrides  # load_config reports it
+    out = saved.get("output_dir") if isinstance(saved, dict) else None
+    if not isinstance(out, str) or "{time}" in out or Path(out).resolve() != config.parent.resolve():
+        return overrides
+    console.print(f"replaying {config}: output_dir '{out}' holds that run, so this one writes to "
+                  f"'{out}-replay-{{time}}'", highlight=False, soft_wrap=True)
+    return [*overrides, f"output_dir={out}-replay-{{time}}"]
 
 
 def _say_final(path) -> None:
@@ -62,6 +124,25 @@ def _say_final(path) -> None:
 
     if is_main():
         console.print(f"final model: {path}")
+
+
+def _stdout_console() -> Console:
+    # Off a terminal rich assumes 80 columns and wraps tables; a log file has no width.
+    return Console() if sys.stdout.isatty() else Console(width=160)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from exactrl import __version__
+
+        print(f"exactrl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the version and exit.")):
+    """exactrl: LLM post-training where every optimizer step applies exactly the gradient asked for."""
 
 
 @app.command()
@@ -72,7 +153,7 @@ def sft(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = Ove
     _run("sft", config, overrides, lambda cfg: _say_final(train_sft(cfg).final_model))
 
 
-@app.command()
+@app.command(short_help="RL from verifiable rewards: ppo, grpo, dr_grpo, dapo, rloo, reinforce_pp(_baseline), gspo.")
 def rl(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg):
     """RL from verifiable rewards. algo.name (README "RL algorithms"):
 
@@ -92,11 +173,11 @@ def rl(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = Over
 
 
 @app.command()
-def demo(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg):
+def demo(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = DemoOverridesArg):
     """Built-in task, tiny model: accuracy before, after SFT and after SFT -> GRPO."""
     from exactrl.algorithms.demo import run_demo
 
-    _run("demo", config, overrides, lambda cfg: run_demo(cfg, Console()))
+    _run("demo", config, overrides, lambda cfg: run_demo(cfg, _stdout_console()))
 
 
 audit_app = typer.Typer(no_args_is_help=True, help="Was my stack, or my past run, hit by a known silent gradient bug?")
@@ -110,12 +191,11 @@ def audit_stack_cmd(as_json: bool = typer.Option(False, "--json", help="Machine-
     """Tiny real runs of every backend configuration; EXACT / BROKEN / ERROR per row. Exit 1 unless all exact."""
     import json
 
-    from tqdm.auto import tqdm
-
     from exactrl.audit import stack
+    from exactrl.progress import progress
 
     versions = stack.probe_versions(python or sys.executable)
-    bar = tqdm(total=len(stack.configurations(versions)) * len(world), desc="audit stack", unit="config", disable=as_json)
+    bar = progress(len(stack.configurations(versions)) * len(world), "audit stack", enabled=not as_json, unit="config")
     versions, rows = stack.audit_stack(python, tuple(world), progress=lambda: bar.update(1))
     bar.close()
     if as_json:

@@ -1,17 +1,140 @@
-"""Run directories: ``runs/<name>/`` with the resolved config, never overwriting a past run."""
+"""Run directories: ``runs/<name>/`` with the resolved config and a status file saying how the
+run ended, never overwriting a past run.
+
+A directory is claimed atomically (``status.json`` created with O_EXCL), so two processes can
+never share one. ``status.json`` holds ``state``: running, success, error, interrupted
+(SIGINT/SIGTERM), canary or nonfinite, with the message. A directory whose run failed before
+it saved or logged anything (only config.yaml, manifest.json, status.json and an empty
+metrics.jsonl) is taken over by the next run with the same output_dir.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import socket
 import time
 from pathlib import Path
 
 from exactrl.config.loader import ConfigError, dump_config
 
+STATUS = "status.json"
+FAILED_STATES = ("error", "interrupted", "canary", "nonfinite")
+# What a run leaves before its first saved or logged result; nothing in them is lost by reuse.
+SCAFFOLD = {STATUS, "config.yaml", ".config.yaml.tmp", "manifest.json", "metrics.jsonl", f".{STATUS}.tmp"}
+
+_current: Path | None = None  # the run directory this process created (its status is ours to write)
+
+
+def read_status(path: Path) -> dict | None:
+    try:
+        return json.loads((Path(path) / STATUS).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(status: dict) -> bool:
+    """Whether the process that wrote a 'running' status still runs (unknowable on another host)."""
+    if status.get("host") != socket.gethostname():
+        return True
+    try:
+        os.kill(int(status.get("pid", 0)), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError, OverflowError):
+        pass
+    return True
+
+
+def _reusable(path: Path, status: dict | None) -> bool:
+    if status is None:
+        return False
+    ended = status.get("state") in FAILED_STATES or (status.get("state") == "running" and not _alive(status))
+    names = {p.name for p in path.iterdir()}
+    metrics = path / "metrics.jsonl"
+    return ended and names <= SCAFFOLD and (not metrics.exists() or metrics.stat().st_size == 0)
+
+
+def _refusal(path: Path, status: dict | None) -> str:
+    if status is None:
+        how = ("no status.json: a run from before exactrl wrote one, or not a run; "
+               "delete it if it holds nothing you need")
+    elif status.get("state") == "running" and _alive(status):
+        how = f"its run is still going (pid {status.get('pid')} on {status.get('host')})"
+    else:
+        how = f"its run ended '{status.get('state')}'" + (f": {status['message']}" if status.get("message") else "")
+    return f"output_dir '{path}' already holds a run ({how}); choose another output_dir (nothing was overwritten)"
+
+
+def _claim(path: Path) -> None:
+    """Create status.json exclusively; take over a failed, empty attempt by renaming its status
+    away first (a rename succeeds for one process only)."""
+    if any(path.iterdir()):
+        status = read_status(path)
+        if not _reusable(path, status):
+            raise ConfigError(_refusal(path, status))
+        try:
+            os.replace(path / STATUS, path / f".{STATUS}.tmp")
+        except FileNotFoundError:
+            raise ConfigError(_refusal(path, None)) from None
+        for name in SCAFFOLD:
+            (path / name).unlink(missing_ok=True)
+    try:
+        fd = os.open(path / STATUS, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        raise ConfigError(_refusal(path, read_status(path))) from None
+    os.close(fd)
+
 
 def create_run_dir(template: str, command: str, cfg) -> Path:
+    global _current
     path = Path(template.format(command=command, time=time.strftime("%Y%m%d-%H%M%S")))
-    if path.exists() and any(path.iterdir()):
-        raise ConfigError(f"output_dir '{path}' already holds a run; choose another output_dir (nothing was overwritten)")
-    path.mkdir(parents=True, exist_ok=True)
-    dump_config(cfg, path / "config.yaml")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        _claim(path)
+    except (FileExistsError, NotADirectoryError):
+        raise ConfigError(f"output_dir '{path}': it (or a parent) is a file, not a directory; "
+                          "choose another output_dir") from None
+    except OSError as e:
+        raise ConfigError(f"output_dir '{path}': cannot create the run directory ({e.strerror}); "
+                          "choose another output_dir") from None
+    _current = path
+    set_status("running", command=command)
+    tmp = path / ".config.yaml.tmp"  # a crash mid-write leaves no half config.yaml
+    dump_config(cfg, tmp)
+    os.replace(tmp, path / "config.yaml")
     return path
+
+
+def set_status(state: str, message: str | None = None, **fields) -> None:
+    """Record this process's run state in its run directory (if it created one), atomically.
+    Never raises: on a full disk the run's own error is the one to report."""
+    if _current is None:
+        return
+    old = read_status(_current) or {}
+    now = time.strftime("%Y-%m-%dT%H:%M:%S")
+    status = {**old, **fields, "state": state, "message": message, "pid": os.getpid(), "host": socket.gethostname(),
+              "started": old.get("started", now), "updated": now}
+    tmp = _current / f".{STATUS}.tmp"
+    try:
+        tmp.write_text(json.dumps(status, indent=2) + "\n")
+        os.replace(tmp, _current / STATUS)
+    except OSError:
+        pass
+
+
+def record_event(record: dict) -> None:
+    """Append a record to this process's run's metrics.jsonl (how a run stopped, next to its steps)."""
+    if _current is None:
+        return
+    try:
+        with open(_current / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
+    except OSError:
+        pass
+
+
+def forget_current() -> None:
+    """After a run has recorded its end (tests run several in one process)."""
+    global _current
+    _current = None

@@ -180,3 +180,53 @@ def test_dump_then_load_round_trips(tmp_path, cls, overrides):
     again = load_config(cls, tmp_path / "config.yaml")
     assert again == cfg
     assert again.model_dump() == cfg.model_dump()
+
+
+# ---------------------------------------------------------------- suggestions, non-finite values, bad text
+
+
+@pytest.mark.parametrize("given,expected", [("trian.max_steps", "train.max_steps"), ("train.lr", "optim.lr"),
+                                            ("modle.path", "model.path"), ("train.seeed", "train.seed"),
+                                            ("lr", "optim.lr"), ("data.trian", "data.train")])
+def test_suggestion_fixes_section_and_leaf_separately(given, expected):
+    msg = error_of(RLConfig, overrides=[f"{given}=1"])
+    assert f"did you mean '{expected}'?" in msg, msg
+
+
+def test_a_misspelt_section_is_matched_as_a_section():
+    from exactrl.config.loader import _suggest
+
+    # The reported case: a misspelt section alone was matched against whole keys ('train.seed').
+    assert _suggest("trian", valid_keys(SFTConfig)) == "; did you mean 'train'?"
+    assert "did you mean 'train.max_steps'?" in error_of(SFTConfig, overrides=["trian.max_steps=1"])
+
+
+@pytest.mark.parametrize("override,key", [("optim.lr=inf", "optim.lr"), ("optim.lr=.nan", "optim.lr"),
+                                          ("train.max_grad_norm=.inf", "train.max_grad_norm"),
+                                          ("optim.betas=[0.9, .nan]", "optim.betas.1"), ("reward.fallback=.nan", "reward.fallback"),
+                                          ("critic.optim.lr=-.inf", "critic.optim.lr")])
+def test_non_finite_values_are_refused_by_key(override, key):
+    msg = error_of(RLConfig, overrides=[override])
+    assert f"{key}: Input should be a finite number" in msg and "\n" not in msg, msg  # one problem, one line
+
+
+def test_non_finite_value_in_file_names_file_and_key(tmp_path):
+    p = write_yaml(tmp_path, "optim:\n  lr: .inf\n")
+    msg = error_of(SFTConfig, p)
+    assert str(p) in msg and "optim.lr: Input should be a finite number" in msg
+
+
+def test_non_utf8_config_names_file_and_line(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_bytes(b"train:\n  seed: 1\noptim:\n  lr: 0.1 \xff\n")
+    assert error_of(SFTConfig, p) == f"{p}:4: not UTF-8 text (byte 0xff); save the file as UTF-8"
+
+
+def test_lone_surrogate_in_config_names_file_and_line(tmp_path):
+    p = write_yaml(tmp_path, 'train:\n  seed: 1\noutput_dir: "runs/\\ud800"\n')
+    assert error_of(SFTConfig, p) == f"{p}:3: 'runs/\\ud800' holds a lone surrogate (not valid Unicode text)"
+
+
+def test_non_utf8_override_and_bad_yaml_value():
+    assert "is not valid UTF-8 text" in error_of(SFTConfig, overrides=["output_dir=runs/\udcff"])
+    assert "the value is not valid YAML" in error_of(SFTConfig, overrides=["model.path=["])

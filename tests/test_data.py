@@ -198,3 +198,53 @@ def test_global_batch_larger_than_dataset():
     counts = Counter(s.batch(0) + s.batch(1) + s.batch(2))  # 21 positions = 7 epochs
     assert counts == {0: 7, 1: 7, 2: 7}
     assert s.epoch_of(3) == 7.0
+
+
+# ---------------------------------------------------------------- bytes that are not text, rows too big to tokenise
+
+
+def test_non_utf8_line_is_reported_with_its_line(tmp_path):
+    p = tmp_path / "data.jsonl"
+    p.write_bytes((GOOD + "\n").encode() * 2 + b'{"prompt": "1+1=", "completion": "\xff"}\n')
+    with pytest.raises(DataError, match="not UTF-8 text") as info:
+        read_jsonl(p)
+    assert_located(info.value, p, 3)
+
+
+def test_lone_surrogate_is_reported_with_its_line(tmp_path, tokenizer):
+    p = write_lines(tmp_path, [GOOD, '{"prompt": "1+1=", "completion": "\\ud800"}', '{"prompt": "ok \\u00e9", "completion": "2"}'])
+    with pytest.raises(DataError, match="lone surrogate") as info:
+        read_jsonl(p)
+    assert_located(info.value, p, 2)
+    p = write_lines(tmp_path, [GOOD, '{"prompt": "ok \\u00e9", "completion": "2"}'])  # a real escaped character is fine
+    assert read_jsonl(p)[1].data["prompt"] == "ok é"
+
+
+def test_deeply_nested_json_is_reported_with_its_line(tmp_path):
+    p = write_lines(tmp_path, [GOOD, "[" * 100_000 + "]" * 100_000])
+    with pytest.raises(DataError, match="nested too deeply") as info:
+        read_jsonl(p)
+    assert_located(info.value, p, 2)
+
+
+@pytest.mark.parametrize("row", [{"prompt": "1+1=", "completion": "9" * 2_000_000},
+                                 {"messages": [{"role": "user", "content": "x" * 2_000_000}, {"role": "assistant", "content": "2"}]}])
+def test_huge_row_is_refused_before_tokenising(tokenizer, monkeypatch, row):
+    def no_tokenising(*args, **kwargs):
+        raise AssertionError("the row was tokenised")
+
+    rows = [Row("d.jsonl:2", row)]
+    monkeypatch.setattr(type(tokenizer), "__call__", no_tokenising)
+    monkeypatch.setattr(type(tokenizer), "apply_chat_template", no_tokenising)
+    with pytest.raises(DataError, match=r"d.jsonl:2: 2,000,00\d characters cannot fit in data.max_length=64"):
+        encode_sft(rows, tokenizer, 64)
+    with pytest.raises(DataError, match=r"d.jsonl:2: .* characters cannot fit"):
+        encode_prompts([Row("d.jsonl:2", {"prompt": row.get("messages", "y" * 2_000_000)})], tokenizer, 64)
+
+
+def test_size_bound_never_refuses_a_row_that_fits(tokenizer):
+    # The longest text of max_length tokens: every token the vocabulary's longest string.
+    longest = max(tokenizer.get_vocab(), key=len)
+    text = longest * 10
+    assert len(tokenizer(text, add_special_tokens=False)["input_ids"]) <= 10
+    encode_prompts([Row("d.jsonl:1", {"prompt": text})], tokenizer, 64)

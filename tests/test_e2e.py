@@ -40,7 +40,7 @@ def test_sft_then_rl_cli(workdir):
              "train.global_batch_size=8", "train.micro_batch_size=4", "data.eval_size=8", "train.eval_every=0"],
             cwd=os.getcwd(), cache=cache)
     run = cwd / "sft"
-    for name in ("config.yaml", "manifest.json", "metrics.jsonl", "final/config.json", "final/model.safetensors", "final/tokenizer.json"):
+    for name in ("config.yaml", "status.json", "manifest.json", "metrics.jsonl", "final/config.json", "final/model.safetensors", "final/tokenizer.json"):
         assert (run / name).exists(), name
     model = AutoModelForCausalLM.from_pretrained(run / "final")
     tok = AutoTokenizer.from_pretrained(run / "final")
@@ -70,10 +70,13 @@ def test_config_replay_reproduces_the_resolved_config(workdir):
     cwd, cache = workdir
     saved = yaml.safe_load((cwd / "sft" / "config.yaml").read_text())
     assert saved["train"]["max_steps"] == 3 and saved["optim"]["lr"] == 3e-3  # from the example file
-    proc = exactrl(["sft", "--config", str(cwd / "sft" / "config.yaml")], cwd=os.getcwd(), cache=cache, check=False)
-    # Same output_dir: refused, and nothing of the first run was touched.
-    assert proc.returncode == 2 and "already holds a run" in proc.stderr
+    proc = exactrl(["sft", "--config", str(cwd / "sft" / "config.yaml"), f"output_dir={cwd / 'sft'}"], cwd=os.getcwd(),
+                   cache=cache, check=False)
+    # The same output_dir given again: refused, and nothing of the first run was touched (a replay
+    # without it goes next to the run, tests/test_cli_failures.py).
+    assert proc.returncode == 2 and "already holds a run (its run ended 'success')" in proc.stderr
     assert yaml.safe_load((cwd / "sft" / "config.yaml").read_text()) == saved
+    assert json.loads((cwd / "sft" / "status.json").read_text())["state"] == "success"
 
 
 def test_cli_reports_bad_config_and_data_without_traceback(workdir, tmp_path):

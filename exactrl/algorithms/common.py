@@ -4,24 +4,25 @@ from __future__ import annotations
 
 import math
 import random
+import shutil
 import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from exactrl.algorithms.evaluate import Accuracy, evaluate_accuracy
 from exactrl.audit.manifest import record_check, write_manifest
 from exactrl.checks.packing import check_packing
 from exactrl.config.loader import ConfigError
 from exactrl.config.schema import check_layout, check_rl_layout
-from exactrl.distributed.checkpoint import save_checkpoint
+from exactrl.distributed.checkpoint import complete_checkpoints, save_checkpoint
 from exactrl.distributed.launch import broadcast_str, is_main, world_size
 from exactrl.data.encode import encode_prompts
 from exactrl.data.jsonl import read_jsonl
 from exactrl.metrics import MetricsLog
 from exactrl.models.loading import load_causal_lm
+from exactrl.progress import progress as progress_bar
 from exactrl.run_dir import create_run_dir
 
 
@@ -77,7 +78,16 @@ def steps_for(train_cfg, num_items: int, items_per_step: int) -> int:
 
 
 def progress(total: int, desc: str, start: int = 0):
-    return tqdm(total=total, initial=start, desc=desc, unit="step", dynamic_ncols=True, mininterval=1.0, disable=not is_main())
+    return progress_bar(total, desc, start, enabled=is_main())
+
+
+def check_data_size(num_items: int, per_step: int, what: str, path) -> None:
+    """A step larger than the data would hold some of it twice: a mistake, not a schedule."""
+    if per_step > num_items:
+        key = ("train.global_batch_size" if what == "samples"
+               else "train.global_batch_size x algo.mini_batches / algo.group_size")
+        raise ConfigError(f"{key} asks for {per_step} {what} per step (or rollout), but '{path}' has only {num_items}: "
+                          "a step would repeat some of them; lower the batch size or add data")
 
 
 def load_eval_prompts(cfg, tokenizer, eval_path: str | None):
@@ -114,6 +124,9 @@ def after_step(cfg, phase: str, step: int, steps: int, model, tok, engine, eval_
         evaluate_and_log(cfg, phase, step, model, tok, eval_prompts, log, say=bar.write)
     if should(cfg.train.save_every, step, steps):
         save_checkpoint(run_dir / f"checkpoint-{step}", model, tok, engine, position, others)
+        if cfg.train.save_total_limit and is_main():  # only now is the new one complete
+            for old in complete_checkpoints(run_dir)[: -cfg.train.save_total_limit]:
+                shutil.rmtree(old)
 
 
 def finish(cfg, phase: str, steps: int, model, tok, engine, eval_prompts, log: MetricsLog, run_dir: Path, final_name: str) -> Path:

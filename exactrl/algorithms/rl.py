@@ -29,15 +29,16 @@ import torch
 
 from exactrl.advantages import AdvantageInput, get_advantage
 from exactrl.advantages.estimators import EPS, whiten
-from exactrl.algorithms.common import (after_step, check_world, finish, load_eval_prompts, load_model, open_run, progress,
-                                      seed_everything)
+from exactrl.algorithms.common import (after_step, check_data_size, check_world, finish, load_eval_prompts, load_model,
+                                      open_run, progress, seed_everything)
 from exactrl.algorithms.rollouts import (RolloutError, Sample, attach_logprobs, collect_dynamic_rollout, collect_rollout,
                                          overlong_penalty)
+from exactrl.algorithms.resume import check_resume
 from exactrl.config.schema import RLConfig
 from exactrl.data.batching import StepSampler, collate_rl, pad_right
 from exactrl.data.encode import encode_prompts
 from exactrl.data.jsonl import read_jsonl
-from exactrl.distributed.checkpoint import check_resumable, resume
+from exactrl.distributed.checkpoint import resume
 from exactrl.distributed.engine import build_engine
 from exactrl.distributed.launch import rank
 from exactrl.distributed.step_plan import StepPlan, plan_step
@@ -274,18 +275,19 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     prompts = encode_prompts(read_jsonl(train_path), tok, cfg.data.max_length)
     eval_prompts = load_eval_prompts(cfg, tok, eval_path)
     reward_fns = load_rewards(cfg.reward.specs(), cfg.reward.weights, cfg.reward.timeout, cfg.reward.retries)
-    if cfg.train.resume_from:
-        check_resumable(cfg.train.resume_from)
-    run_dir, log = open_run(cfg, "rl", run_dir, {"train": train_path, "eval": eval_path})
-    longest = cfg.data.max_length + cfg.rollout.max_new_tokens
-    model = load_model(cfg, cfg.train.resume_from or model_path, run_dir, phase, "policy", longest)
-    ref = load_model(cfg, model_path, run_dir, phase, "reference", longest, trainable=False) if cfg.algo.kl_coef > 0 else None
-
     a, t = cfg.algo, cfg.train
     steps_per_rollout = a.ppo_epochs * a.mini_batches
     prompts_per_rollout = t.global_batch_size * a.mini_batches // a.group_size
     rollouts = math.ceil(t.max_steps / steps_per_rollout) if t.max_steps else max(1, math.ceil(t.epochs * len(prompts) / prompts_per_rollout))
     steps = rollouts * steps_per_rollout
+    check_data_size(len(prompts), prompts_per_rollout, "prompts", train_path)
+    if cfg.train.resume_from:
+        check_resume(cfg, "rl", steps)
+    run_dir, log = open_run(cfg, "rl", run_dir, {"train": train_path, "eval": eval_path})
+    longest = cfg.data.max_length + cfg.rollout.max_new_tokens
+    model = load_model(cfg, cfg.train.resume_from or model_path, run_dir, phase, "policy", longest)
+    ref = load_model(cfg, model_path, run_dir, phase, "reference", longest, trainable=False) if cfg.algo.kl_coef > 0 else None
+
     warmup = min(cfg.critic.warmup_rollouts, rollouts) * steps_per_rollout if a.name == "ppo" else 0
     engine = build_engine(model, cfg, max(1, steps - warmup))  # the policy's schedule starts after the critic's warm-up
     critic = None

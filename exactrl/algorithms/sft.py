@@ -13,13 +13,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from exactrl.algorithms.common import (after_step, check_world, finish, load_eval_prompts, load_model, open_run, progress, seed_everything,
-                                      steps_for)
+from exactrl.algorithms.common import (after_step, check_data_size, check_world, finish, load_eval_prompts, load_model,
+                                      open_run, progress, seed_everything, steps_for)
+from exactrl.algorithms.resume import check_resume
 from exactrl.config.schema import SFTConfig
 from exactrl.data.batching import StepSampler, collate_sft
 from exactrl.data.encode import encode_sft
 from exactrl.data.jsonl import read_jsonl
-from exactrl.distributed.checkpoint import check_resumable, resume
+from exactrl.distributed.checkpoint import resume
 from exactrl.distributed.engine import build_engine
 from exactrl.distributed.step_plan import plan_step
 from exactrl.losses import aggregate, canary_share
@@ -58,11 +59,12 @@ def train_sft(cfg: SFTConfig, run_dir: Path | None = None, spec: BuiltinSpec = B
     # All data is read and checked before the model loads: a bad row fails in seconds.
     examples = encode_sft(read_jsonl(train_path), tok, cfg.data.max_length)
     eval_prompts = load_eval_prompts(cfg, tok, eval_path)
+    steps = steps_for(cfg.train, len(examples), cfg.train.global_batch_size)
+    check_data_size(len(examples), cfg.train.global_batch_size, "samples", train_path)
     if cfg.train.resume_from:
-        check_resumable(cfg.train.resume_from)
+        check_resume(cfg, "sft", steps)
     run_dir, log = open_run(cfg, "sft", run_dir, {"train": train_path, "eval": eval_path})
     model = load_model(cfg, cfg.train.resume_from or model_path, run_dir, phase, "policy", cfg.data.max_length)
-    steps = steps_for(cfg.train, len(examples), cfg.train.global_batch_size)
     engine = build_engine(model, cfg, steps)
     start = resume(cfg.train.resume_from, engine)["step"] if cfg.train.resume_from else 0
     sampler = StepSampler(len(examples), cfg.train.global_batch_size, cfg.train.seed)

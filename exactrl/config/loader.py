@@ -41,12 +41,24 @@ def valid_keys(cls: type[BaseModel], prefix: str = "") -> list[str]:
 
 
 def _suggest(key: str, keys: list[str]) -> str:
-    leaf = key.rsplit(".", 1)[-1]
-    same_leaf = [k for k in keys if k.rsplit(".", 1)[-1] == leaf]
-    close = same_leaf or difflib.get_close_matches(key, keys, n=1, cutoff=0.5)
-    if not close:
-        close = [k for k in keys if difflib.get_close_matches(leaf, [k.rsplit(".", 1)[-1]], n=1, cutoff=0.7)]
-    return f"; did you mean '{close[0]}'?" if close else ""
+    """The valid key (or section) nearest to ``key``, matching sections and leaf separately: a
+    misspelt section ('trian.max_steps') keeps its leaf, a misspelt leaf keeps its section."""
+    *sections, leaf = key.split(".")
+    candidates = sorted(set(keys) | {k.rsplit(".", 1)[0] for k in keys if "." in k})
+
+    def score(candidate: str) -> float:
+        *c_sections, c_leaf = candidate.split(".")
+        leaf_score = difflib.SequenceMatcher(None, leaf, c_leaf).ratio()
+        if len(c_sections) != len(sections):  # a key given at another depth ('lr' -> 'optim.lr'): the leaf decides
+            return 0.9 * leaf_score - 0.01 * abs(len(c_sections) - len(sections))
+        # The leaf weighs most (a key put in the wrong section, 'train.lr' -> 'optim.lr'); the
+        # section breaks ties ('modle.path' -> 'model.path', not 'critic.path').
+        section_score = (difflib.SequenceMatcher(None, ".".join(sections), ".".join(c_sections)).ratio()
+                         if sections else 1.0)
+        return 0.9 * leaf_score + 0.1 * section_score
+
+    best = max(candidates, key=score)
+    return f"; did you mean '{best}'?" if score(best) >= 0.6 else ""
 
 
 def _check_keys(cls: type[BaseModel], data: dict, prefix: str, source: str, all_keys: list[str]) -> None:
@@ -54,7 +66,9 @@ def _check_keys(cls: type[BaseModel], data: dict, prefix: str, source: str, all_
         dotted = f"{prefix}{key}"
         field = cls.model_fields.get(key)
         if field is None:
-            raise ConfigError(f"{source}: unknown key '{dotted}'{_suggest(dotted, all_keys)}")
+            # An unknown section ('trainer: {seed: 1}'): suggest for its first key, 'train.seed'.
+            probe = f"{dotted}.{next(iter(value))}" if isinstance(value, dict) and value else dotted
+            raise ConfigError(f"{source}: unknown key '{dotted}'{_suggest(probe, all_keys)}")
         sub = _submodel(field.annotation)
         if sub is not None and isinstance(value, dict):
             _check_keys(sub, value, f"{dotted}.", source, all_keys)
@@ -70,7 +84,11 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key, raw = text.split("=", 1)
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override '{text}': '{key}' is not a dotted key like train.micro_batch_size")
-    value = yaml.safe_load(raw) if raw.strip() else None
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        first = str(e).splitlines()[0]
+        raise ConfigError(f"override '{text}': the value is not valid YAML ({first}); quote it") from None
     return key.split("."), value
 
 
@@ -88,8 +106,10 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file '{p}' does not exist")
+        text = _read_text(p)
         try:
-            loaded = yaml.safe_load(p.read_text())
+            _check_scalars(yaml.compose(text), p)
+            loaded = yaml.safe_load(text)
         except yaml.YAMLError as e:
             raise ConfigError(f"{p}: not valid YAML: {e}") from None
         if loaded is not None and not isinstance(loaded, dict):
@@ -101,6 +121,8 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
     # not SFTConfig's), then the file, then the overrides in order.
     merged = _merge(cls().model_dump(), data)
     for text in overrides:
+        if not _encodable(text):  # bytes that are not UTF-8 reach Python as lone surrogates
+            raise ConfigError(f"override {text!r} is not valid UTF-8 text; fix the command line")
         key_path, value = parse_override(text)
         _check_keys(cls, _nest(key_path, value), "", f"override '{text}'", keys)
         if isinstance(value, (int, float)) and _is_str_field(cls, key_path):
@@ -110,6 +132,42 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
         return cls.model_validate(merged)
     except ValidationError as e:
         raise ConfigError(_explain(e, path)) from None
+
+
+def _read_text(p: Path) -> str:
+    raw = p.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise ConfigError(f"{p}:{line}: not UTF-8 text (byte {raw[e.start]:#04x}); save the file as UTF-8") from None
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def _check_scalars(node, p: Path) -> None:
+    """A YAML escape such as "\\ud800" yields a lone surrogate, which no file, tokenizer or
+    log can hold: refuse it at its line. Iterative, each node once (aliases share nodes)."""
+    stack, seen = [node] if node is not None else [], set()
+    while stack:
+        n = stack.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        if isinstance(n, yaml.ScalarNode):
+            if not _encodable(n.value):
+                raise ConfigError(f"{p}:{n.start_mark.line + 1}: {n.value!r} holds a lone surrogate "
+                                  "(not valid Unicode text)")
+        elif isinstance(n, yaml.MappingNode):
+            stack.extend(x for pair in n.value for x in pair)
+        else:
+            stack.extend(n.value)
 
 
 def _is_str_field(cls: type[BaseModel], path: list[str]) -> bool:
@@ -144,6 +202,8 @@ def _explain(e: ValidationError, path) -> str:
             continue
         key = ".".join(str(x) for x in err["loc"])
         lines.append(f"  {key}: {err['msg']} (given: {err['input']!r})")
+    if len(lines) == 2:  # one problem: one line
+        return f"{lines[0]} {lines[1].strip()}"
     return "\n".join(lines)
 
 

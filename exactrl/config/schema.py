@@ -16,7 +16,8 @@ LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "se
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: optim.lr=inf or a NaN anywhere a float is taken is refused by name.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelConfig(Section):
@@ -49,6 +50,9 @@ class TrainConfig(Section):
     eval_every: int = Field(0, ge=0, description="Steps between evaluations (0 = only at the end).")
     save_every: int = Field(0, ge=0, description="Steps between checkpoints (0 = only the final model).")
     resume_from: str | None = Field(None, description="A checkpoint-N directory to continue from (model, optimizer, scheduler, RNG, data position).")
+    resume_allow_changes: list[str] = Field([], description="Keys that may differ from the resumed checkpoint's run config (e.g. [train.global_batch_size]); others refuse the resume, as exact continuation needs the same data and layout. Always free: how long to run, logging/saving/eval cadence, output_dir, eval data, audit.*, train.micro_batch_size.")
+    save_total_limit: int | None = Field(None, gt=0, description="Keep only the latest N checkpoints (an older one is deleted after the new one is complete); unset = keep all.")
+    nonfinite: Literal["error", "skip"] = Field("error", description="On an inf/NaN gradient norm: 'error' stops the run (exit 4) before the step is applied; 'skip' applies no update for that step (counted in metrics as skipped_nonfinite; the schedule still moves). Weights that are not finite are never saved. deepspeed: error only.")
 
 
 class OptimConfig(Section):
@@ -113,6 +117,9 @@ def check_layout(cfg: CommonConfig, world: int) -> None:
         raise ValueError(f"deepspeed.offload_param={cfg.deepspeed.offload_param} needs deepspeed.zero_stage=3 "
                          f"(given {cfg.deepspeed.zero_stage})")
     t = cfg.train
+    if t.nonfinite == "skip" and cfg.distributed.backend == "deepspeed":
+        raise ValueError("train.nonfinite=skip needs distributed.backend single or fsdp2: DeepSpeed applies its step "
+                         "before the gradient can be checked (use train.nonfinite=error)")
     if t.global_batch_size % (t.micro_batch_size * world):
         raise ValueError(f"train.global_batch_size={t.global_batch_size} must be a multiple of "
                          f"train.micro_batch_size x world size = {t.micro_batch_size} x {world}")

@@ -75,9 +75,31 @@ def _encode_messages(row: Row, tokenizer) -> tuple[list[int], list[int]]:
     return ids, mask
 
 
+def _char_limit(tokenizer, max_length: int) -> int:
+    """Characters that cannot fit in ``max_length`` tokens: no token spells more characters than
+    its vocabulary string has (byte-level BPE strings spell each byte, SentencePiece's a
+    character), so a longer text is refused before tokenising it (a 100 MB row would OOM).
+    Twice that, for normalisers that drop characters (whitespace collapsing)."""
+    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    return 2 * max_length * max(longest, 1)
+
+
+def _check_size(row: Row, limit: int, max_length: int) -> None:
+    data = row.data
+    texts = [data.get("prompt"), data.get("completion")]
+    for m in (data.get("messages"), data.get("prompt")):
+        if isinstance(m, list):
+            texts += [x.get("content") for x in m if isinstance(x, dict)]
+    chars = sum(len(t) for t in texts if isinstance(t, str))
+    if chars > limit:
+        raise DataError(f"{row.source}: {chars:,} characters cannot fit in data.max_length={max_length} tokens "
+                        f"(at most {limit:,} for this tokenizer); shorten or drop the row")
+
+
 def encode_sft(rows: list[Row], tokenizer, max_length: int) -> list[SFTExample]:
-    out = []
+    out, limit = [], _char_limit(tokenizer, max_length)
     for row in rows:
+        _check_size(row, limit, max_length)
         if "messages" in row.data:
             ids, mask = _encode_messages(row, tokenizer)
         elif "prompt" in row.data and "completion" in row.data:
@@ -99,8 +121,9 @@ def encode_sft(rows: list[Row], tokenizer, max_length: int) -> list[SFTExample]:
 
 
 def encode_prompts(rows: list[Row], tokenizer, max_length: int) -> list[Prompt]:
-    out = []
+    out, limit = [], _char_limit(tokenizer, max_length)
     for row in rows:
+        _check_size(row, limit, max_length)
         raw = row.data.get("prompt")
         if isinstance(raw, list):
             text = _render(tokenizer, _check_messages(row, raw), row, add_generation_prompt=True)

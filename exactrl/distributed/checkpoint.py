@@ -37,9 +37,20 @@ def _atomic_dir(final: Path, write, collective: bool = False) -> Path:
     return final
 
 
+def check_finite(state: dict, path: Path) -> None:
+    """Refuse to save weights holding inf or NaN: such a model is never a result."""
+    for name, t in state.items():
+        if torch.is_tensor(t) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            from exactrl.distributed.engine import NonFiniteError  # engine imports this module
+
+            raise NonFiniteError(f"the weights hold inf or NaN (first: {name}); '{path}' was not written "
+                                 "(lower optim.lr, check the data and rewards)")
+
+
 def save_pretrained(path: Path, model, tokenizer, state_dict: dict | None = None) -> Path:
     """Model + tokenizer, loadable with from_pretrained(path). ``state_dict``: the full
     weights when the model's own parameters are sharded (FSDP2, ZeRO-3)."""
+    check_finite(state_dict if state_dict is not None else model.state_dict(), path)
 
     def write(tmp: Path):
         model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
@@ -73,6 +84,9 @@ def save_checkpoint(path: Path, model, tokenizer, engine, extra: dict, others: d
     me, world = rank(), world_size()
     parts = [(None, model, engine)] + [(name, m, e) for name, (m, e) in (others or {}).items()]
     states = [engine_.checkpoint_state() for _, _, engine_ in parts]  # collectives when sharded
+    if me == 0:
+        for (_, model_, _), (full_model, _) in zip(parts, states):
+            check_finite(full_model if full_model is not None else model_.state_dict(), path)
 
     def write(tmp: Path):
         for (name, model_, engine_), (full_model, engine_state) in zip(parts, states):
@@ -92,13 +106,29 @@ class CheckpointError(ValueError):
     """A checkpoint directory that cannot be resumed from."""
 
 
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """A run directory's checkpoint-N directories, oldest first (never the .tmp of one being written)."""
+    found = [d for d in Path(run_dir).glob("checkpoint-*")
+             if d.is_dir() and d.name.removeprefix("checkpoint-").isdigit()]
+    return sorted(found, key=lambda d: int(d.name.removeprefix("checkpoint-")))
+
+
 def check_resumable(path: str | Path) -> dict:
     """The checkpoint's state file, once it is known to fit this run (before anything is written)."""
     p = Path(path)
+    if p.name.startswith(".") and p.name.endswith((".tmp", ".old")):
+        done = [d.name for d in complete_checkpoints(p.parent)]
+        which = ": " + ", ".join(done) if done else " (this run has none)"
+        raise CheckpointError(f"train.resume_from: '{p}' is a checkpoint whose write was interrupted (never renamed "
+                              f"into place); resume from a complete one{which}")
     missing = [name for name in (STATE_FILE, "config.json") if not (p / name).is_file()]
     if missing:
         raise CheckpointError(f"train.resume_from: '{p}' lacks {', '.join(missing)}; point it at a checkpoint-N directory of a run")
-    state = torch.load(p / STATE_FILE, weights_only=True)
+    try:
+        state = torch.load(p / STATE_FILE, weights_only=True)
+    except Exception as e:  # truncated or foreign file: torch raises a zoo of types
+        raise CheckpointError(f"train.resume_from: '{p / STATE_FILE}' cannot be read ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}); resume from another checkpoint") from None
     if state.get("world_size", 1) != world_size():
         raise CheckpointError(f"train.resume_from: '{p}' was written by {state.get('world_size', 1)} processes; "
                               f"this run has {world_size()}. Resume with the same number of processes.")

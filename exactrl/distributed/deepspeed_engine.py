@@ -24,7 +24,7 @@ import torch
 
 from exactrl.audit.canary import Canary
 from exactrl.distributed.checkpoint import save_pretrained
-from exactrl.distributed.engine import SampleAccountingError, SingleEngine
+from exactrl.distributed.engine import NonFiniteError, SampleAccountingError, SingleEngine, nonfinite_message
 from exactrl.distributed.launch import is_main, single_process_env
 from exactrl.distributed.optim import build_optimizer, lr_factor
 
@@ -97,6 +97,7 @@ class DeepSpeedEngine(SingleEngine):
             model=wrapped, optimizer=build_optimizer(wrapped.parameters(), optim), config=self.config,
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, optim, total_steps)))
         self.step_count = self._micro_seen = self._samples_seen = 0
+        self._finite = None  # all of this step's micro-batch losses finite so far (a bool tensor)
 
     @property
     def shards_parameters(self) -> bool:
@@ -119,6 +120,10 @@ class DeepSpeedEngine(SingleEngine):
             if unit is None:
                 raise RuntimeError("DeepSpeedEngine.backward needs the micro-batch's forward through engine.forward (with grad)")
             loss = loss + unit * (share * CANARY_SCALE)
+        # DeepSpeed steps inside ds.step() with no chance to look at the gradient first, so the
+        # micro-batch losses are checked instead (as one flag per step: no sync per micro-batch).
+        finite = torch.isfinite(loss.detach())
+        self._finite = finite if self._finite is None else self._finite & finite
         self.ds.backward(loss * self.world_size, scale_wrt_gas=False)
         self._micro_seen += 1
         self._samples_seen += num_samples
@@ -134,11 +139,22 @@ class DeepSpeedEngine(SingleEngine):
             grad = self.deepspeed.utils.safe_get_full_grad(self.canary.param)  # a collective under ZeRO
             canary = self.canary.verify(0.0 if grad is None else float(grad.sum()) / CANARY_SCALE, self.step_count, self._micro_seen)
         lr = self.optimizer.param_groups[0]["lr"]
+        finite = torch.tensor(float(self._finite is None or bool(self._finite)))
+        self._finite = None
+        torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
+        if not finite.item():
+            what = "a micro-batch loss is inf or NaN"
+            raise NonFiniteError(nonfinite_message(what, self.step_count), self.step_count)
         self.ds.step()
         norm = self.ds.get_global_grad_norm()
+        if norm is not None and not torch.isfinite(torch.tensor(float(norm))).item():
+            # Too late to keep these weights: stop before anything saves them.
+            raise NonFiniteError(f"optimizer step {self.step_count + 1}: the gradient norm is {float(norm)} and "
+                                 "DeepSpeed has applied it; the run stops before saving (lower optim.lr, check the "
+                                 "data and rewards)", self.step_count)
         self.step_count += 1
         stats = {"grad_norm": float(norm) if norm is not None else None, "lr": lr, "micro_batches": self._micro_seen,
-                 "samples": self._samples_seen, "canary": canary}
+                 "samples": self._samples_seen, "canary": canary, "skipped_nonfinite": 0}
         self._micro_seen = self._samples_seen = 0
         return stats
 

@@ -18,6 +18,7 @@ optimizer step the engine checks sample accounting and the canary (exactrl/audit
 from __future__ import annotations
 
 import contextlib
+import warnings
 from pathlib import Path
 
 import torch
@@ -33,6 +34,19 @@ class SampleAccountingError(RuntimeError):
     """An optimizer step did not see each sample of its plan exactly once."""
 
 
+class NonFiniteError(RuntimeError):
+    """A loss, gradient or weight became inf or NaN; nothing non-finite was applied or saved."""
+
+    def __init__(self, message: str, step: int | None = None):
+        super().__init__(message)
+        self.step = step
+
+
+def nonfinite_message(what: str, step: int) -> str:
+    return (f"optimizer step {step + 1}: {what}, so the step was not applied (train.nonfinite=error); lower optim.lr, "
+            "check the data and rewards, or set train.nonfinite=skip to skip such steps")
+
+
 class SingleEngine:
     world_size = 1
     rank = 0
@@ -45,6 +59,8 @@ class SingleEngine:
         self.canary = Canary(audit.canary, audit.canary_tol, self.describe) if audit.canary != "off" else None
         self.dtype = model_cfg.dtype
         self.max_grad_norm = train.max_grad_norm
+        self.nonfinite = train.nonfinite
+        self.skipped = 0  # steps skipped for a non-finite gradient (train.nonfinite=skip), logged as a running total
         self.optimizer = build_optimizer(model.parameters(), optim)
         self.scheduler = build_scheduler(self.optimizer, optim, total_steps)
         self.step_count = 0
@@ -87,13 +103,23 @@ class SingleEngine:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         if hasattr(grad_norm, "full_tensor"):  # a sharded (DTensor) norm
             grad_norm = grad_norm.full_tensor()
+        grad_norm = float(grad_norm)  # the full gradient's, the same on every rank: any NaN or inf shows here
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
+        skipped = not torch.isfinite(torch.tensor(grad_norm)).item()
+        if skipped and self.nonfinite == "error":
+            what = f"the gradient norm is {grad_norm}"
+            raise NonFiniteError(nonfinite_message(what, self.step_count), self.step_count)
+        if not skipped:
+            self.optimizer.step()
+        self.skipped += skipped
+        # A skipped step still moves the schedule and the step count, so step N stays step N on resume.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()` before")
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1
-        stats = {"grad_norm": float(grad_norm), "lr": lr, "micro_batches": self._micro_seen, "samples": self._samples_seen,
-                 "canary": canary}
+        stats = {"grad_norm": grad_norm, "lr": lr, "micro_batches": self._micro_seen, "samples": self._samples_seen,
+                 "canary": canary, "skipped_nonfinite": self.skipped}
         self._micro_seen = self._samples_seen = 0
         return stats
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from exactrl.models import packing
@@ -38,7 +39,7 @@ def load_causal_lm(path: str | Path, trainable: bool = True, attn: str = "sdpa",
         raise ModelLoadError(f"'{p}' has no config.json: not a Hugging Face model directory")
     try:
         model = AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, SafetensorError) as e:  # SafetensorError: a truncated or corrupt weights file
         raise ModelLoadError(f"cannot load the model in '{p}': {e}") from None
     packing.enable(model, attn)
     if not dropout:
@@ -64,7 +65,7 @@ def load_value_model(path: str | Path, init_seed: int | None = None, attn: str =
         config.classifier_dropout = 0.0
         model, info = AutoModelForTokenClassification.from_pretrained(str(p), config=config, dtype=torch.float32,
                                                                       output_loading_info=True)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, SafetensorError) as e:
         raise ModelLoadError(f"cannot load a value model from '{p}': {e}") from None
     if any(k.startswith("score.") for k in info["missing_keys"]):
         g = torch.Generator().manual_seed(init_seed or 0)

@@ -1,0 +1,67 @@
+"""What a resume must agree with: the checkpoint's command, its step and its run's config.
+
+Exact continuation needs the same data, model, batch layout, optimizer and algorithm, so a
+resume that changes any of them is refused, naming the keys, unless they are listed in
+``train.resume_allow_changes``. Keys in MAY_CHANGE change nothing a step computes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from exactrl.distributed.checkpoint import CheckpointError, check_resumable
+
+# How long to run, how often to log/save/evaluate, where to write and what to evaluate on,
+# how checks react, and how a step is split into micro-batches (the gradient is the same).
+MAY_CHANGE = ("output_dir", "train.max_steps", "train.epochs", "train.save_every", "train.log_every",
+              "train.eval_every", "train.resume_from", "train.resume_allow_changes", "train.save_total_limit",
+              "train.nonfinite", "train.micro_batch_size", "train.packing_check", "data.eval", "data.eval_size", "eval.", "audit.",
+              "reward.timeout", "reward.retries", "distributed.nproc_per_node")
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out |= _flat(v, f"{prefix}{k}.")
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def changed_keys(saved: dict, now: dict, allowed: list[str]) -> list[str]:
+    """Dotted keys whose value differs between two config dumps, outside MAY_CHANGE and ``allowed``."""
+    a, b = _flat(saved), _flat(now)
+    free = (*MAY_CHANGE, *allowed)
+    return [k for k in sorted(a.keys() | b.keys())
+            if a.get(k) != b.get(k) and not any(k == f or (f.endswith(".") and k.startswith(f)) for f in free)]
+
+
+def check_resume(cfg, command: str, steps: int) -> None:
+    """Refuse, before anything is written, a resume that could not continue the run exactly."""
+    p = Path(cfg.train.resume_from)
+    state = check_resumable(p)
+    extra = state.get("extra", {})
+    was = "rl" if "rollout" in extra else "sft"
+    if was != command:
+        raise CheckpointError(f"train.resume_from: '{p}' is an {was} checkpoint and cannot be resumed by "
+                              f"`exactrl {command}`; to start {command} from its weights, set model.path={p} instead")
+    if extra.get("step", 0) >= steps:
+        raise CheckpointError(f"train.resume_from: '{p}' is at step {extra.get('step')}, and this run ends at step "
+                              f"{steps} (train.max_steps / train.epochs); raise train.max_steps to continue it")
+    saved_path = p.parent / "config.yaml"
+    try:
+        saved = yaml.safe_load(saved_path.read_text())
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        raise CheckpointError(f"train.resume_from: '{saved_path}' (the checkpoint's run config) cannot be read; resume "
+                              "needs it to check that data and layout are unchanged") from None
+    now = cfg.model_dump(mode="json")
+    diff = changed_keys(saved if isinstance(saved, dict) else {}, now, cfg.train.resume_allow_changes)
+    if diff:
+        flat_saved, flat_now = _flat(saved), _flat(now)
+        shown = "; ".join(f"{k}: {flat_saved.get(k)!r} -> {flat_now.get(k)!r}" for k in diff)
+        raise CheckpointError(f"train.resume_from: this config differs from the checkpoint's run ({saved_path}) "
+                              f"in {shown}. Exact resume needs the same data and layout: restore them, or continue anyway with "
+                              f"train.resume_allow_changes=[{','.join(diff)}]")

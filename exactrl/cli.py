@@ -32,6 +32,7 @@ def _quiet_libraries() -> None:
 
 
 def _run(kind: str, config: Optional[Path], overrides: Optional[list[str]], fn) -> None:
+    from exactrl.algorithms.common import EvaluationError
     from exactrl.audit.canary import CanaryError
     from exactrl.data.jsonl import DataError
     from exactrl.distributed.checkpoint import CheckpointError
@@ -51,6 +52,9 @@ def _run(kind: str, config: Optional[Path], overrides: Optional[list[str]], fn) 
     except (ConfigError, DataError, ModelLoadError, RewardError, CheckpointError) as e:
         console.print(f"[bold red]error:[/bold red] {escape(str(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
+    except EvaluationError as e:  # the model is saved; the run still failed
+        console.print(f"[bold red]error:[/bold red] {escape(str(e))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
     except CanaryError as e:  # the step was not applied; checkpoints written so far are intact
         console.print(f"[bold red]stopped by the canary:[/bold red] {escape(str(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(3) from None

@@ -76,3 +76,14 @@ def nan(prompts, completions, answers):
 
 def length_of_text(prompts, completions, answers):
     return [float(len(c)) for c in completions]
+
+
+def one(prompts, completions, answers):
+    """Full reward for anything: evaluation with it scores 100% where the arithmetic checker scores 0."""
+    return [1.0] * len(completions)
+
+
+def raises_on_bad_prompt(prompts, completions, answers):
+    if any("bad" in p for p in prompts):
+        raise ValueError("this prompt is bad")
+    return [0.0] * len(completions)

@@ -41,6 +41,9 @@ def _import(spec: str):
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         return None, f"reward function '{spec}' must be written module:function, e.g. my_rewards:exact_match"
+    if module_name == "__main__":  # the reward process has a main module of its own
+        return None, (f"reward function '{spec}': rewards run in a process of their own, so the function must live in an "
+                      "importable module (a .py file on the Python path), not in the main script")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:

@@ -87,3 +87,12 @@ def raises_on_bad_prompt(prompts, completions, answers):
     if any("bad" in p for p in prompts):
         raise ValueError("this prompt is bad")
     return [0.0] * len(completions)
+
+
+def raises_then_hangs(prompts, completions, answers):
+    """Raises on any batch; alone, hangs on 'h' and scores the rest."""
+    if len(completions) > 1:
+        raise ValueError("batch")
+    if completions[0] == "h":
+        time.sleep(3600)
+    return [1.0]

@@ -64,6 +64,15 @@ def test_a_hung_or_exiting_reward_fails_its_batch_once(spec, says):
     assert time.perf_counter() - t0 < 2 * 1.0 + 3.0  # two batches, each at most one timeout (+ process starts)
 
 
+def test_finding_the_failing_samples_takes_one_more_timeout_at_most():
+    failures: list = []
+    t0 = time.perf_counter()
+    assert run("reward_fixtures:raises_then_hangs", ("a", "h", "b"), timeout=1.0, fallback=-1.0, failures=failures) == [1.0, -1.0, -1.0]
+    assert time.perf_counter() - t0 < 1.0 + 2.0  # the batch raised at once; the search had one timeout in all
+    assert failures == [("d.jsonl:2", "no result within what was left of reward.timeout=1s (the reward process was killed)"),
+                        ("d.jsonl:3", "not scored: finding the failing samples took longer than reward.timeout=1s")]
+
+
 def test_the_process_is_replaced_after_a_timeout_and_reaped_on_close():
     with load_rewards(["reward_fixtures:hangs_on_x", "reward_fixtures:length"]) as rewards:
         worker = rewards._worker

@@ -44,13 +44,16 @@ def evaluate_accuracy(model, tokenizer, prompts: list[Prompt], reward: Reward, *
                       greedy: bool = True, temperature: float = 1.0, top_p: float = 1.0, timeout: float = DEFAULT_TIMEOUT,
                       fallback: float | None = None) -> Accuracy:
     """Share of prompts whose (greedy or sampled) answer gets full reward (>= 1) from ``reward``,
-    scored in one call under the run's reward.timeout and reward.fallback."""
+    scored ``batch_size`` answers per call, each call under the run's reward.timeout and reward.fallback."""
     t0 = time.perf_counter()
     gens = HFEngine(model, tokenizer, batch_size).generate(
         [p.input_ids for p in prompts], greedy=greedy, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens
     )
-    rewards = score(reward, [p.text for p in prompts], [g.text for g in gens], [p.answer for p in prompts],
-                    [p.source for p in prompts], timeout, fallback)
+    rewards = []
+    for i in range(0, len(prompts), batch_size):
+        chunk, answered = prompts[i : i + batch_size], gens[i : i + batch_size]
+        rewards += score(reward, [p.text for p in chunk], [g.text for g in answered], [p.answer for p in chunk],
+                         [p.source for p in chunk], timeout, fallback)
     k = sum(r >= 1.0 for r in rewards)
     return Accuracy(k / len(prompts), wilson_interval(k, len(prompts)), k, len(prompts), time.perf_counter() - t0,
                     sum(len(g.response_ids) for g in gens))

@@ -142,6 +142,8 @@ def _isolate(reward: Reward, prompts, completions, answers, sources, timeout, fa
             (v,) = reward(prompts[i : i + 1], completions[i : i + 1], answers[i : i + 1], left)
         except (WorkerRaised, WorkerTimeout, WorkerDied, ValueError) as e:
             reason = f"{type(e).__name__}: {e}" if isinstance(e, ValueError) else str(e)
+            if isinstance(e, WorkerTimeout) and left is not None and left > 0:  # the call had only what was left
+                reason = f"no result within what was left of reward.timeout={timeout:g}s (the reward process was killed)"
             if fallback is None:
                 raise RewardError(f"reward function '{reward.spec}' failed on sample {sources[i]} with {reason} "
                                   "(set reward.fallback to give such samples a fixed reward instead)") from None

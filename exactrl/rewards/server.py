@@ -15,7 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from exactrl.rewards import load_reward_fn
 
 
-def make_server(spec: str, host: str = "127.0.0.1", port: int = 8000, timeout: float | None = None) -> ThreadingHTTPServer:
+def make_server(spec: str, host: str = "127.0.0.1", port: int = 8000, timeout: float = 60.0) -> ThreadingHTTPServer:
     """``timeout``: seconds per batch before the reward process is killed and the request fails (5xx)."""
     fn = load_reward_fn(spec)
 
@@ -57,7 +57,7 @@ def main() -> None:
     parser.add_argument("fn", help="module:function(prompts, completions, answers) -> list[float]")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--timeout", type=float, default=None, help="seconds per batch before the reward process is killed")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds per batch before the reward process is killed (a 5xx)")
     args = parser.parse_args()
     server = make_server(args.fn, args.host, args.port, args.timeout)
     print(f"serving {args.fn} on http://{args.host}:{server.server_port}/", flush=True)

@@ -1,4 +1,4 @@
-"""The RL loop's pieces: the on-policy ratio check, reward-function failures, the policy loss
+"""The RL loop's pieces: the on-policy ratio check, weighted rewards, the policy loss
 micro-batch path against a one-pass reference, advantages over a rollout, and every
 algorithm run end to end."""
 

@@ -122,3 +122,24 @@ def test_process_hop_costs_little_per_batch():
         reward(*batch[:3])
     direct = (time.perf_counter() - t0) / 20
     assert hop - direct < 0.05  # measured ~0.2 ms for 256 samples; generous for a loaded CI machine
+
+
+def test_the_reward_process_ends_when_the_run_is_killed(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("from exactrl.rewards import load_rewards; r = load_rewards('reward_fixtures:length'); "
+            "print(r._worker._proc.pid, flush=True); import time; time.sleep(60)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    run = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+    child = int(run.stdout.readline())
+    os.kill(run.pid, signal.SIGKILL)  # no finalizer, no atexit: only the closed socket tells the child
+    run.wait()
+    status = Path(f"/proc/{child}/status")
+    deadline = time.monotonic() + 10
+    while status.exists() and "State:\tZ" not in status.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not status.exists() or "State:\tZ" in status.read_text()

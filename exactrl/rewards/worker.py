@@ -1,13 +1,13 @@
-"""Python rewards run in a process of their own, started once per run.
+"""Python rewards run in a process of their own, started once per run (per rank).
 
 A reward is the user's code: it may hang, call ``sys.exit``, crash the interpreter, or need
 the main thread (math-verify times its parsing with ``signal.alarm``). So it is imported and
-called in a child Python (``python -c "...worker import main; main()"``, in its main thread), one batch
-per request over a socket pair. A plain subprocess rather than multiprocessing's spawn: that
-would re-run the user's main script in the child, and cannot start from stdin or a notebook. The parent
-waits at most ``timeout`` seconds for a batch; then, or when the child dies, the child is
-killed (a fresh one starts with the next batch), and the caller decides (fallback or stop). The child exits by
-itself when the parent goes away (the pipe closes), so no run leaves it behind.
+called in a child Python, in its main thread, one batch per request over a socket pair. A plain
+subprocess, not multiprocessing's spawn: that re-runs the user's main script in the child and
+cannot start from stdin or a notebook. The parent waits at most ``timeout`` seconds for a
+batch; then, or when the child dies, the child is killed (a fresh one starts with the next
+batch) and the caller decides: fallback or stop. The child also exits by itself when the parent
+goes away (its end of the socket closes), so no run leaves one behind.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ _READY_TIMEOUT = 300.0  # importing a reward module (sympy, a model) may be slow
 
 
 class WorkerTimeout(Exception):
-    """The batch took longer than its time limit; the child was killed and restarted."""
+    """The batch took longer than its time limit; the child was killed."""
 
 
 class WorkerDied(Exception):
-    """The child ended (or called sys.exit) during the batch; it was restarted."""
+    """The child ended during the batch, or the reward called sys.exit."""
 
 
 class WorkerRaised(Exception):

@@ -30,13 +30,14 @@ def starting_accuracy(eval_size: int):
     from exactrl.data.encode import encode_prompts
     from exactrl.data.jsonl import read_jsonl
     from exactrl.models.loading import load_causal_lm, load_tokenizer
+    from exactrl.rewards import load_rewards
     from exactrl.tasks.builtin import resolve
 
     path = resolve("builtin-sft", "model")
     tok = load_tokenizer(path)
     prompts = encode_prompts(read_jsonl(resolve("builtin", "eval"))[:eval_size], tok, 256)
-    return evaluate_accuracy(load_causal_lm(path, trainable=False), tok, prompts, "exactrl.tasks.arithmetic:reward",
-                             batch_size=500, max_new_tokens=48)
+    with load_rewards("exactrl.tasks.arithmetic:reward") as rewards:
+        return evaluate_accuracy(load_causal_lm(path, trainable=False), tok, prompts, rewards.eval, batch_size=500, max_new_tokens=48)
 
 
 def main() -> None:

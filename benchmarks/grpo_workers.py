@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from collections import Counter
 from pathlib import Path
@@ -61,7 +62,11 @@ def scored(prompts: list[str], answers: list[str], completions: list[str], lengt
 
 
 def exactrl_reward(prompts: list[str], completions: list[str], answers: list[str]) -> list[float]:
-    return scored(prompts, answers, completions)
+    """exactrl calls rewards in a process of its own: what each call saw goes back through a file."""
+    rewards = scored(prompts, answers, completions)
+    with open(os.environ["EXACTRL_BENCH_CALLS"], "a") as f:
+        f.write(json.dumps(CALLS.pop()) + "\n")
+    return rewards
 
 
 def trl_reward(prompts: list[str], completions: list[str], completion_ids: list[list[int]], answer: list[str], **_) -> list[float]:
@@ -86,7 +91,9 @@ def run_exactrl(model_dir: str, data: str, prompts: int, group: int, max_new: in
     from exactrl.config import RLConfig, load_config
 
     batch = prompts * group
-    # The reward is this file's wrapper of the verifier; bench.py runs this file as __main__.
+    # The reward is this file's wrapper of the verifier, imported by module name in exactrl's reward process.
+    calls = Path(out) / "reward_calls.jsonl"
+    os.environ["EXACTRL_BENCH_CALLS"] = str(calls)
     cfg = load_config(RLConfig, None, [f"model.path={model_dir}", f"data.train={data}", "data.eval=null", "algo.name=grpo",
                                        f"algo.group_size={group}", "algo.kl_coef=0.0", "algo.clip_eps=0.2", "algo.ppo_epochs=1",
                                        "algo.mini_batches=1", f"train.global_batch_size={batch}", f"train.micro_batch_size={batch}",
@@ -94,9 +101,10 @@ def run_exactrl(model_dir: str, data: str, prompts: int, group: int, max_new: in
                                        "train.log_every=1", "optim.name=adamw", "optim.lr=1e-6", "optim.weight_decay=0.0",
                                        "optim.scheduler=constant", "optim.warmup_steps=0", f"rollout.max_new_tokens={max_new}",
                                        "rollout.temperature=1.0", "rollout.top_p=1.0", f"rollout.batch_size={batch}",
-                                       "reward.fn=__main__:exactrl_reward", f"output_dir={out}"])
+                                       "reward.fn=grpo_workers:exactrl_reward", f"output_dir={out}"])
     counter = count_optimizer_steps()
     result = train_rl(cfg)
+    CALLS.extend(json.loads(line) for line in calls.read_text().splitlines())
     lines = [json.loads(ln) for ln in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     per_step = [r for r in lines if "generated_tokens" in r]
     return summary([r["time"] for r in per_step], [r["generated_tokens"] for r in per_step],

@@ -53,8 +53,9 @@ def _fail(status: str, label: str, message: str, code: int):
 
 def _run(kind: str, config: Optional[Path], overrides: Optional[list[str]], fn) -> None:
     """Exit codes: 0 success, 2 a problem in the config, data, model, checkpoint, output_dir or
-    disk, 3 stopped by the canary, 4 a non-finite loss, gradient or weight, 130/143 SIGINT/SIGTERM.
+    disk, 1 the final evaluation failed (the model is saved), 3 stopped by the canary, 4 a non-finite loss, gradient or weight, 130/143 SIGINT/SIGTERM.
     Every run directory's status.json records the same end."""
+    from exactrl.algorithms.common import EvaluationError
     from exactrl.audit.canary import CanaryError
     from exactrl.checks.packing import PackingCheckError
     from exactrl.data.jsonl import DataError
@@ -78,6 +79,8 @@ def _run(kind: str, config: Optional[Path], overrides: Optional[list[str]], fn) 
         shutdown()
     except (ConfigError, DataError, ModelLoadError, RewardError, CheckpointError, PackingCheckError) as e:
         raise _fail("error", "error", str(e), 2) from None
+    except EvaluationError as e:  # the model is saved; the run still failed
+        raise _fail("error", "error", str(e), 1) from None
     except CanaryError as e:  # the step was not applied; checkpoints written so far are intact
         raise _fail("canary", "stopped by the canary", str(e), 3) from None
     except NonFiniteError as e:

@@ -16,11 +16,6 @@ from exactrl.tasks.builtin import BuiltinSpec
 SPEC = BuiltinSpec(n_sft=200, n_rl=40, n_eval=10)
 
 
-def varied_reward(prompts, completions, answers):
-    """Rewards that differ within a group even for an untrained model, so every step updates."""
-    return [sum(ch.isdigit() for ch in c) / (1 + len(c)) for c in completions]
-
-
 def same_weights(a, b) -> bool:
     wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
     return wa.keys() == wb.keys() and all(wa[k].equal(wb[k]) for k in wa)
@@ -46,7 +41,7 @@ def test_rl_resume_is_bitwise_exact(tmp_path):
     common = ["data.eval=null", "train.global_batch_size=8", "train.micro_batch_size=4", "algo.group_size=4",
               "train.max_steps=4", "algo.mini_batches=2", "algo.kl_coef=0.1", "rollout.max_new_tokens=8",
               "algo.kl_target=0.05", "algo.kl_horizon=20",  # the adaptive coefficient must come back too
-              "optim.lr=1e-3", f"reward.fn={__name__}:varied_reward"]
+              "optim.lr=1e-3", "reward.fn=reward_fixtures:varied"]
     full = train_rl(load_config(RLConfig, None, [*common, "train.save_every=2", f"output_dir={tmp_path / 'full'}"]), spec=SPEC)
     resumed = train_rl(load_config(RLConfig, None, [*common, f"train.resume_from={full.run_dir / 'checkpoint-2'}",
                                                     f"output_dir={tmp_path / 'resumed'}"]), spec=SPEC)

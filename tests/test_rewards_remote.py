@@ -104,3 +104,15 @@ def test_rl_trains_on_a_remote_reward(reference_server, tmp_path, monkeypatch, k
 def test_reward_url_must_be_an_http_address():
     with pytest.raises(ConfigError, match="reward.url='localhost:8000' is not an http"):
         load_config(RLConfig, None, ["reward.url=localhost:8000"])
+
+
+def test_reference_server_times_out_hung_rewards_and_refuses_missing_answers(reference_server):
+    with pytest.raises(RemoteRewardError, match=r"refused the batch: HTTP 400 .*needs an answer for every prompt; got null at position 1"):
+        RemoteReward(reference_server, retries=0)(["p", "q"], ["#### 3", "#### 4"], ["3", None])
+    server = make_server("reward_fixtures:hangs", port=0, timeout=1.0)
+    url = serve(server)
+    try:
+        with pytest.raises(RemoteRewardError, match=r"failed 1 times; last: HTTP 500 .*no result within reward.timeout=1s"):
+            RemoteReward(url, timeout=30, retries=0)(["p"], ["a"], ["1"])
+    finally:
+        server.shutdown()

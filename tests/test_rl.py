@@ -1,4 +1,4 @@
-"""The RL loop's pieces: the on-policy ratio check, reward-function failures, the policy loss
+"""The RL loop's pieces: the on-policy ratio check, weighted rewards, the policy loss
 micro-batch path against a one-pass reference, advantages over a rollout, and every
 algorithm run end to end."""
 
@@ -19,8 +19,8 @@ from exactrl.algorithms.rollouts import consecutive
 from exactrl.config import RLConfig, load_config
 from exactrl.distributed.engine import build_engine
 from exactrl.distributed.step_plan import plan_step
-from exactrl.rewards import RewardError, load_reward_fn, score
 from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin
+from reward_fixtures import length, varied
 
 ROOT_EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -121,36 +121,6 @@ def test_policy_step_equals_one_pass_reference(tokenizer, make_model, mode, kl, 
     assert (num / den).sqrt().item() <= 1e-5
 
 
-def bad_raises(prompts, completions, answers):
-    raise KeyError("no field 'solution'")
-
-
-def bad_length(prompts, completions, answers):
-    return [1.0]
-
-
-def bad_value(prompts, completions, answers):
-    return [float("nan")] * len(completions)
-
-
-def test_reward_function_failures_name_the_sample():
-    src = ["data.jsonl:4", "data.jsonl:5"]
-    with pytest.raises(RewardError, match="failed on sample data.jsonl:4 with KeyError"):
-        score(bad_raises, "m:bad_raises", ["p", "q"], ["a", "b"], [None, None], src)
-    with pytest.raises(RewardError, match="returned 1 values for 2"):
-        score(bad_length, "m:bad_length", ["p", "q"], ["a", "b"], [None, None], src)
-    with pytest.raises(RewardError, match="nan.*data.jsonl:4"):
-        score(bad_value, "m:bad_value", ["p", "q"], ["a", "b"], [None, None], src)
-    with pytest.raises(RewardError, match="module:function"):
-        load_reward_fn("no_colon")
-    with pytest.raises(RewardError, match="cannot import module"):
-        load_reward_fn("surely_not_a_module_xyz:f")
-    with pytest.raises(RewardError, match="no callable 'nope'"):
-        load_reward_fn("exactrl.tasks.arithmetic:nope")
-    fn = load_reward_fn("exactrl.tasks.arithmetic:reward")
-    assert score(fn, "x", ["1+2="] * 2, ["#### 003", "#### 4"], ["3", "3"], src) == [1.0, 0.0]
-
-
 def test_attach_advantages_puts_the_kl_in_the_reward_for_reinforce_pp(tokenizer):
     """REINFORCE++ with algo.kl_in_reward: r_t = -beta (log p_old - log p_ref) on every response
     token, the outcome reward on the last, return to go, whitened over every response token of
@@ -184,7 +154,7 @@ def test_every_algorithm_trains_end_to_end(algo, tmp_path, monkeypatch):
     cfg = load_config(RLConfig, None, ["data.eval=null", "train.global_batch_size=8", "train.micro_batch_size=4", "algo.group_size=4",
                                        "train.max_steps=2", "train.log_every=1", "rollout.max_new_tokens=8", "optim.lr=1e-3", f"algo.name={algo}",
                                        "algo.kl_coef=0.05", f"algo.kl_in_reward={algo.startswith('reinforce')}",
-                                       f"reward.fn={__name__}:varied_reward", f"output_dir={tmp_path / 'run'}"])
+                                       "reward.fn=reward_fixtures:varied", f"output_dir={tmp_path / 'run'}"])
     result = train_rl(cfg, spec=BuiltinSpec(n_sft=20, n_rl=40, n_eval=10))
     rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r]
@@ -195,74 +165,24 @@ def test_every_algorithm_trains_end_to_end(algo, tmp_path, monkeypatch):
     assert any(not before[k].equal(after[k]) for k in before)
 
 
-def varied_reward(prompts, completions, answers):
-    """Rewards that differ within a group even for an untrained model, so every step updates."""
-    return [sum(ch.isdigit() for ch in c) / (1 + len(c)) for c in completions]
-
-
-def slow_reward(prompts, completions, answers):
-    import time
-
-    time.sleep(0.5 if any("slow" in c for c in completions) else 0.0)
-    return [1.0] * len(completions)
-
-
-def picky_reward(prompts, completions, answers):
-    if any("x" in c for c in completions):
-        raise ValueError("cannot score an x")
-    return [float(len(c)) for c in completions]
-
-
-def batch_only_bug(prompts, completions, answers):
-    if len(completions) > 1:
-        raise RuntimeError("batched call broken")
-    return [0.5]
-
-
-def test_reward_timeout_and_fallback_name_the_samples():
-    src = ["d.jsonl:1", "d.jsonl:2", "d.jsonl:3"]
-    with pytest.raises(RewardError, match=r"failed on sample d.jsonl:2 with TimeoutError: no result within reward.timeout=0.1s"):
-        score(slow_reward, "m:slow", ["p"] * 3, ["ok", "slow", "ok"], [None] * 3, src, timeout=0.1)
-    failures: list = []
-    got = score(picky_reward, "m:picky", ["p"] * 3, ["ab", "x", "abcd"], [None] * 3, src, fallback=-1.0, failures=failures)
-    assert got == [2.0, -1.0, 4.0] and failures == [("d.jsonl:2", "ValueError: cannot score an x")]
-    with pytest.raises(RewardError, match="raised RuntimeError: batched call broken on the batch starting at d.jsonl:1, but on no sample alone"):
-        score(batch_only_bug, "m:batch", ["p"] * 3, ["a", "b", "c"], [None] * 3, src, fallback=0.0)
-
-
-def test_mathverify_reward_accepts_equivalent_forms():
-    from exactrl.rewards.mathverify import reward
-
-    completions = ["so the answer is $\\boxed{\\frac{1}{2}}$", "I get $0.5$", "the answer is $\\boxed{\\frac{1}{3}}$",
-                   "$x = 2$", "no idea"]
-    answers = ["0.5", "\\frac{1}{2}", "1/2", "2", "7"]
-    assert reward([""] * 5, completions, answers) == [1.0, 1.0, 0.0, 1.0, 0.0]
-    with pytest.raises(ValueError, match="needs an 'answer'"):
-        reward([""], ["1"], [None])
-
-
-def length_reward(prompts, completions, answers):
-    return [len(c) / 10 for c in completions]
-
-
 def test_weighted_rewards_sum_and_each_component_is_logged(tmp_path, monkeypatch):
     from exactrl.rewards import load_rewards, score_all
 
-    fns = load_rewards([f"{__name__}:varied_reward", f"{__name__}:length_reward"], [2.0, -0.5])
-    total, parts = score_all(fns, ["p", "p"], ["12ab", "x"], [None, None], ["s:1", "s:2"])
-    a, b = varied_reward(None, ["12ab", "x"], None), length_reward(None, ["12ab", "x"], None)
+    with load_rewards(["reward_fixtures:varied", "reward_fixtures:length"], [2.0, -0.5]) as fns:
+        total, parts = score_all(fns, ["p", "p"], ["12ab", "x"], [None, None], ["s:1", "s:2"])
+    a, b = varied(None, ["12ab", "x"], None), length(None, ["12ab", "x"], None)
     assert total == pytest.approx([2 * a[i] - 0.5 * b[i] for i in range(2)], rel=1e-12)
-    assert parts == {f"{__name__}:varied_reward": a, f"{__name__}:length_reward": b}
+    assert parts == {"reward_fixtures:varied": a, "reward_fixtures:length": b}
     with pytest.raises(Exception, match="reward.weights has 1 entries for 2 reward.fn entries"):
-        load_config(RLConfig, None, [f"reward.fn=[{__name__}:varied_reward,{__name__}:length_reward]", "reward.weights=[1.0]"])
+        load_config(RLConfig, None, ["reward.fn=[reward_fixtures:varied,reward_fixtures:length]", "reward.weights=[1.0]"])
     monkeypatch.setenv("EXACTRL_CACHE", str(tmp_path / "cache"))
     cfg = load_config(RLConfig, None, ["data.eval=null", "train.global_batch_size=8", "train.micro_batch_size=4", "algo.group_size=4",
                                        "train.max_steps=1", "train.log_every=1", "rollout.max_new_tokens=8",
-                                       f"reward.fn=[{__name__}:varied_reward,{__name__}:length_reward]", "reward.weights=[1.0,0.1]",
+                                       "reward.fn=[reward_fixtures:varied,reward_fixtures:length]", "reward.weights=[1.0,0.1]",
                                        f"output_dir={tmp_path / 'run'}"])
     result = train_rl(cfg, spec=BuiltinSpec(n_sft=20, n_rl=40, n_eval=10))
     (row,) = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
-    mean = row[f"reward/{__name__}:varied_reward"] + 0.1 * row[f"reward/{__name__}:length_reward"]
+    mean = row["reward/reward_fixtures:varied"] + 0.1 * row["reward/reward_fixtures:length"]
     assert row["reward_mean"] == pytest.approx(mean, rel=1e-6)
 
 
@@ -304,10 +224,6 @@ class ScriptedEngine:
         return out
 
 
-def length_of_text(prompts, completions, answers):
-    return [float(len(c)) for c in completions]
-
-
 def test_dynamic_sampling_drops_flat_groups_and_refills_deterministically():
     from exactrl.algorithms.rl import RolloutError, collect_dynamic_rollout
     from exactrl.data.encode import Prompt
@@ -315,7 +231,7 @@ def test_dynamic_sampling_drops_flat_groups_and_refills_deterministically():
 
     prompts = [Prompt([k], f"p{k}", None, f"d:{k}") for k in range(20)]
     cfg = rl_cfg("algo.name=dapo", "algo.group_size=4", "train.global_batch_size=16", "train.micro_batch_size=4")
-    fns = load_rewards(f"{__name__}:length_of_text", None)
+    fns = load_rewards("reward_fixtures:length_of_text")
     runs = [collect_dynamic_rollout(ScriptedEngine(), prompts, [0, 1, 2, 3], rollout=5, rewards_cfg=fns, cfg=cfg) for _ in range(2)]
     (samples, stats), (again, _) = runs
     assert len(samples) == 16 and all(s.prompt_ids[0] % 2 == 1 for s in samples)  # only groups with varied rewards

@@ -14,7 +14,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from exactrl.algorithms.common import seed_everything
+from exactrl.algorithms.common import eval_reward_spec, seed_everything
 from exactrl.algorithms.evaluate import Accuracy, evaluate_accuracy
 from exactrl.algorithms.rl import train_rl
 from exactrl.algorithms.sft import train_sft
@@ -25,6 +25,7 @@ from exactrl.data.jsonl import read_jsonl
 from exactrl.metrics import MetricsLog
 from exactrl.models.loading import load_causal_lm, load_tokenizer
 from exactrl.report import plot_run
+from exactrl.rewards import Rewards
 from exactrl.run_dir import create_run_dir
 from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin
 
@@ -32,9 +33,11 @@ from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin
 def _measure(cfg: DemoConfig, model_path: Path, prompts) -> tuple[Accuracy, Accuracy]:
     tok, model = load_tokenizer(model_path), load_causal_lm(model_path, trainable=False)
     ev, r = cfg.rl.eval, cfg.rl.rollout
-    common = dict(batch_size=ev.batch_size, max_new_tokens=ev.max_new_tokens)
-    greedy = evaluate_accuracy(model, tok, prompts, ev.reward_fn, **common)
-    sampled = evaluate_accuracy(model, tok, prompts, ev.reward_fn, greedy=False, temperature=r.temperature, top_p=r.top_p, **common)
+    common = dict(batch_size=ev.batch_size, max_new_tokens=ev.max_new_tokens, timeout=cfg.rl.reward.timeout)
+    with Rewards(eval_reward_spec(cfg.rl)) as rewards:
+        greedy = evaluate_accuracy(model, tok, prompts, rewards.eval, **common)
+        sampled = evaluate_accuracy(model, tok, prompts, rewards.eval, greedy=False, temperature=r.temperature, top_p=r.top_p,
+                                    **common)
     return greedy, sampled
 
 

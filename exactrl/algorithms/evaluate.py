@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 
 from exactrl.data.encode import Prompt
-from exactrl.rewards import load_reward_fn, score
+from exactrl.rewards import DEFAULT_TIMEOUT, Reward, score
 from exactrl.rollout.hf import HFEngine
 
 
@@ -40,15 +40,20 @@ def wilson_interval(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
     return (low, high)
 
 
-def evaluate_accuracy(model, tokenizer, prompts: list[Prompt], reward_spec: str, *, batch_size: int, max_new_tokens: int,
-                      greedy: bool = True, temperature: float = 1.0, top_p: float = 1.0) -> Accuracy:
-    """Share of prompts whose (greedy or sampled) answer gets full reward (>= 1)."""
+def evaluate_accuracy(model, tokenizer, prompts: list[Prompt], reward: Reward, *, batch_size: int, max_new_tokens: int,
+                      greedy: bool = True, temperature: float = 1.0, top_p: float = 1.0, timeout: float = DEFAULT_TIMEOUT,
+                      fallback: float | None = None) -> Accuracy:
+    """Share of prompts whose (greedy or sampled) answer gets full reward (>= 1) from ``reward``,
+    scored ``batch_size`` answers per call, each call under the run's reward.timeout and reward.fallback."""
     t0 = time.perf_counter()
     gens = HFEngine(model, tokenizer, batch_size).generate(
         [p.input_ids for p in prompts], greedy=greedy, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens
     )
-    rewards = score(load_reward_fn(reward_spec), reward_spec, [p.text for p in prompts], [g.text for g in gens],
-                    [p.answer for p in prompts], [p.source for p in prompts])
+    rewards = []
+    for i in range(0, len(prompts), batch_size):
+        chunk, answered = prompts[i : i + batch_size], gens[i : i + batch_size]
+        rewards += score(reward, [p.text for p in chunk], [g.text for g in answered], [p.answer for p in chunk],
+                         [p.source for p in chunk], timeout, fallback)
     k = sum(r >= 1.0 for r in rewards)
     return Accuracy(k / len(prompts), wilson_interval(k, len(prompts)), k, len(prompts), time.perf_counter() - t0,
                     sum(len(g.response_ids) for g in gens))

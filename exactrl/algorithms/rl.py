@@ -29,8 +29,8 @@ import torch
 
 from exactrl.advantages import AdvantageInput, get_advantage
 from exactrl.advantages.estimators import EPS, whiten
-from exactrl.algorithms.common import (after_step, check_data_size, check_world, finish, load_eval_prompts, load_model,
-                                      open_run, progress, seed_everything)
+from exactrl.algorithms.common import (after_step, check_data_size, check_world, eval_data, finish, load_eval_set,
+                                      load_model, open_run, progress, seed_everything)
 from exactrl.algorithms.rollouts import (RolloutError, Sample, attach_logprobs, collect_dynamic_rollout, collect_rollout,
                                          overlong_penalty)
 from exactrl.algorithms.resume import check_resume
@@ -47,7 +47,7 @@ from exactrl.losses.policy import PolicyInput, get_policy_loss
 from exactrl.losses.token_losses import kl_penalty, token_entropy, token_logprobs
 from exactrl.models.loading import load_tokenizer
 from exactrl.models.packing import model_batch
-from exactrl.rewards import load_rewards
+from exactrl.rewards import load_rewards, require_answers
 from exactrl.rollout.hf import HFEngine
 from exactrl.tasks.builtin import BuiltinSpec, resolve
 
@@ -270,11 +270,13 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     for message in fragile_settings(cfg) if rank() == 0 else []:
         warnings.warn(message, UserWarning, stacklevel=2)
     model_path = model_path or resolve(cfg.model.path, "model", spec)
-    train_path, eval_path = resolve(cfg.data.train, "rl_train", spec), resolve(cfg.data.eval, "eval", spec)
+    train_path, eval_path = resolve(cfg.data.train, "rl_train", spec), resolve(eval_data(cfg), "eval", spec)
     tok = load_tokenizer(model_path)
     prompts = encode_prompts(read_jsonl(train_path), tok, cfg.data.max_length)
-    eval_prompts = load_eval_prompts(cfg, tok, eval_path)
-    reward_fns = load_rewards(cfg.reward.specs(), cfg.reward.weights, cfg.reward.timeout, cfg.reward.retries)
+    # One reward process for the whole run (exactrl/rewards/worker.py), evaluation included.
+    reward_fns = load_rewards(cfg.reward.specs(), cfg.reward.weights, cfg.reward.timeout, cfg.reward.retries, cfg.eval.reward_fn)
+    require_answers(prompts, reward_fns, "reward.fn")
+    eval_set = load_eval_set(cfg, tok, eval_path, reward_fns.eval)
     a, t = cfg.algo, cfg.train
     steps_per_rollout = a.ppo_epochs * a.mini_batches
     prompts_per_rollout = t.global_batch_size * a.mini_batches // a.group_size
@@ -342,12 +344,12 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
                 mean = engine.mean_over_ranks({k: sum(p[k] for p in parts) / len(parts) for k in (parts[0] if parts else {}) if k != "ratio_dev"})
                 log.write({"phase": phase, "step": step, "rollout": rollout, "loss": step_loss, **mean, **stats, **rstats,
                            "gen_tokens_per_s": rstats["generated_tokens"] / gen_seconds})
-            after_step(cfg, phase, step, steps, model, tok, engine, eval_prompts, log, run_dir, bar,
+            after_step(cfg, phase, step, steps, model, tok, engine, eval_set, log, run_dir, bar,
                        {"step": step, "rollout": rollout, "group_rng": group_rng.getstate(), "kl_coef": kl_control.coef},
                        others=critic.components() if critic is not None else None)
     bar.close()
     seconds = time.perf_counter() - t0
-    final = finish(cfg, phase, steps, model, tok, engine, eval_prompts, log, run_dir, final_name)
-    if critic is not None:
-        critic.engine.save_pretrained(run_dir / f"{final_name}-critic", tok)
+    final = finish(cfg, phase, steps, model, tok, engine, eval_set, log, run_dir, final_name,
+                   others={f"{final_name}-critic": critic.engine} if critic is not None else None)
+    reward_fns.close()
     return RLResult(run_dir, final, steps, seconds, gen_tokens)

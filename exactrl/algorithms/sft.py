@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from exactrl.algorithms.common import (after_step, check_data_size, check_world, finish, load_eval_prompts, load_model,
-                                      open_run, progress, seed_everything, steps_for)
+from exactrl.algorithms.common import (after_step, check_data_size, check_world, eval_data, finish, load_eval_set,
+                                      load_model, open_run, progress, seed_everything, steps_for)
 from exactrl.algorithms.resume import check_resume
 from exactrl.config.schema import SFTConfig
 from exactrl.data.batching import StepSampler, collate_sft
@@ -54,11 +54,11 @@ def train_sft(cfg: SFTConfig, run_dir: Path | None = None, spec: BuiltinSpec = B
     check_world(cfg)
     seed_everything(cfg.train.seed)
     model_path = resolve(cfg.model.path, "model", spec)
-    train_path, eval_path = resolve(cfg.data.train, "sft_train", spec), resolve(cfg.data.eval, "eval", spec)
+    train_path, eval_path = resolve(cfg.data.train, "sft_train", spec), resolve(eval_data(cfg), "eval", spec)
     tok = load_tokenizer(model_path)
     # All data is read and checked before the model loads: a bad row fails in seconds.
     examples = encode_sft(read_jsonl(train_path), tok, cfg.data.max_length)
-    eval_prompts = load_eval_prompts(cfg, tok, eval_path)
+    eval_set = load_eval_set(cfg, tok, eval_path)
     steps = steps_for(cfg.train, len(examples), cfg.train.global_batch_size)
     check_data_size(len(examples), cfg.train.global_batch_size, "samples", train_path)
     if cfg.train.resume_from:
@@ -91,8 +91,8 @@ def train_sft(cfg: SFTConfig, run_dir: Path | None = None, spec: BuiltinSpec = B
             elapsed = time.perf_counter() - t0
             log.write({"phase": phase, "step": step + 1, "loss": step_loss, "epoch": sampler.epoch_of(step + 1),
                        "tokens_per_s": trained_tokens / elapsed, "loss_tokens": plan.normalizer.num_tokens, **stats})
-        after_step(cfg, phase, step + 1, steps, model, tok, engine, eval_prompts, log, run_dir, bar, {"step": step + 1})
+        after_step(cfg, phase, step + 1, steps, model, tok, engine, eval_set, log, run_dir, bar, {"step": step + 1})
     bar.close()
     seconds = time.perf_counter() - t0
-    final = finish(cfg, phase, steps, model, tok, engine, eval_prompts, log, run_dir, final_name)
+    final = finish(cfg, phase, steps, model, tok, engine, eval_set, log, run_dir, final_name)
     return SFTResult(run_dir, final, steps, seconds, trained_tokens)

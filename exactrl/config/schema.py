@@ -29,7 +29,7 @@ class ModelConfig(Section):
 
 class DataConfig(Section):
     train: str = Field("builtin", description="Training JSONL: {prompt, completion} or {messages} for SFT; {prompt, answer} for RL.")
-    eval: str | None = Field("builtin", description="Held-out JSONL {prompt, answer} for accuracy (null: no evaluation).")
+    eval: str | None = Field("auto", description="Held-out JSONL {prompt, answer} for accuracy, 'builtin' (the built-in problems) or null (no evaluation); 'auto' = 'builtin' when data.train is built-in, else no evaluation (with a notice).")
     max_length: int = Field(256, gt=0, description="Longest prompt+completion in tokens; longer rows are an error, never truncated silently.")
     eval_size: int = Field(2000, gt=0, description="How many eval rows to use (the first N).")
 
@@ -88,7 +88,7 @@ class AuditConfig(Section):
 class EvalConfig(Section):
     max_new_tokens: int = Field(48, gt=0, description="Generation budget when measuring accuracy.")
     batch_size: int = Field(500, gt=0, description="Prompts decoded together when evaluating.")
-    reward_fn: str = Field("exactrl.tasks.arithmetic:reward", description="module:function that scores eval answers; accuracy = share with reward >= 1.")
+    reward_fn: str | None = Field(None, description="module:function (or http://...) that scores eval answers; accuracy = share with reward >= 1. Unset: rl scores with its first reward.fn (or reward.url); sft with the built-in checker on built-in eval data (an eval file of your own needs it set).")
 
 
 class CommonConfig(Section):
@@ -127,6 +127,13 @@ def check_layout(cfg: CommonConfig, world: int) -> None:
 
 class SFTConfig(CommonConfig):
     """`exactrl sft`: supervised fine-tuning, loss on completion tokens only."""
+
+    @model_validator(mode="after")
+    def _eval_file_has_a_scorer(self):
+        if self.data.eval not in (None, "auto", "builtin") and self.eval.reward_fn is None:
+            raise ValueError(f"data.eval={self.data.eval} needs eval.reward_fn=module:function to score it (sft has no reward.fn; "
+                             "the built-in checker only reads the built-in task's '#### n' answers), or data.eval=null")
+        return self
 
 
 class RolloutConfig(Section):
@@ -170,11 +177,11 @@ class AlgoConfig(Section):
 
 
 class RewardConfig(Section):
-    fn: str | list[str] = Field("exactrl.tasks.arithmetic:reward", description="module:function(prompts, completions, answers) -> list[float] or http://host:port/ (a reward server), or a list of them (summed with reward.weights; the first one counts for accuracy); exactrl.rewards.mathverify:reward checks math answers.")
+    fn: str | list[str] = Field("exactrl.tasks.arithmetic:reward", description="module:function(prompts, completions, answers) -> list[float] or http://host:port/ (a reward server), or a list of them (summed with reward.weights; the first one counts for accuracy and scores evaluation unless eval.reward_fn is set); exactrl.rewards.mathverify:reward checks math answers. Functions run in a process of their own; rows need an 'answer' unless the function has needs_answer = False.")
     weights: list[float] | None = Field(None, description="One weight per reward.fn entry (default: all 1).")
-    timeout: float = Field(60.0, gt=0, description="Seconds a reward call may take before it counts as failed.")
+    timeout: float = Field(60.0, gt=0, description="Seconds one batch (a rank's share of a rollout, or an evaluation) may take in a reward function before its process is killed and the batch counts as failed; also the budget for finding which samples a raising reward fails on.")
     retries: int = Field(3, ge=0, description="Retries of a reward server call (connection errors, timeouts, 5xx), with exponential backoff.")
-    fallback: float | None = Field(None, description="Reward for samples the function fails on (raises or times out); unset = stop the run naming the sample.")
+    fallback: float | None = Field(None, description="Reward for samples the function fails on (raises on them; every sample of a batch that times out, crashes or calls sys.exit); counted in reward_failures. Unset = stop the run naming the sample or batch.")
     url: str | None = Field(None, description="A reward server (http://host:port/, JSON over HTTP, see `python -m exactrl.rewards.server`) used instead of reward.fn; to combine one with functions, list its URL in reward.fn.")
 
     def specs(self) -> list[str]:

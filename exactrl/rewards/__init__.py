@@ -1,55 +1,120 @@
 """Rewards: a Python callable ``module:function(prompts, completions, answers) -> list[float]``.
 
 The built-in task's verifier is ``exactrl.tasks.arithmetic:reward``; math answers are checked
-with math-verify by ``exactrl.rewards.mathverify:reward``. A reward function that raises, runs
-past ``reward.timeout`` or returns the wrong number of values or non-numbers stops the run with
-the sample named -- a silent zero reward would look exactly like a model that learns nothing --
-unless ``reward.fallback`` is set: then the samples it failed on get that reward and are counted.
+with math-verify by ``exactrl.rewards.mathverify:reward``. Python rewards run in a process of
+their own (exactrl/rewards/worker.py), one call per batch, so a reward may use signals, hang or
+crash without taking the run with it; reward servers (``http://...``) are called from here.
+
+A batch that runs past ``reward.timeout``, kills its process or calls ``sys.exit`` stops the
+run naming the reward and the batch; a reward that raises is then called on each sample alone
+(within one more ``reward.timeout`` in all) to name the sample it fails on. A silent zero reward
+would look exactly like a model that learns nothing, so nothing is scored 0 in secret: with
+``reward.fallback`` set, the failed samples (the whole batch, for a timeout or a crash) get that
+reward instead and are counted in ``reward_failures``.
+
+Every row must carry an ``answer`` unless the function says it needs none
+(``my_reward.needs_answer = False``); a row without one is an error naming its file:line.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import importlib
 import math
-from collections.abc import Callable
+import time
+from collections.abc import Iterable
 
-RewardFn = Callable[[list[str], list[str], list[str | None]], list[float]]
+from exactrl.data.jsonl import DataError
+from exactrl.rewards.worker import RewardWorker, WorkerDied, WorkerRaised, WorkerTimeout
+
+DEFAULT_TIMEOUT = 60.0
 
 
 class RewardError(RuntimeError):
     """A reward function that could not be loaded or misbehaved on a batch."""
 
 
-def load_reward_fn(spec: str, timeout: float = 60.0, retries: int = 3) -> RewardFn:
-    """``module:function``, or ``http(s)://...`` for a reward server (exactrl/rewards/remote.py)."""
-    if spec.startswith(("http://", "https://")):
-        from exactrl.rewards.remote import RemoteReward
-
-        return RemoteReward(spec, timeout, retries)
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise RewardError(f"reward function '{spec}' must be written module:function, e.g. my_rewards:exact_match")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise RewardError(f"reward function '{spec}': cannot import module '{module_name}' ({e})") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise RewardError(f"reward function '{spec}': module '{module_name}' has no callable '{attr}'")
-    return fn
+def _is_url(spec: str) -> bool:
+    return spec.startswith(("http://", "https://"))
 
 
-def _call(fn: RewardFn, prompts, completions, answers, timeout: float | None) -> list:
-    """fn on a batch, in a worker thread so a hung call is noticed after ``timeout`` seconds (the
-    thread itself cannot be killed; it is left behind, and the run stops or falls back)."""
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-    try:
-        return list(pool.submit(fn, prompts, completions, answers).result(timeout=timeout))
-    except concurrent.futures.TimeoutError:
-        raise TimeoutError(f"no result within reward.timeout={timeout:g}s") from None
-    finally:
-        pool.shutdown(wait=False)
+class Reward:
+    """One configured reward: its spec, weight, whether rows need an answer, and the call."""
+
+    def __init__(self, spec: str, weight: float, needs_answer: bool, call):
+        self.spec, self.weight, self.needs_answer, self._call = spec, weight, needs_answer, call
+
+    def __call__(self, prompts: list[str], completions: list[str], answers: list[str | None], timeout: float | None = None) -> list:
+        return self._call(prompts, completions, answers, timeout)
+
+
+class Rewards:
+    """The rewards of a run (summed with their weights) and the one evaluation scores with,
+    sharing one reward process. Iterating gives the training rewards. Close it (or use
+    ``with``) to stop the process; it also stops by itself when this process ends."""
+
+    def __init__(self, specs: str | list[str], weights: list[float] | None = None, timeout: float = DEFAULT_TIMEOUT,
+                 retries: int = 3, eval_spec: str | None = None):
+        specs = [specs] if isinstance(specs, str) else list(specs)
+        wanted = list(dict.fromkeys(specs + ([eval_spec] if eval_spec else [])))
+        python = [s for s in wanted if not _is_url(s)]
+        try:
+            self._worker = RewardWorker(python) if python else None
+        except (ValueError, RuntimeError) as e:
+            raise RewardError(str(e)) from None
+        loaded = {s: self._load(s, timeout, retries) for s in wanted}
+        self.train = [Reward(s, w, loaded[s].needs_answer, loaded[s]._call) for s, w in zip(specs, weights or [1.0] * len(specs))]
+        self.eval = loaded[eval_spec] if eval_spec else self.train[0]
+
+    def _load(self, spec: str, timeout: float, retries: int) -> Reward:
+        if _is_url(spec):
+            from exactrl.rewards.remote import RemoteReward
+
+            remote = RemoteReward(spec, timeout, retries)
+            # A server's needs are its own: it gets null answers and should refuse them (the
+            # reference server, exactrl/rewards/server.py, does so for functions that need them).
+            return Reward(spec, 1.0, False, lambda p, c, a, t: remote(p, c, a))
+        worker = self._worker
+        return Reward(spec, 1.0, worker.needs_answer[spec], lambda p, c, a, t: worker.call(spec, p, c, a, t))
+
+    def __iter__(self):
+        return iter(self.train)
+
+    def __len__(self) -> int:
+        return len(self.train)
+
+    def __getitem__(self, i: int) -> Reward:
+        return self.train[i]
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def load_rewards(fn: str | list[str], weights: list[float] | None = None, timeout: float = DEFAULT_TIMEOUT, retries: int = 3,
+                 eval_spec: str | None = None) -> Rewards:
+    """Every configured reward (reward.fn, reward.weights), plus ``eval_spec`` for evaluation if given."""
+    return Rewards(fn, weights, timeout, retries, eval_spec)
+
+
+def load_reward_fn(spec: str, timeout: float = DEFAULT_TIMEOUT, retries: int = 3) -> Reward:
+    """One reward, ``module:function`` or ``http(s)://...`` (exactrl/rewards/remote.py)."""
+    return Rewards(spec, None, timeout, retries)[0]
+
+
+def require_answers(prompts: Iterable, rewards: Iterable[Reward], role: str) -> None:
+    """Every row has the answer each reward needs, or a DataError names the first that lacks it."""
+    needing = [r for r in rewards if r.needs_answer]
+    if not needing:
+        return
+    for p in prompts:
+        if p.answer is None:
+            raise DataError(f"{p.source}: no 'answer', which {role} '{needing[0].spec}' needs to score this prompt; give every row "
+                            "an \"answer\" (a reward that needs none sets `needs_answer = False` on its function)")
 
 
 def _check(values: list, spec: str, completions: list[str], sources: list[str]) -> None:
@@ -60,44 +125,62 @@ def _check(values: list, spec: str, completions: list[str], sources: list[str]) 
             raise RewardError(f"reward function '{spec}' returned {v!r} for sample {sources[i]} (completion {completions[i]!r}); expected a finite float")
 
 
-def score(fn: RewardFn, spec: str, prompts: list[str], completions: list[str], answers: list[str | None], sources: list[str],
-          timeout: float | None = None, fallback: float | None = None, failures: list | None = None) -> list[float]:
-    """Rewards for a batch. If the batch call raises or times out, each sample is scored alone
-    to find the ones that fail: they stop the run (named), or get ``fallback`` and are appended
-    to ``failures`` as (source, reason)."""
+def _batch_name(sources: list[str]) -> str:
+    return sources[0] if len(sources) == 1 else f"of {len(sources)} samples {sources[0]} .. {sources[-1]}"
+
+
+def _isolate(reward: Reward, prompts, completions, answers, sources, timeout, fallback, batch_error) -> tuple[list, list]:
+    """Each sample alone, to find the ones the reward raises on; all of it within one more
+    ``timeout``. Returns (values, [(source, reason)]) or raises naming the first failing sample."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    values, failed = [], []
+    for i in range(len(completions)):
+        left = None if deadline is None else deadline - time.monotonic()
+        try:
+            if left is not None and left <= 0:
+                raise WorkerTimeout(f"not scored: finding the failing samples took longer than reward.timeout={timeout:g}s")
+            (v,) = reward(prompts[i : i + 1], completions[i : i + 1], answers[i : i + 1], left)
+        except (WorkerRaised, WorkerTimeout, WorkerDied, ValueError) as e:
+            reason = f"{type(e).__name__}: {e}" if isinstance(e, ValueError) else str(e)
+            if isinstance(e, WorkerTimeout) and left is not None and left > 0:  # the call had only what was left
+                reason = f"no result within what was left of reward.timeout={timeout:g}s (the reward process was killed)"
+            if fallback is None:
+                raise RewardError(f"reward function '{reward.spec}' failed on sample {sources[i]} with {reason} "
+                                  "(set reward.fallback to give such samples a fixed reward instead)") from None
+            failed.append((sources[i], reason))
+            v = fallback
+        values.append(v)
+    if not failed:
+        raise RewardError(f"reward function '{reward.spec}' raised {batch_error} on the batch {_batch_name(sources)}, "
+                          "but on no sample alone")
+    return values, failed
+
+
+def score(reward: Reward, prompts: list[str], completions: list[str], answers: list[str | None], sources: list[str],
+          timeout: float | None = DEFAULT_TIMEOUT, fallback: float | None = None, failures: list | None = None) -> list[float]:
+    """Rewards for a batch, one call; failures as in this module's docstring. Failed samples
+    that got ``fallback`` are appended to ``failures`` as (source, reason)."""
     try:
-        values = _call(fn, prompts, completions, answers, timeout)
-    except Exception as batch_error:  # a user's function: find the sample(s) it fails on
-        values, failed = [], []
-        for i in range(len(completions)):
-            try:
-                (v,) = _call(fn, prompts[i : i + 1], completions[i : i + 1], answers[i : i + 1], timeout)
-            except Exception as e:
-                reason = f"{type(e).__name__}: {e}"
-                if fallback is None:
-                    raise RewardError(f"reward function '{spec}' failed on sample {sources[i]} with {reason} "
-                                      "(set reward.fallback to give such samples a fixed reward instead)") from e
-                failed.append((sources[i], reason))
-                v = fallback
-            values.append(v)
-        if not failed:
-            raise RewardError(f"reward function '{spec}' raised {type(batch_error).__name__}: {batch_error} on the batch "
-                              f"starting at {sources[0]}, but on no sample alone") from batch_error
-        if failures is not None:
-            failures.extend(failed)
-    _check(values, spec, completions, sources)
+        values = reward(prompts, completions, answers, timeout)
+        failed = []
+    except WorkerRaised as e:  # a user's function raised: find the sample(s) it fails on
+        values, failed = _isolate(reward, prompts, completions, answers, sources, timeout, fallback, e)
+    except Exception as e:  # a timeout, a dead process, a server that failed: the whole batch
+        reason = str(e) if isinstance(e, (WorkerTimeout, WorkerDied)) else f"{type(e).__name__}: {e}"
+        if fallback is None:
+            raise RewardError(f"reward function '{reward.spec}' failed on the batch {_batch_name(sources)}: {reason} "
+                              "(set reward.fallback to give such a batch a fixed reward instead)") from None
+        values, failed = [fallback] * len(completions), [(s, reason) for s in sources]
+    if failures is not None:
+        failures.extend(failed)
+    _check(values, reward.spec, completions, sources)
     return [float(v) for v in values]
 
 
-def load_rewards(fn: str | list[str], weights: list[float] | None, timeout: float = 60.0, retries: int = 3) -> list[tuple[str, float, RewardFn]]:
-    """(spec, weight, function) for each configured reward (reward.fn, reward.weights)."""
-    specs = [fn] if isinstance(fn, str) else list(fn)
-    return [(spec, w, load_reward_fn(spec, timeout, retries)) for spec, w in zip(specs, weights or [1.0] * len(specs))]
-
-
-def score_all(rewards: list[tuple[str, float, RewardFn]], prompts, completions, answers, sources, timeout=None, fallback=None,
+def score_all(rewards: Iterable[Reward], prompts, completions, answers, sources, timeout=DEFAULT_TIMEOUT, fallback=None,
               failures: list | None = None) -> tuple[list[float], dict[str, list[float]]]:
     """The weighted sum of every reward, and each component's values by spec (for logging)."""
-    parts = {spec: score(fn, spec, prompts, completions, answers, sources, timeout, fallback, failures) for spec, _, fn in rewards}
-    total = [sum(w * parts[spec][i] for spec, w, _ in rewards) for i in range(len(completions))]
+    rewards = list(rewards)
+    parts = {r.spec: score(r, prompts, completions, answers, sources, timeout, fallback, failures) for r in rewards}
+    total = [sum(r.weight * parts[r.spec][i] for r in rewards) for i in range(len(completions))]
     return total, parts

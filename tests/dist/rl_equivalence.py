@@ -245,7 +245,8 @@ def response_length_reward(prompts, completions, answers):
 def rollout_sharing() -> dict:
     """The rollout every rank assembles and its advantages, against one process doing it all."""
     prompts = [Prompt([k], f"p{k}", None, f"d:{k}") for k in range(8)]
-    fns = load_rewards(f"{__name__}:response_length_reward", None)
+    # The reward process imports this file as a module (it is run as a script, __main__).
+    fns = load_rewards(f"{'rl_equivalence' if __name__ == '__main__' else __name__}:response_length_reward", None)
     out = {}
     for algo in ("grpo", "reinforce_pp", "rloo"):
         cfg = load_config(RLConfig, None, ["train.global_batch_size=32", "train.micro_batch_size=4", f"algo.name={algo}",

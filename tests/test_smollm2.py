@@ -82,8 +82,8 @@ def test_chat_sft_trains_exactly_the_assistant_turns(tok):
 
 def test_chat_sft_loss_equals_hugging_face_labels_loss(tok, model):
     """exactrl's step loss (token-mean over the step's assistant tokens, packed forward) equals
-    the loss Hugging Face computes itself from ``labels`` (-100 outside the assistant turns) on
-    a right-padded batch."""
+    the loss Hugging Face computes itself from ``labels`` (-100 outside the by-hand assistant
+    spans) on a right-padded batch."""
     examples = encode_sft(rows({"messages": c} for c in CHATS), tok, max_length=256)
     cfg = load_config(SFTConfig, None, ["train.global_batch_size=3", "train.micro_batch_size=3"])
     plan = plan_step([e.loss_tokens for e in examples], 3, "token-mean", 256.0)
@@ -93,8 +93,8 @@ def test_chat_sft_loss_equals_hugging_face_labels_loss(tok, model):
         width = max(len(e.input_ids) for e in examples)
         ids = torch.tensor([e.input_ids + [tok.pad_token_id] * (width - len(e.input_ids)) for e in examples])
         attn = torch.tensor([[1] * len(e.input_ids) + [0] * (width - len(e.input_ids)) for e in examples])
-        labels = torch.tensor([[t if m else -100 for t, m in zip(e.input_ids, e.loss_mask)] + [-100] * (width - len(e.input_ids))
-                               for e in examples])
+        refs = [reference_targets(tok, chat) for chat in CHATS]  # labels from the by-hand targets, not exactrl's mask
+        labels = torch.tensor([[t if m else -100 for t, m in zip(ids_, mask)] + [-100] * (width - len(ids_)) for ids_, mask in refs])
         model.set_attn_implementation("sdpa")
         try:
             ref = model(input_ids=ids, attention_mask=attn, labels=labels).loss

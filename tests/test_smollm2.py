@@ -94,7 +94,8 @@ def test_chat_sft_loss_equals_hugging_face_labels_loss(tok, model):
         ids = torch.tensor([e.input_ids + [tok.pad_token_id] * (width - len(e.input_ids)) for e in examples])
         attn = torch.tensor([[1] * len(e.input_ids) + [0] * (width - len(e.input_ids)) for e in examples])
         refs = [reference_targets(tok, chat) for chat in CHATS]  # labels from the by-hand targets, not exactrl's mask
-        labels = torch.tensor([[t if m else -100 for t, m in zip(ids_, mask)] + [-100] * (width - len(ids_)) for ids_, mask in refs])
+        labels = torch.tensor([[t if m else -100 for t, m in zip(ids_, mask)] + [-100] * (width - len(ids_))
+                               for ids_, mask in refs])
         model.set_attn_implementation("sdpa")
         try:
             ref = model(input_ids=ids, attention_mask=attn, labels=labels).loss

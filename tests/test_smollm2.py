@@ -132,8 +132,15 @@ def test_packed_forward_matches_each_sequence_alone(tok, model):
     for i, lp in enumerate(alone):
         assert (packed[i, : len(lp)].detach() - lp).norm() <= 1e-5 * lp.norm(), i
         assert (packed[i, len(lp):] == 0).all()
-    for name, p in model.named_parameters():
-        assert (packed_grads[name] - p.grad).norm() <= 1e-5 * p.grad.norm(), name
+    names = [n for n, _ in model.named_parameters()]
+    grads = dict(model.named_parameters())
+    diff = torch.cat([(packed_grads[n] - grads[n].grad).flatten() for n in names])
+    assert diff.norm() <= 1e-5 * torch.cat([grads[n].grad.flatten() for n in names]).norm()
+    # Per parameter 1e-4: with two threads Hugging Face's own padded batch differs from these
+    # one-sequence forwards by up to 1.8e-5 on RMSNorm weights (a sum over every token and
+    # layer above), and packed by as much; the whole gradient stays within 6e-6 either way.
+    for name in names:
+        assert (packed_grads[name] - grads[name].grad).norm() <= 1e-4 * grads[name].grad.norm(), name
     model.zero_grad(set_to_none=True)
 
 

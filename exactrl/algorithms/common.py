@@ -172,9 +172,11 @@ def evaluate_and_log(cfg, phase: str, step: int, model, tok, eval_set: EvalSet, 
     # Every rank generates for the same prompts (a sharded model needs all ranks in each
     # forward); greedy decoding keeps them in lockstep.
     acc = greedy_accuracy(cfg, model, tok, eval_set)
-    log.write({"phase": phase, "step": step, "eval_accuracy": acc.value, "eval_ci95": list(acc.ci95)})
+    log.write({"phase": phase, "step": step, "eval_accuracy": acc.value, "eval_ci95": list(acc.ci95),
+               "eval_reward_failures": acc.reward_failures})
     if is_main():
-        say(f"[{phase}] step {step}: greedy accuracy on {acc.n} eval prompts {acc}")
+        failed = f" ({acc.reward_failures} scored reward.fallback: the reward failed on them)" if acc.reward_failures else ""
+        say(f"[{phase}] step {step}: greedy accuracy on {acc.n} eval prompts {acc}{failed}")
     return acc
 
 

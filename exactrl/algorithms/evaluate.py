@@ -19,6 +19,7 @@ class Accuracy:
     n: int
     seconds: float
     generated_tokens: int
+    reward_failures: int = 0  # answers the reward failed on, scored with reward.fallback instead
 
     def as_dict(self) -> dict:
         return {"value": self.value, "ci95": list(self.ci95), "correct": self.correct, "n": self.n}
@@ -49,11 +50,11 @@ def evaluate_accuracy(model, tokenizer, prompts: list[Prompt], reward: Reward, *
     gens = HFEngine(model, tokenizer, batch_size).generate(
         [p.input_ids for p in prompts], greedy=greedy, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens
     )
-    rewards = []
+    rewards, failures = [], []
     for i in range(0, len(prompts), batch_size):
         chunk, answered = prompts[i : i + batch_size], gens[i : i + batch_size]
         rewards += score(reward, [p.text for p in chunk], [g.text for g in answered], [p.answer for p in chunk],
-                         [p.source for p in chunk], timeout, fallback)
+                         [p.source for p in chunk], timeout, fallback, failures)
     k = sum(r >= 1.0 for r in rewards)
     return Accuracy(k / len(prompts), wilson_interval(k, len(prompts)), k, len(prompts), time.perf_counter() - t0,
-                    sum(len(g.response_ids) for g in gens))
+                    sum(len(g.response_ids) for g in gens), len(failures))

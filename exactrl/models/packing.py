@@ -33,7 +33,6 @@ from exactrl.data.batching import pad_right
 
 # One registered name per attention kernel (model.attn_implementation); both take packed rows.
 KERNELS = {"sdpa": "exactrl_varlen", "eager": "exactrl_varlen_eager"}
-ATTENTION = KERNELS["sdpa"]
 
 
 class PackingUnsupported(RuntimeError):

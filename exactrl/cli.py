@@ -56,7 +56,7 @@ def _run(kind: str, config: Optional[Path], overrides: Optional[list[str]], fn) 
     disk, 1 the final evaluation failed (the model is saved), 3 stopped by the canary, 4 a non-finite loss, gradient or weight, 130/143 SIGINT/SIGTERM.
     Every run directory's status.json records the same end."""
     from exactrl.algorithms.common import EvaluationError
-    from exactrl.audit.canary import CanaryError
+    from exactrl.checks.canary import CanaryError
     from exactrl.checks.packing import PackingCheckError
     from exactrl.data.jsonl import DataError
     from exactrl.distributed.checkpoint import CheckpointError
@@ -178,7 +178,7 @@ def rl(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = Over
 @app.command()
 def demo(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = DemoOverridesArg):
     """Built-in task, tiny model: accuracy before, after SFT and after SFT -> GRPO."""
-    from exactrl.algorithms.demo import run_demo
+    from exactrl.pipelines.demo import run_demo
 
     _run("demo", config, overrides, lambda cfg: run_demo(cfg, _stdout_console()))
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from exactrl.algorithms.sft import sft_micro_batch_loss
-from exactrl.audit.canary import CanaryError
+from exactrl.checks.canary import CanaryError
 from exactrl.config import SFTConfig, load_config
 from exactrl.data.encode import encode_sft
 from exactrl.data.jsonl import Row
@@ -97,7 +97,7 @@ def test_warn_policy_logs_and_applies_the_step(make_model, tokenizer, examples, 
     model = make_model(0)
     before = [p.detach().clone() for p in model.parameters()]
     engine, plan = run_step(model, tokenizer, examples, cfg("audit.canary=warn"), engine_cls=DropsGradient)
-    with caplog.at_level(logging.WARNING, logger="exactrl.audit.canary"):
+    with caplog.at_level(logging.WARNING, logger="exactrl.checks.canary"):
         stats = engine.step(plan)
     assert stats["canary"] < 0.99 and "canary failed" in caplog.text
     assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before))

@@ -153,7 +153,7 @@ def test_full_disk_is_one_line_and_recorded(tmp_path, monkeypatch, cache):
 
 
 def test_canary_stop_exits_3_and_is_recorded(tmp_path, monkeypatch, cache):
-    from exactrl.audit.canary import CanaryError
+    from exactrl.checks.canary import CanaryError
     from exactrl.distributed import engine
 
     def stopped(self, plan):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from exactrl.advantages import group_advantages
-from exactrl.algorithms.evaluate import wilson_interval
+from exactrl.run.evaluation import wilson_interval
 from exactrl.config.schema import OptimConfig
 from exactrl.distributed.optim import build_optimizer, build_scheduler, lr_factor
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from exactrl.algorithms.evaluate import Accuracy, evaluate_accuracy
+from exactrl.run.evaluation import Accuracy, evaluate_accuracy
 from exactrl.audit.manifest import record_check, write_manifest
 from exactrl.checks.packing import check_packing
 from exactrl.config.loader import ConfigError

@@ -49,7 +49,8 @@ from exactrl.models.loading import load_tokenizer
 from exactrl.models.packing import model_batch
 from exactrl.rewards import load_rewards, require_answers
 from exactrl.rollout.hf import HFEngine
-from exactrl.tasks.builtin import BuiltinSpec, resolve
+from exactrl.algorithms.builtin import resolve
+from exactrl.tasks.builtin import BuiltinSpec
 
 __all__ = ["ALGORITHMS", "RolloutError", "Sample", "attach_logprobs", "collect_dynamic_rollout", "collect_rollout",
            "overlong_penalty", "train_rl"]

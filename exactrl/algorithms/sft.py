@@ -27,7 +27,8 @@ from exactrl.losses import aggregate, canary_share
 from exactrl.losses.token_losses import sft_loss, token_logprobs
 from exactrl.models.loading import load_tokenizer
 from exactrl.models.packing import model_batch
-from exactrl.tasks.builtin import BuiltinSpec, resolve
+from exactrl.algorithms.builtin import resolve
+from exactrl.tasks.builtin import BuiltinSpec
 
 
 @dataclass

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from exactrl.audit.canary import Canary
+from exactrl.checks.canary import Canary
 from exactrl.distributed.checkpoint import save_pretrained
 from exactrl.distributed.engine import NonFiniteError, SampleAccountingError, SingleEngine, nonfinite_message
 from exactrl.distributed.launch import is_main, single_process_env
@@ -77,6 +77,10 @@ def ds_config(cfg, world: int) -> dict:
 
 class DeepSpeedEngine(SingleEngine):
     backend = "deepspeed"
+
+    @classmethod
+    def from_config(cls, model, cfg, total_steps: int) -> DeepSpeedEngine:
+        return cls(model, cfg.model, cfg.train, cfg.optim, cfg.audit, total_steps, cfg=cfg)
 
     def __init__(self, model, model_cfg, train, optim, audit, total_steps: int, cfg=None):
         if not torch.cuda.is_available():

@@ -12,18 +12,19 @@ Every algorithm drives an engine the same way:
 ``single`` is one process. The loss handed to ``backward`` is already this micro-batch's
 exact part of the step loss, so the engine only sums gradients (no division by the number
 of accumulation steps) and clipping acts on the full accumulated gradient. Before each
-optimizer step the engine checks sample accounting and the canary (exactrl/audit/canary.py).
+optimizer step the engine checks sample accounting and the canary (exactrl/checks/canary.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import warnings
 from pathlib import Path
 
 import torch
 
-from exactrl.audit.canary import Canary
+from exactrl.checks.canary import Canary
 from exactrl.config.schema import AuditConfig, ModelConfig, OptimConfig, TrainConfig
 from exactrl.distributed.checkpoint import save_pretrained
 from exactrl.distributed.optim import build_optimizer, build_scheduler
@@ -66,6 +67,10 @@ class SingleEngine:
         self.step_count = 0
         self._micro_seen = 0
         self._samples_seen = 0
+
+    @classmethod
+    def from_config(cls, model: torch.nn.Module, cfg, total_steps: int) -> SingleEngine:
+        return cls(model, cfg.model, cfg.train, cfg.optim, cfg.audit, total_steps)
 
     def autocast(self):
         if self.dtype == "bf16":
@@ -161,14 +166,16 @@ class SingleEngine:
         self.step_count = state["step"]
 
 
+# distributed.backend -> the engine class, as "module:Class": imported when a run asks for it,
+# so DeepSpeed is needed only by the runs that use it.
+ENGINES = {
+    "single": "exactrl.distributed.engine:SingleEngine",
+    "fsdp2": "exactrl.distributed.fsdp2:FSDP2Engine",
+    "deepspeed": "exactrl.distributed.deepspeed_engine:DeepSpeedEngine",
+}
+
+
 def build_engine(model, cfg, total_steps: int) -> SingleEngine:
-    """The engine named by ``cfg.distributed.backend``."""
-    if cfg.distributed.backend == "deepspeed":
-        from exactrl.distributed.deepspeed_engine import DeepSpeedEngine
-
-        return DeepSpeedEngine(model, cfg.model, cfg.train, cfg.optim, cfg.audit, total_steps, cfg=cfg)
-    if cfg.distributed.backend == "fsdp2":
-        from exactrl.distributed.fsdp2 import FSDP2Engine
-
-        return FSDP2Engine(model, cfg.model, cfg.train, cfg.optim, cfg.audit, total_steps)
-    return SingleEngine(model, cfg.model, cfg.train, cfg.optim, cfg.audit, total_steps)
+    """The engine named by ``cfg.distributed.backend``, built from the run's config."""
+    module, name = ENGINES[cfg.distributed.backend].split(":")
+    return getattr(importlib.import_module(module), name).from_config(model, cfg, total_steps)

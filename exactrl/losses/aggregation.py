@@ -79,7 +79,7 @@ def canary_share(mask: torch.Tensor, norm: StepNormalizer) -> float:
     """This micro-batch's fraction of the step's total loss weight, sum_b w_b n_b / sum_step w_b n_b.
 
     The shares of a step's micro-batches add up to exactly 1 when each is counted once under
-    the step's one normaliser; the canary (exactrl/audit/canary.py) checks that the optimizer
+    the step's one normaliser; the canary (exactrl/checks/canary.py) checks that the optimizer
     sees a gradient of exactly that sum.
     """
     n = mask.sum(dim=-1).to(torch.float64)

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from exactrl.algorithms.sft import sft_micro_batch_loss
-from exactrl.audit.canary import CanaryError
+from exactrl.checks.canary import CanaryError
 from exactrl.config import SFTConfig, load_config
 from exactrl.data.encode import encode_sft
 from exactrl.data.jsonl import Row

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from exactrl.algorithms.common import eval_reward_spec, seed_everything
-from exactrl.algorithms.evaluate import Accuracy, evaluate_accuracy
+from exactrl.run.evaluation import Accuracy, evaluate_accuracy
 from exactrl.algorithms.rl import train_rl
 from exactrl.algorithms.sft import train_sft
 from exactrl.audit.manifest import write_manifest

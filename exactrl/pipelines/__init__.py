@@ -1,0 +1,1 @@
+"""Pipelines of several training phases: the demo (SFT then RL on the built-in task)."""

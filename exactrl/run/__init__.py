@@ -1,0 +1,1 @@
+"""What a training run does around its loop: the run context (directory, metric sinks, progress, evaluation, checkpoint cadence) and evaluation."""

@@ -55,7 +55,7 @@ def _run(kind: str, config: Optional[Path], overrides: Optional[list[str]], fn) 
     """Exit codes: 0 success, 2 a problem in the config, data, model, checkpoint, output_dir or
     disk, 1 the final evaluation failed (the model is saved), 3 stopped by the canary, 4 a non-finite loss, gradient or weight, 130/143 SIGINT/SIGTERM.
     Every run directory's status.json records the same end."""
-    from exactrl.algorithms.common import EvaluationError
+    from exactrl.run.context import EvaluationError
     from exactrl.checks.canary import CanaryError
     from exactrl.checks.packing import PackingCheckError
     from exactrl.data.jsonl import DataError

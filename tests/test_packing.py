@@ -12,17 +12,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from exactrl.algorithms.ppo import Critic
-from exactrl.algorithms.rl import Sample, attach_logprobs, policy_micro_batch_loss
-from exactrl.algorithms.rollouts import consecutive
+from exactrl.algorithms.rl import Sample, policy_micro_batch_loss
 from exactrl.algorithms.sft import sft_micro_batch_loss
 from exactrl.config import RLConfig, SFTConfig, load_config
+from exactrl.workers.critic import Critic
 from exactrl.data.encode import SFTExample
 from exactrl.distributed.engine import build_engine
 from exactrl.distributed.step_plan import plan_step
 from exactrl.losses.aggregation import AGG_MODES
 from exactrl.models import packing
 from exactrl.tasks.tiny_model import build_tiny_model
+from rl_helpers import attach_logprobs, consecutive
 
 PAD = 0
 
@@ -142,7 +142,8 @@ def test_critic_values_and_loss_packed_equals_padded(tmp_path, tokenizer):
         cfg = load_config(RLConfig, None, ["algo.name=ppo", "algo.group_size=1", "train.global_batch_size=6", "train.micro_batch_size=3",
                                             f"train.padding_free={str(packed).lower()}", f"critic.path={tmp_path / 'm'}"])
         critic = Critic(cfg, load_value_model(tmp_path / "m", init_seed=3), total_steps=1, pad_id=PAD)
-        critic.attach_values(samples, consecutive(6, 3), contextlib.nullcontext)
+        for s, values in zip(samples, critic.forward(samples, "values", consecutive(6, 3))):
+            s.old_values = values
         old = torch.cat([s.old_values for s in samples])
         plan = plan_step([len(s.response_ids) for s in samples], 3, cfg.train.loss_agg, 16.0)
         loss, _, _ = critic.micro_batch_loss(samples[:3], plan.normalizer)

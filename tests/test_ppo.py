@@ -63,8 +63,8 @@ def test_gae_advantages_and_returns_by_hand(tokenizer, whiten, reward_norm):
         samples.append(Sample(prompt, resp, reward=float(i % 3), old_values=torch.randn(n, generator=g),
                               old_logprobs=-torch.rand(n, generator=g), ref_logprobs=-torch.rand(n, generator=g)))
     cfg = load_config(RLConfig, None, ["algo.name=ppo", "algo.group_size=1", "train.global_batch_size=6", "train.micro_batch_size=3",
-                                        "algo.gamma=0.9", "algo.lam=0.8", "algo.kl_coef=0.1", "algo.kl_in_reward=true",
-                                        f"algo.whiten_advantages={whiten}", f"algo.reward_norm={reward_norm}"])
+                                        "algo.gamma=0.9", "algo.gae.lam=0.8", "algo.kl_coef=0.1", "algo.kl_in_reward=true",
+                                        f"algo.gae.whiten_advantages={whiten}", f"algo.reward_norm={reward_norm}"])
     attach_advantages(samples, cfg)
     outcome = [s.reward for s in samples]
     mean = sum(outcome) / len(outcome)

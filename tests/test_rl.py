@@ -13,14 +13,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from exactrl.algorithms.rl import (AdaptiveKL, OnPolicyCheckError, Sample, attach_advantages, attach_logprobs, check_on_policy,
-                                   policy_micro_batch_loss, train_rl)
-from exactrl.algorithms.rollouts import consecutive
+from exactrl.algorithms.rl import (AdaptiveKL, OnPolicyCheckError, Sample, attach_advantages, check_on_policy, policy_micro_batch_loss,
+                                   train_rl)
 from exactrl.config import RLConfig, load_config
 from exactrl.distributed.engine import build_engine
 from exactrl.distributed.step_plan import plan_step
 from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin
 from reward_fixtures import length, varied
+from rl_helpers import attach_logprobs, consecutive
 
 ROOT_EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -213,12 +213,12 @@ def test_overlong_penalty_by_hand():
 class ScriptedEngine:
     """Answers prompt k with k's text repeated, except on odd prompts where each response differs."""
 
-    def generate(self, prompt_ids, n=1, **kw):
+    def generate(self, prompt_ids, params):
         from exactrl.rollout.hf import Generation
 
         out = []
         for i, ids in enumerate(prompt_ids):
-            for j in range(n):
+            for j in range(params.n):
                 text = f"{ids[0]}" + ("" if ids[0] % 2 == 0 else "x" * j)
                 out.append(Generation(i, ids, [5] * len(text), text, True))
         return out
@@ -238,9 +238,9 @@ def test_dynamic_sampling_drops_flat_groups_and_refills_deterministically():
     assert [s.prompt_ids for s in samples] == [s.prompt_ids for s in again]  # the refill draw is reproducible
     assert stats["groups_dropped"] >= 2 and stats["refill_rounds"] >= 1
     even_only = [Prompt([2 * k], f"p{k}", None, f"d:{k}") for k in range(10)]
-    with pytest.raises(RolloutError, match="kept 0 of 2 groups after algo.max_refill_rounds=1"):
+    with pytest.raises(RolloutError, match="kept 0 of 2 groups after algo.dapo.max_refill_rounds=1"):
         collect_dynamic_rollout(ScriptedEngine(), even_only, [0, 1], rollout=0, rewards_cfg=fns,
-                                cfg=rl_cfg("algo.name=dapo", "algo.group_size=4", "algo.max_refill_rounds=1"))
+                                cfg=rl_cfg("algo.name=dapo", "algo.group_size=4", "algo.dapo.max_refill_rounds=1"))
 
 
 def test_fragile_settings_warn_with_their_reason():

@@ -10,12 +10,11 @@ import pytest
 import torch
 from test_rl import response_advantages, rl_cfg
 
-from exactrl.algorithms.rl import (OnPolicyCheckError, Sample, attach_logprobs, check_on_policy, policy_micro_batch_loss,
-                                   reuses_first_forward)
-from exactrl.algorithms.rollouts import consecutive
+from exactrl.algorithms.rl import OnPolicyCheckError, Sample, check_on_policy, policy_micro_batch_loss, reuses_first_forward
 from exactrl.distributed.engine import build_engine
 from exactrl.distributed.step_plan import plan_step
 from exactrl.rollout.hf import HFEngine
+from rl_helpers import attach_logprobs, consecutive
 
 
 def generated_samples(tokenizer, model, temperature=0.7, top_p=1.0):

@@ -1,9 +1,10 @@
 """Policy-gradient RL from rewards: PPO, GRPO and their relatives, one loop.
 
-``algo.name`` picks an advantage estimator (exactrl/advantages) and a policy loss
-(exactrl/losses/policy.py) from ALGORITHMS below; everything else is shared. Per rollout:
+``algo.name`` picks an entry of exactrl/algorithms/registry.py: an advantage estimator
+(exactrl/advantages), a policy loss (exactrl/losses/policy.py), whether a critic trains
+beside the policy, and where rollouts come from. Per rollout:
   1. draw prompts; each rank samples ``group_size`` responses for its share of them and
-     scores them; every rank then holds the whole rollout (exactrl/algorithms/rollouts.py);
+     scores them; every rank then holds the whole rollout (exactrl/rollout/collect.py);
   2. old log-probs (and reference log-probs when kl_coef > 0, the critic's values for ppo)
      are computed once, in the micro-batches of the first update, and shared;
   3. advantages over the whole rollout (group baselines, REINFORCE++'s whitening over all
@@ -22,6 +23,7 @@ import math
 import random
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,13 +31,13 @@ import torch
 
 from exactrl.advantages import AdvantageInput, get_advantage
 from exactrl.advantages.estimators import EPS, whiten
-from exactrl.algorithms.common import (after_step, check_data_size, check_world, eval_data, finish, load_eval_set,
-                                      load_model, open_run, progress, seed_everything)
-from exactrl.algorithms.rollouts import (RolloutError, Sample, attach_logprobs, collect_dynamic_rollout, collect_rollout,
-                                         overlong_penalty)
+from exactrl.algorithms.builtin import resolve
+from exactrl.algorithms.common import check_data_size, check_world, seed_everything
+from exactrl.algorithms.registry import ALGORITHMS, check_algorithm_config
 from exactrl.algorithms.resume import check_resume
 from exactrl.config.schema import RLConfig
-from exactrl.data.batching import StepSampler, collate_rl, pad_right
+from exactrl.data.batch import Sample, collate
+from exactrl.data.batching import StepSampler, pad_right
 from exactrl.data.encode import encode_prompts
 from exactrl.data.jsonl import read_jsonl
 from exactrl.distributed.checkpoint import resume
@@ -48,25 +50,16 @@ from exactrl.losses.token_losses import kl_penalty, token_entropy, token_logprob
 from exactrl.models.loading import load_tokenizer
 from exactrl.models.packing import model_batch
 from exactrl.rewards import load_rewards, require_answers
+from exactrl.rollout.collect import RolloutError, collect_dynamic_rollout, collect_rollout, overlong_penalty
 from exactrl.rollout.hf import HFEngine
-from exactrl.algorithms.builtin import resolve
+from exactrl.run.context import RunContext
+from exactrl.run.evaluation import eval_data, load_eval_set
 from exactrl.tasks.builtin import BuiltinSpec
+from exactrl.workers.critic import Critic
+from exactrl.workers.load import load_model
+from exactrl.workers.worker import Worker
 
-__all__ = ["ALGORITHMS", "RolloutError", "Sample", "attach_logprobs", "collect_dynamic_rollout", "collect_rollout",
-           "overlong_penalty", "train_rl"]
-
-
-# algo.name -> (advantage estimator, policy loss), with the paper each comes from.
-ALGORITHMS = {
-    "ppo": ("gae", "ppo"),  # Schulman et al. 2017, arXiv 1707.06347; GAE: Schulman et al. 2016, arXiv 1506.02438
-    "grpo": ("grpo", "ppo"),  # Shao et al. 2024, arXiv 2402.03300
-    "dr_grpo": ("dr_grpo", "ppo"),  # Liu et al. 2025, arXiv 2503.20783 (with train.loss_agg=seq-mean-token-sum-norm)
-    "rloo": ("rloo", "ppo"),  # Ahmadian et al. 2024, arXiv 2402.14740
-    "reinforce_pp": ("reinforce_pp", "ppo"),  # Hu 2025, arXiv 2501.03262
-    "reinforce_pp_baseline": ("reinforce_pp_baseline", "ppo"),  # ibid.
-    "gspo": ("grpo", "gspo"),  # Zheng et al. 2025, arXiv 2507.18071
-    "dapo": ("grpo", "ppo"),  # Yu et al. 2025, arXiv 2503.14476 (+ clip_eps_high, dynamic sampling, overlong shaping)
-}
+__all__ = ["RolloutError", "Sample", "collect_dynamic_rollout", "collect_rollout", "overlong_penalty", "train_rl"]
 
 
 @dataclass
@@ -106,21 +99,21 @@ def attach_advantages(samples: list[Sample], cfg: RLConfig, kl_coef: float | Non
     """Per-token advantages (and, for ppo, the critic's returns) from the whole rollout (its
     groups are consecutive samples). ``kl_coef``: this rollout's coefficient (adaptive KL),
     else algo.kl_coef."""
-    a = cfg.algo
+    a, alg = cfg.algo, ALGORITHMS.lookup(cfg.algo.name)
     kl_coef = a.kl_coef if kl_coef is None else kl_coef
     mask = pad_right([[0] * (len(s.prompt_ids) - 1) + [1] * len(s.response_ids) for s in samples], 0).to(torch.float64)
     pad = lambda ts: torch.nn.utils.rnn.pad_sequence([t.double() for t in ts], batch_first=True)  # noqa: E731
     token_rewards = values = None
     if a.kl_coef > 0 and a.kl_in_reward:  # -beta * KL(old policy || reference) per token, k1
         token_rewards = -kl_coef * pad([kl_penalty(s.old_logprobs.double(), s.ref_logprobs.double(), "k1") for s in samples])
-    if a.name == "ppo":
+    if alg.critic:
         values = pad([s.old_values for s in samples])
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
     if a.reward_norm != "none" and len(rewards) > 1:
         rewards = (rewards - rewards.mean() if a.reward_norm == "whiten" else rewards) / (rewards.std() + EPS)
-    adv, returns = get_advantage(ALGORITHMS[a.name][0])(AdvantageInput(rewards, mask, a.group_size, token_rewards, values,
-                                                                       gamma=a.gamma, lam=a.lam, std_normalize=a.std_normalize))
-    if a.name == "ppo" and a.whiten_advantages:
+    adv, returns = get_advantage(alg.advantage)(AdvantageInput(rewards, mask, a.group_size, token_rewards, values,
+                                                                       gamma=a.gamma, lam=a.gae.lam, std_normalize=a.std_normalize))
+    if alg.whiten_advantages and a.gae.whiten_advantages:
         adv = whiten(adv, mask)
     for s, row, ret in zip(samples, adv, returns):
         n = len(s.prompt_ids) + len(s.response_ids) - 1
@@ -130,7 +123,7 @@ def attach_advantages(samples: list[Sample], cfg: RLConfig, kl_coef: float | Non
 def policy_micro_batch_loss(model, engine, samples: list[Sample], normalizer, cfg: RLConfig, pad_id: int,
                             kl_coef: float | None = None):
     """This micro-batch's part of the step loss, its canary share, and its metrics."""
-    b = collate_rl(samples, pad_id)
+    b = collate(samples, pad_id)
     mb = model_batch(model, [s.ids for s in samples], pad_id, cfg.train.padding_free)
     with engine.autocast():
         logits = engine.forward(model, **mb.inputs).logits
@@ -141,7 +134,7 @@ def policy_micro_batch_loss(model, engine, samples: list[Sample], normalizer, cf
     # own log-probs are the old ones (ratio 1, as TRL does); on-policy is then checked against
     # the log-probs the generator sampled with.
     old = b["old_logprobs"] if "old_logprobs" in b else logp.detach()
-    tok_loss, ratio, clipped = get_policy_loss(a.policy_loss or ALGORITHMS[a.name][1])(
+    tok_loss, ratio, clipped = get_policy_loss(a.policy_loss or ALGORITHMS.lookup(a.name).policy_loss)(
         PolicyInput(logp, old, b["advantages"], mask, a.clip_eps, a.clip_eps_high or a.clip_eps))
     m = {}
     if a.kl_coef > 0 and not a.kl_in_reward:
@@ -181,9 +174,9 @@ def check_on_policy(deviation: float, cfg: RLConfig, rollout: int, against_gener
 
 def fragile_settings(cfg: RLConfig) -> list[str]:
     """Settings known to make RL fragile, each with the reason; train_rl warns (never refuses)."""
-    a, out = cfg.algo, []
+    a, alg, out = cfg.algo, ALGORITHMS.lookup(cfg.algo.name), []
     updates = a.ppo_epochs * a.mini_batches
-    loss = a.policy_loss or ALGORITHMS[a.name][1]
+    loss = a.policy_loss or alg.policy_loss
     if updates > 1 and a.ratio_check == "off":
         out.append(f"algo.ratio_check=off with {updates} updates per rollout: nothing verifies that the old log-probs match the "
                    "policy that sampled the rollout; stale log-probs are why DeepSpeed-Chat asks for one generation batch and "
@@ -194,9 +187,9 @@ def fragile_settings(cfg: RLConfig) -> list[str]:
     if a.ppo_epochs > 4:
         out.append(f"algo.ppo_epochs={a.ppo_epochs}: every further pass reuses the rollout further off-policy (clip fraction and "
                    "KL grow); LLM recipes (OpenRLHF, verl, TRL) use 1-4")
-    if a.name == "dr_grpo" and cfg.train.loss_agg != "seq-mean-token-sum-norm":
-        out.append(f"algo.name=dr_grpo with train.loss_agg={cfg.train.loss_agg}: Dr.GRPO's fix of GRPO's length bias is the "
-                   "constant-length normaliser seq-mean-token-sum-norm (Liu et al. 2025, sec. 3.1); other modes bring the bias back")
+    if alg.loss_agg and cfg.train.loss_agg != alg.loss_agg:  # dr_grpo: Liu et al. 2025, sec. 3.1
+        out.append(f"algo.name={a.name} with train.loss_agg={cfg.train.loss_agg}: Dr.GRPO's fix of GRPO's length bias is the "
+                   f"constant-length normaliser {alg.loss_agg} (Liu et al. 2025, sec. 3.1); other modes bring the bias back")
     if loss == "gspo" and a.clip_eps > 0.01:
         out.append(f"gspo with algo.clip_eps={a.clip_eps}: a sequence ratio is a geometric mean of token ratios and rarely moves "
                    "that far, so the clip seldom acts; GSPO's paper uses 3e-4 / 4e-4")
@@ -226,42 +219,20 @@ def reuses_first_forward(cfg: RLConfig, samples: list[Sample]) -> bool:
             and all(s.gen_logprobs is not None for s in samples))
 
 
-def update_policy(model, engine, samples: list[Sample], cfg: RLConfig, rollout: int, group_rng: random.Random, pad_id: int,
-                  kl_coef: float | None = None, critic=None):
-    """PPO epochs x mini-batches over one rollout, one optimizer step each (of the policy, and
-    of the critic when there is one; during the critic's warm-up only the critic steps).
-
-    Yields (step_loss, this rank's per-micro-batch metrics, step stats) per step. The first
-    update's micro-batches are the ones old log-probs were computed in, so its ratio must be
-    exactly 1 on every rank (check_on_policy); stats["ratio_dev_first"] holds that reading
-    (None on the other steps).
-    """
-    a, t = cfg.algo, cfg.train
-    train_policy = critic is None or rollout >= cfg.critic.warmup_rollouts
-    reused = samples[0].old_logprobs is None  # no old-log-prob pass: the check reads the generator's
+def mini_batches(samples: list[Sample], cfg: RLConfig, engine, group_rng: random.Random) -> Iterator[tuple[list[Sample], StepPlan, bool]]:
+    """(batch, plan, first) per optimizer step of one rollout: PPO epochs x mini-batches of
+    train.global_batch_size responses; ``first`` marks the update whose micro-batches the old
+    log-probs were computed in. Later epochs reshuffle whole groups, never splitting one
+    across optimizer steps."""
+    a, g = cfg.algo, cfg.train.global_batch_size
     groups = [samples[i : i + a.group_size] for i in range(0, len(samples), a.group_size)]
     for epoch in range(a.ppo_epochs):
-        if epoch > 0:  # reshuffle whole groups, never splitting one across optimizer steps
+        if epoch > 0:
             group_rng.shuffle(groups)
-        order = [s for g in groups for s in g]
-        for start in range(0, len(order), t.global_batch_size):
-            batch = order[start : start + t.global_batch_size]
-            plan = step_plan(batch, cfg, engine)
-            step_loss, parts = 0.0, []
-            stats = {"responses": len(batch), "loss_tokens": plan.normalizer.num_tokens, "ratio_dev_first": None}
-            if train_policy:
-                for mb in plan.micro_batches:
-                    loss, share, m = policy_micro_batch_loss(model, engine, [batch[i] for i in mb], plan.normalizer, cfg, pad_id, kl_coef)
-                    engine.backward(loss, share, num_samples=len(mb))
-                    step_loss += loss.item()
-                    parts.append(m)
-                if epoch == 0 and start == 0:
-                    stats["ratio_dev_first"] = engine.max_over_ranks(max(p["ratio_dev"] for p in parts))
-                    check_on_policy(stats["ratio_dev_first"], cfg, rollout, against_generator=reused)
-                stats |= engine.step(plan)
-            if critic is not None:
-                stats |= critic.train_step(batch, plan)
-            yield engine.sum_over_ranks(step_loss), parts, stats
+        order = [s for group in groups for s in group]
+        for start in range(0, len(order), g):
+            batch = order[start : start + g]
+            yield batch, step_plan(batch, cfg, engine), epoch == 0 and start == 0
 
 
 def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = BuiltinSpec(), phase: str = "rl",
@@ -270,6 +241,7 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     seed_everything(cfg.train.seed + rank())  # each rank samples its own responses
     for message in fragile_settings(cfg) if rank() == 0 else []:
         warnings.warn(message, UserWarning, stacklevel=2)
+    a, t, alg = cfg.algo, cfg.train, check_algorithm_config(cfg.algo)
     model_path = model_path or resolve(cfg.model.path, "model", spec)
     train_path, eval_path = resolve(cfg.data.train, "rl_train", spec), resolve(eval_data(cfg), "eval", spec)
     tok = load_tokenizer(model_path)
@@ -278,33 +250,33 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     reward_fns = load_rewards(cfg.reward.specs(), cfg.reward.weights, cfg.reward.timeout, cfg.reward.retries, cfg.eval.reward_fn)
     require_answers(prompts, reward_fns, "reward.fn")
     eval_set = load_eval_set(cfg, tok, eval_path, reward_fns.eval)
-    a, t = cfg.algo, cfg.train
     steps_per_rollout = a.ppo_epochs * a.mini_batches
     prompts_per_rollout = t.global_batch_size * a.mini_batches // a.group_size
     rollouts = math.ceil(t.max_steps / steps_per_rollout) if t.max_steps else max(1, math.ceil(t.epochs * len(prompts) / prompts_per_rollout))
     steps = rollouts * steps_per_rollout
     check_data_size(len(prompts), prompts_per_rollout, "prompts", train_path)
-    if cfg.train.resume_from:
+    if t.resume_from:
         check_resume(cfg, "rl", steps)
-    run_dir, log = open_run(cfg, "rl", run_dir, {"train": train_path, "eval": eval_path})
-    longest = cfg.data.max_length + cfg.rollout.max_new_tokens
-    model = load_model(cfg, cfg.train.resume_from or model_path, run_dir, phase, "policy", longest)
-    ref = load_model(cfg, model_path, run_dir, phase, "reference", longest, trainable=False) if cfg.algo.kl_coef > 0 else None
+    ctx = RunContext(cfg, "rl", phase, run_dir, {"train": train_path, "eval": eval_path}, tok, eval_set)
 
-    warmup = min(cfg.critic.warmup_rollouts, rollouts) * steps_per_rollout if a.name == "ppo" else 0
+    # The workers: the policy, the frozen reference (a KL term needs one), the critic (ppo).
+    longest, pad = cfg.data.max_length + cfg.rollout.max_new_tokens, tok.pad_token_id
+    model = load_model(cfg, t.resume_from or model_path, ctx.run_dir, phase, "policy", longest)
+    ref_model = load_model(cfg, model_path, ctx.run_dir, phase, "reference", longest, trainable=False) if a.kl_coef > 0 else None
+    warmup = min(cfg.critic.warmup_rollouts, rollouts) * steps_per_rollout if alg.critic else 0
     engine = build_engine(model, cfg, max(1, steps - warmup))  # the policy's schedule starts after the critic's warm-up
-    critic = None
-    if a.name == "ppo":
-        from exactrl.algorithms.ppo import Critic
-
-        critic = Critic.load(cfg, model_path, steps, tok.pad_token_id, run_dir, phase, longest)
+    policy = Worker("policy", model, engine, pad_id=pad, packed=t.padding_free, temperature=cfg.rollout.temperature)
+    reference = None if ref_model is None else Worker("reference", ref_model, pad_id=pad, packed=t.padding_free,
+                                                      temperature=cfg.rollout.temperature, autocast=engine.autocast)
+    critic = Critic.load(cfg, model_path, steps, pad, ctx.run_dir, phase, longest) if alg.critic else None
     # Several ranks holding shards of the parameters must run every forward together
     # (generate's synced_gpus keeps a rank whose responses have all ended stepping with the others).
     generator = HFEngine(model, tok, cfg.rollout.batch_size, synced=engine.world_size > 1 and engine.shards_parameters)
+
     sampler = StepSampler(len(prompts), prompts_per_rollout, t.seed)
     group_rng = random.Random(f"{t.seed}-minibatches")
-    first_rollout = 0
     kl_control = AdaptiveKL(a.kl_coef, a.kl_target, a.kl_horizon)
+    first_rollout = 0
     if t.resume_from:
         position = resume(t.resume_from, engine)
         if critic is not None:
@@ -314,43 +286,59 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
         kl_control.coef = position.get("kl_coef", kl_control.coef)
 
     gen_tokens, t0, step = 0, time.perf_counter(), first_rollout * steps_per_rollout
-    bar = progress(steps, phase, step)
+    ctx.start(steps, step)
     for rollout in range(first_rollout, rollouts):
+        # 1. sample and score a rollout with the policy's current weights
+        generator.load_weights(policy.export_weights())
         tg = time.perf_counter()
-        if a.name == "dapo":
-            samples, rstats = collect_dynamic_rollout(generator, prompts, sampler.batch(rollout), rollout, reward_fns, cfg)
-        else:
-            samples, rstats = collect_rollout(generator, [prompts[i] for i in sampler.batch(rollout)], reward_fns, cfg)
+        samples, rstats = alg.rollout(generator, prompts, sampler.batch(rollout), rollout, reward_fns, cfg)
         gen_seconds = time.perf_counter() - tg
         gen_tokens += rstats["generated_tokens"]
+
+        # 2. per-token fields fixed for the rollout, computed in the first update's micro-batches
         first_pass = first_pass_micro_batches(samples, cfg, engine)
         if not reuses_first_forward(cfg, samples):
-            attach_logprobs(model, samples, "old_logprobs", first_pass, tok.pad_token_id, cfg.rollout.temperature, engine.autocast,
-                            cfg.train.padding_free)
-        if ref is not None:
-            attach_logprobs(ref, samples, "ref_logprobs", first_pass, tok.pad_token_id, cfg.rollout.temperature, engine.autocast,
-                            cfg.train.padding_free)
+            for s, logprobs in zip(samples, policy.forward(samples, "logprobs", first_pass)):
+                s.old_logprobs = logprobs
+        if reference is not None:
+            for s, logprobs in zip(samples, reference.forward(samples, "logprobs", first_pass)):
+                s.ref_logprobs = logprobs
         if critic is not None:
-            critic.attach_values(samples, first_pass, engine.autocast)
+            for s, values in zip(samples, critic.forward(samples, "values", first_pass)):
+                s.old_values = values
+
+        # 3. advantages over the whole rollout
         kl_coef = kl_control.coef  # this rollout's; the controller moves it for the next
-        if ref is not None:
+        if reference is not None:
             rstats["rollout_kl"], rstats["kl_coef"] = kl_control.update(samples), kl_coef
         attach_advantages(samples, cfg, kl_coef)
-        for step_loss, parts, stats in update_policy(model, engine, samples, cfg, rollout, group_rng, tok.pad_token_id,
-                                                     kl_coef, critic):
+
+        # 4. epochs x mini-batches, one verified optimizer step each (during the critic's warm-up only the critic steps)
+        reused = samples[0].old_logprobs is None  # no old-log-prob pass: the on-policy check reads the generator's
+        train_policy = critic is None or rollout >= cfg.critic.warmup_rollouts
+        for batch, plan, first in mini_batches(samples, cfg, engine, group_rng):
+            stats = {"responses": len(batch), "loss_tokens": plan.normalizer.num_tokens, "ratio_dev_first": None}
+            loss, parts = 0.0, []
+            if train_policy:
+                def on_policy(parts):  # the first update must see ratio 1 on every rank, before it is applied
+                    stats["ratio_dev_first"] = engine.max_over_ranks(max(p["ratio_dev"] for p in parts))
+                    check_on_policy(stats["ratio_dev_first"], cfg, rollout, against_generator=reused)
+
+                result = policy.train_step(batch, plan, lambda w, chunk, norm: policy_micro_batch_loss(
+                    w.model, w.engine, chunk, norm, cfg, pad, kl_coef), before_step=on_policy if first else None)
+                loss, parts, stats = result.loss, result.parts, stats | result.stats
+            if critic is not None:
+                stats |= critic.step(batch, plan)
             step += 1
-            bar.update(1)
-            bar.set_postfix(reward=f"{rstats['reward_mean']:.3f}")
-            if step % t.log_every == 0 or step == steps:
-                mean = engine.mean_over_ranks({k: sum(p[k] for p in parts) / len(parts) for k in (parts[0] if parts else {}) if k != "ratio_dev"})
-                log.write({"phase": phase, "step": step, "rollout": rollout, "loss": step_loss, **mean, **stats, **rstats,
-                           "gen_tokens_per_s": rstats["generated_tokens"] / gen_seconds})
-            after_step(cfg, phase, step, steps, model, tok, engine, eval_set, log, run_dir, bar,
-                       {"step": step, "rollout": rollout, "group_rng": group_rng.getstate(), "kl_coef": kl_control.coef},
-                       others=critic.components() if critic is not None else None)
-    bar.close()
+
+            # 5. log, evaluate, checkpoint
+            if ctx.logs(step):
+                ctx.write(step, {"rollout": rollout, "loss": loss, **policy.mean_metrics(parts, skip=("ratio_dev",)), **stats,
+                                 **rstats, "gen_tokens_per_s": rstats["generated_tokens"] / gen_seconds})
+            ctx.step_done(step, {"policy": policy, "critic": critic},
+                          {"step": step, "rollout": rollout, "group_rng": group_rng.getstate(), "kl_coef": kl_control.coef},
+                          {"reward": f"{rstats['reward_mean']:.3f}"})
     seconds = time.perf_counter() - t0
-    final = finish(cfg, phase, steps, model, tok, engine, eval_set, log, run_dir, final_name,
-                   others={f"{final_name}-critic": critic.engine} if critic is not None else None)
+    final = ctx.finish({final_name: policy, f"{final_name}-critic": critic})
     reward_fns.close()
-    return RLResult(run_dir, final, steps, seconds, gen_tokens)
+    return RLResult(ctx.run_dir, final, steps, seconds, gen_tokens)

@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from exactrl.algorithms.common import (after_step, check_data_size, check_world, eval_data, finish, load_eval_set,
-                                      load_model, open_run, progress, seed_everything, steps_for)
+from exactrl.algorithms.builtin import resolve
+from exactrl.algorithms.common import check_data_size, check_world, seed_everything, steps_for
 from exactrl.algorithms.resume import check_resume
 from exactrl.config.schema import SFTConfig
 from exactrl.data.batching import StepSampler, collate_sft
@@ -27,8 +27,11 @@ from exactrl.losses import aggregate, canary_share
 from exactrl.losses.token_losses import sft_loss, token_logprobs
 from exactrl.models.loading import load_tokenizer
 from exactrl.models.packing import model_batch
-from exactrl.algorithms.builtin import resolve
+from exactrl.run.context import RunContext
+from exactrl.run.evaluation import eval_data, load_eval_set
 from exactrl.tasks.builtin import BuiltinSpec
+from exactrl.workers.load import load_model
+from exactrl.workers.worker import Worker
 
 
 @dataclass
@@ -54,46 +57,42 @@ def sft_micro_batch_loss(model, engine, examples, pad_id: int, normalizer, packe
 def train_sft(cfg: SFTConfig, run_dir: Path | None = None, spec: BuiltinSpec = BuiltinSpec(), phase: str = "sft", final_name: str = "final") -> SFTResult:
     check_world(cfg)
     seed_everything(cfg.train.seed)
+    t = cfg.train
     model_path = resolve(cfg.model.path, "model", spec)
     train_path, eval_path = resolve(cfg.data.train, "sft_train", spec), resolve(eval_data(cfg), "eval", spec)
     tok = load_tokenizer(model_path)
     # All data is read and checked before the model loads: a bad row fails in seconds.
     examples = encode_sft(read_jsonl(train_path), tok, cfg.data.max_length)
     eval_set = load_eval_set(cfg, tok, eval_path)
-    steps = steps_for(cfg.train, len(examples), cfg.train.global_batch_size)
-    check_data_size(len(examples), cfg.train.global_batch_size, "samples", train_path)
-    if cfg.train.resume_from:
+    steps = steps_for(t, len(examples), t.global_batch_size)
+    check_data_size(len(examples), t.global_batch_size, "samples", train_path)
+    if t.resume_from:
         check_resume(cfg, "sft", steps)
-    run_dir, log = open_run(cfg, "sft", run_dir, {"train": train_path, "eval": eval_path})
-    model = load_model(cfg, cfg.train.resume_from or model_path, run_dir, phase, "policy", cfg.data.max_length)
-    engine = build_engine(model, cfg, steps)
-    start = resume(cfg.train.resume_from, engine)["step"] if cfg.train.resume_from else 0
-    sampler = StepSampler(len(examples), cfg.train.global_batch_size, cfg.train.seed)
-    norm_len = cfg.train.loss_agg_norm or cfg.data.max_length
+    ctx = RunContext(cfg, "sft", phase, run_dir, {"train": train_path, "eval": eval_path}, tok, eval_set)
+    model = load_model(cfg, t.resume_from or model_path, ctx.run_dir, phase, "policy", cfg.data.max_length)
+    policy = Worker("policy", model, build_engine(model, cfg, steps), pad_id=tok.pad_token_id, packed=t.padding_free)
+    start = resume(t.resume_from, policy.engine)["step"] if t.resume_from else 0
+    sampler = StepSampler(len(examples), t.global_batch_size, t.seed)
+    norm_len = t.loss_agg_norm or cfg.data.max_length
+
+    def loss_fn(worker, chunk, normalizer):
+        loss, share = sft_micro_batch_loss(worker.model, worker.engine, chunk, tok.pad_token_id, normalizer, t.padding_free)
+        return loss, share, {}
 
     trained_tokens, t0 = 0, time.perf_counter()
-    bar = progress(steps, phase, start)
-    for step in range(start, steps):
-        batch = [examples[i] for i in sampler.batch(step)]
-        plan = plan_step([e.loss_tokens for e in batch], cfg.train.micro_batch_size, cfg.train.loss_agg, norm_len,
-                         lengths=[len(e.input_ids) for e in batch], world_size=engine.world_size, rank=engine.rank)
-        step_loss = 0.0
-        for mb in plan.micro_batches:
-            loss, share = sft_micro_batch_loss(model, engine, [batch[i] for i in mb], tok.pad_token_id, plan.normalizer,
-                                               cfg.train.padding_free)
-            engine.backward(loss, share, num_samples=len(mb))
-            step_loss += loss.item()
-        stats = engine.step(plan)
-        step_loss = engine.sum_over_ranks(step_loss)
+    ctx.start(steps, start)
+    for step in range(start + 1, steps + 1):
+        # the step's global batch (independent of micro-batch size and ranks), planned, then one verified step
+        batch = [examples[i] for i in sampler.batch(step - 1)]
+        plan = plan_step([e.loss_tokens for e in batch], t.micro_batch_size, t.loss_agg, norm_len,
+                         lengths=[len(e.input_ids) for e in batch], world_size=policy.engine.world_size, rank=policy.engine.rank)
+        result = policy.train_step(batch, plan, loss_fn)
         trained_tokens += sum(len(e.input_ids) for e in batch)
-        bar.update(1)
-        bar.set_postfix(loss=f"{step_loss:.4f}")
-        if (step + 1) % cfg.train.log_every == 0 or step + 1 == steps:
-            elapsed = time.perf_counter() - t0
-            log.write({"phase": phase, "step": step + 1, "loss": step_loss, "epoch": sampler.epoch_of(step + 1),
-                       "tokens_per_s": trained_tokens / elapsed, "loss_tokens": plan.normalizer.num_tokens, **stats})
-        after_step(cfg, phase, step + 1, steps, model, tok, engine, eval_set, log, run_dir, bar, {"step": step + 1})
-    bar.close()
+        if ctx.logs(step):
+            ctx.write(step, {"loss": result.loss, "epoch": sampler.epoch_of(step),
+                             "tokens_per_s": trained_tokens / (time.perf_counter() - t0),
+                             "loss_tokens": plan.normalizer.num_tokens, **result.stats})
+        ctx.step_done(step, {"policy": policy}, {"step": step}, {"loss": f"{result.loss:.4f}"})
     seconds = time.perf_counter() - t0
-    final = finish(cfg, phase, steps, model, tok, engine, eval_set, log, run_dir, final_name)
-    return SFTResult(run_dir, final, steps, seconds, trained_tokens)
+    final = ctx.finish({final_name: policy})
+    return SFTResult(ctx.run_dir, final, steps, seconds, trained_tokens)

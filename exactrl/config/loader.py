@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import difflib
 import re
+import warnings
 from pathlib import Path
 from typing import Any, TypeVar, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
+
+from exactrl.config.schema import RENAMED
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -92,6 +95,31 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.split("."), value
 
 
+def _renamed(path: list[str], source: str) -> list[str]:
+    """A moved key's new path (schema.RENAMED), with a notice; other paths as given. Keys are
+    matched at any depth, so the demo's rl.algo.lam moves too."""
+    dotted = ".".join(path)
+    for old, new in RENAMED.items():
+        if dotted == old or dotted.endswith("." + old):
+            warnings.warn(f"{source}: '{old}' is now '{new}'", FutureWarning, stacklevel=3)
+            return path[: len(path) - len(old.split("."))] + new.split(".")
+    return path
+
+
+def _rename(data: dict, source: str, prefix: list[str] | None = None) -> None:
+    """Move keys of a loaded YAML mapping that schema.RENAMED lists to their new place, in place."""
+    for key in list(data):
+        path = (prefix or []) + [key]
+        if isinstance(data[key], dict):
+            _rename(data[key], source, path)
+        new = _renamed(path, source)
+        if new != path:
+            node = data
+            for part in new[len(prefix or []) : -1]:
+                node = node.setdefault(part, {})
+            node[new[-1]] = data.pop(key)
+
+
 def _set(data: dict, path: list[str], value: Any) -> None:
     node = data
     for part in path[:-1]:  # _check_keys has already rejected paths through values
@@ -116,6 +144,7 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
             raise ConfigError(f"{p}: the top level must be a mapping of sections, got {type(loaded).__name__}")
         data = loaded or {}
     keys = valid_keys(cls)
+    _rename(data, str(path) if path else "config")
     _check_keys(cls, data, "", str(path) if path else "config", keys)
     # Start from the command's own defaults (a demo's sft section has the demo's defaults,
     # not SFTConfig's), then the file, then the overrides in order.
@@ -124,6 +153,7 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
         if not _encodable(text):  # bytes that are not UTF-8 reach Python as lone surrogates
             raise ConfigError(f"override {text!r} is not valid UTF-8 text; fix the command line")
         key_path, value = parse_override(text)
+        key_path = _renamed(key_path, f"override '{text}'")
         _check_keys(cls, _nest(key_path, value), "", f"override '{text}'", keys)
         if isinstance(value, (int, float)) and _is_str_field(cls, key_path):
             value = text.split("=", 1)[1]  # model.path=123 means the path "123" (bool is an int too: yes/no stay text)

@@ -149,6 +149,20 @@ RL_ALGOS = ("ppo", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce
 GROUP_ALGOS = ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp_baseline", "gspo")
 
 
+class GAEConfig(Section):
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda (1 = Monte Carlo returns minus the critic's value).")
+    whiten_advantages: bool = Field(True, description="Whiten the GAE advantages over every response token of the rollout (as OpenRLHF and TRL do).")
+
+
+class DAPOConfig(Section):
+    max_refill_rounds: int = Field(10, ge=0, description="Extra generation rounds to replace groups with all-equal rewards before giving up.")
+
+
+# Keys that moved, old -> new: older configs and checkpoints still load (with a notice).
+RENAMED = {"algo.lam": "algo.gae.lam", "algo.whiten_advantages": "algo.gae.whiten_advantages",
+           "algo.max_refill_rounds": "algo.dapo.max_refill_rounds"}
+
+
 class AlgoConfig(Section):
     name: Literal[RL_ALGOS] = Field("grpo", description="RL algorithm: " + ", ".join(RL_ALGOS) + " (see `exactrl rl --help`).")
     group_size: int = Field(8, ge=1, description="Responses sampled per prompt (>= 2 for the group-baseline algorithms).")
@@ -158,10 +172,7 @@ class AlgoConfig(Section):
     std_normalize: bool = Field(True, description="Divide group-centred rewards by the group std (grpo, gspo); dr_grpo never does.")
     overlong_buffer: int = Field(0, ge=0, description="DAPO's soft overlong penalty: the last this-many tokens before rollout.max_new_tokens cost up to overlong_penalty (0 = off).")
     overlong_penalty: float = Field(1.0, ge=0, description="Reward lost by a response that reaches rollout.max_new_tokens (with overlong_buffer > 0).")
-    max_refill_rounds: int = Field(10, ge=0, description="dapo: extra generation rounds to replace groups with all-equal rewards before giving up.")
     gamma: float = Field(1.0, ge=0, le=1, description="Discount of the return to go (ppo's GAE, reinforce_pp, reinforce_pp_baseline).")
-    lam: float = Field(0.95, ge=0, le=1, description="ppo: GAE lambda (1 = Monte Carlo returns minus the critic's value).")
-    whiten_advantages: bool = Field(True, description="ppo: whiten the GAE advantages over every response token of the rollout (as OpenRLHF and TRL do).")
     reward_norm: Literal["none", "whiten", "scale"] = Field("none", description="Before advantages: 'whiten' the rollout's rewards to mean 0, std 1, or only 'scale' them by 1/std (TRL's whiten_rewards without shift).")
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the frozen reference (0 = no reference model).")
     kl_target: float | None = Field(None, gt=0, description="Adaptive KL: move kl_coef after each rollout so the per-response KL approaches this (Ziegler et al. 2019); unset = fixed.")
@@ -173,6 +184,8 @@ class AlgoConfig(Section):
     mini_batches: int = Field(1, gt=0, description="Optimizer steps per rollout epoch; a rollout holds mini_batches x train.global_batch_size responses.")
     ratio_check: CheckPolicy = Field("error", description="On-policy check: the ratio must be 1 at the first update after a rollout.")
     ratio_tol: float = Field(1e-4, gt=0, description="Allowed |ratio - 1| for the on-policy check.")
+    gae: GAEConfig = Field(default_factory=GAEConfig, description="ppo's generalised advantage estimation (Schulman et al. 2016).")
+    dapo: DAPOConfig = Field(default_factory=DAPOConfig, description="dapo's dynamic sampling (Yu et al. 2025).")
     gen_ratio_tol: float = Field(1e-2, gt=0, description="Allowed |ratio - 1| for the on-policy check when a rollout feeding one update is checked against the generator's log-probs (KV-cached decoding rounds differently from the training forward; the loss uses the forward's own).")
 
 

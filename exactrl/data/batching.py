@@ -46,19 +46,3 @@ class StepSampler:
 
     def epoch_of(self, step: int) -> float:
         return step * self.g / self.n
-
-
-def collate_rl(samples, pad_id: int) -> dict[str, torch.Tensor]:
-    """Prompt+response sequences, right-padded. ``loss_mask`` [B, L-1] marks response targets;
-    per-token tensors stored on the samples (advantages, old/ref log-probs, old values, returns) are padded to the same width."""
-    seqs = [s.ids for s in samples]
-    ids = pad_right(seqs, pad_id)
-    attn = pad_right([[1] * len(s) for s in seqs], 0)
-    mask = pad_right([[0] * len(s.prompt_ids) + [1] * len(s.response_ids) for s in samples], 0)[:, 1:]
-    out = {"input_ids": ids, "attention_mask": attn, "loss_mask": mask}
-    for key in ("advantages", "old_logprobs", "gen_logprobs", "ref_logprobs", "old_values", "returns"):
-        values = [getattr(s, key) for s in samples]
-        if all(v is not None for v in values):
-            width = ids.size(1) - 1
-            out[key] = torch.stack([torch.nn.functional.pad(v, (0, width - v.numel())) for v in values])
-    return out

@@ -14,8 +14,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from exactrl.algorithms.common import eval_reward_spec, seed_everything
-from exactrl.run.evaluation import Accuracy, evaluate_accuracy
+from exactrl.algorithms.common import seed_everything
+from exactrl.run.evaluation import Accuracy, eval_reward_spec, evaluate_accuracy
 from exactrl.algorithms.rl import train_rl
 from exactrl.algorithms.sft import train_sft
 from exactrl.audit.manifest import write_manifest

@@ -1,13 +1,16 @@
 """Generation with the trainer's own Hugging Face model (KV cache, batched sampling, finished
-rows leaving the batch): the CPU default engine."""
+rows leaving the batch): the default engine, the first implementation of exactrl/rollout/generator.py."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
+
+from exactrl.rollout.generator import SamplingParams, WeightSyncError
 
 
 @dataclass(frozen=True)
@@ -18,6 +21,7 @@ class Generation:
     text: str  # decoded response without special tokens
     finished: bool  # True when the model emitted EOS within max_new_tokens
     logprobs: list[float] | None = None  # log p of each response token at the sampling temperature (sampled runs)
+    weights_version: int = 0  # the generator's weights version it was sampled with
 
 
 class _PreallocatedLayer(DynamicLayer):
@@ -137,17 +141,38 @@ class HFEngine:
 
     def __init__(self, model, tokenizer, batch_size: int, synced: bool = False):
         self.model, self.tok, self.batch_size, self.synced = model, tokenizer, batch_size, synced
+        self.weights_version = 0
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Take the trainer's weights; returns the new version. Sharing the trainer's model
+        object (the in-process case), what arrives must be that model's own parameters: checked,
+        nothing copied. Other tensors are copied in and compared after the copy."""
+        own = dict(self.model.named_parameters())
+        for name, tensor in named:
+            param = own.get(name)
+            if param is None:
+                raise WeightSyncError(f"the generator's model has no parameter '{name}'")
+            if param is tensor:
+                continue
+            with torch.no_grad():
+                param.copy_(tensor)
+            if not torch.equal(param, tensor):
+                raise WeightSyncError(f"'{name}' differs from the trainer's after loading it into the generator")
+        self.weights_version += 1
+        return self.weights_version
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], n: int = 1, *, greedy: bool = False, temperature: float = 1.0,
-                 top_p: float = 1.0, max_new_tokens: int = 48) -> list[Generation]:
-        requests = [(i, ids) for i, ids in enumerate(prompt_ids) for _ in range(n)]
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams | None = None, **kwargs) -> list[Generation]:
+        """``params``, or its fields as keywords: generate(ids, n=4, temperature=0.7)."""
+        p = params or SamplingParams(**kwargs)
+        requests = [(i, ids) for i, ids in enumerate(prompt_ids) for _ in range(p.n)]
         was_training = self.model.training
         self.model.eval()
         out: list[Generation] = []
         try:
             for start in range(0, len(requests), self.batch_size):
-                out += self._generate_batch(requests[start : start + self.batch_size], greedy, temperature, top_p, max_new_tokens)
+                out += self._generate_batch(requests[start : start + self.batch_size], p.greedy, p.temperature, p.top_p,
+                                            p.max_new_tokens)
         finally:
             self.model.train(was_training)
         return out
@@ -165,5 +190,5 @@ class HFEngine:
             finished = eos in row
             response = row[: row.index(eos) + 1] if finished else row
             out.append(Generation(idx, ids, response, self.tok.decode(response, skip_special_tokens=True), finished,
-                                  None if lp is None else lp[: len(response)]))
+                                  None if lp is None else lp[: len(response)], self.weights_version))
         return out

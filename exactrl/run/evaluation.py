@@ -1,4 +1,9 @@
-"""Held-out accuracy: generate for every eval prompt, score with the verifier, Wilson 95% CI."""
+"""Held-out accuracy: generate for every eval prompt, score with the verifier, Wilson 95% CI.
+
+Evaluation scores with the run's own reward: eval.reward_fn if set, else in `rl` the first
+reward.fn (or reward.url), in `sft` the built-in task's checker. Its data is data.eval; at its
+default ('auto') that is the built-in problems only when data.train is built-in too, and
+nothing (with a notice) when you train on your own file."""
 
 from __future__ import annotations
 
@@ -6,8 +11,10 @@ import math
 import time
 from dataclasses import dataclass
 
-from exactrl.data.encode import Prompt
-from exactrl.rewards import DEFAULT_TIMEOUT, Reward, score
+from exactrl.data.encode import Prompt, encode_prompts
+from exactrl.data.jsonl import read_jsonl
+from exactrl.distributed.launch import is_main
+from exactrl.rewards import DEFAULT_TIMEOUT, Reward, Rewards, require_answers, score
 from exactrl.rollout.hf import HFEngine
 
 
@@ -58,3 +65,66 @@ def evaluate_accuracy(model, tokenizer, prompts: list[Prompt], reward: Reward, *
     k = sum(r >= 1.0 for r in rewards)
     return Accuracy(k / len(prompts), wilson_interval(k, len(prompts)), k, len(prompts), time.perf_counter() - t0,
                     sum(len(g.response_ids) for g in gens), len(failures))
+
+
+BUILTIN_CHECKER = "exactrl.tasks.arithmetic:reward"
+
+
+@dataclass
+class EvalSet:
+    """Held-out prompts and the reward that scores them (``owned``: a reward process of its own, closed with it)."""
+
+    prompts: list[Prompt]
+    reward: Reward
+    owned: Rewards | None = None
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def close(self) -> None:
+        if self.owned is not None:
+            self.owned.close()
+
+
+def eval_data(cfg) -> str | None:
+    """data.eval with 'auto' decided: the built-in problems for built-in training data, else none."""
+    if cfg.data.eval != "auto":
+        return cfg.data.eval
+    if cfg.data.train == "builtin":
+        return "builtin"
+    if is_main():
+        print(f"note: no evaluation -- data.train={cfg.data.train} is your own data and data.eval is unset; set "
+              "data.eval=FILE ({prompt, answer} rows) to measure accuracy, or data.eval=builtin for the built-in problems")
+    return None
+
+
+def eval_reward_spec(cfg) -> str:
+    """The reward evaluation scores with: eval.reward_fn, else the run's first reward, else (sft) the built-in checker."""
+    if cfg.eval.reward_fn:
+        return cfg.eval.reward_fn
+    return cfg.reward.specs()[0] if hasattr(cfg, "reward") else BUILTIN_CHECKER
+
+
+def load_eval_set(cfg, tokenizer, eval_path: str | None, reward: Reward | None = None) -> EvalSet | None:
+    """The first data.eval_size eval rows, each checked to carry the answer the reward needs.
+    Without ``reward`` (sft), the eval reward gets a process of its own."""
+    if not eval_path:
+        return None
+    prompts = encode_prompts(read_jsonl(eval_path)[: cfg.data.eval_size], tokenizer, cfg.data.max_length)
+    owned = None if reward is not None else Rewards(eval_reward_spec(cfg))
+    reward = reward or owned.eval
+    try:
+        require_answers(prompts, [reward], "the evaluation reward")
+    except Exception:
+        if owned is not None:
+            owned.close()
+        raise
+    return EvalSet(prompts, reward, owned)
+
+
+def greedy_accuracy(cfg, model, tokenizer, eval_set: EvalSet) -> Accuracy:
+    """Greedy accuracy on ``eval_set`` as the run's eval.* and reward.* say."""
+    r = getattr(cfg, "reward", None)
+    return evaluate_accuracy(model, tokenizer, eval_set.prompts, eval_set.reward, batch_size=cfg.eval.batch_size,
+                             max_new_tokens=cfg.eval.max_new_tokens, timeout=r.timeout if r else DEFAULT_TIMEOUT,
+                             fallback=r.fallback if r else None)

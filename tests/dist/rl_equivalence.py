@@ -6,7 +6,7 @@ usage: python rl_equivalence.py {fsdp2,deepspeed} WORLD OUT.json
 Losses: for each policy loss (PPO's clipped ratio with and without clip-higher, KL and
 entropy terms; GSPO's sequence ratio; plain REINFORCE) and the critic's clipped value loss,
 two optimizer steps on one fixed rollout through the real path (rl.step_plan per rank,
-policy_micro_batch_loss or Critic.train_step, the backend's engine, the canary on), from the
+policy_micro_batch_loss or Critic.step, the backend's engine, the canary on), from the
 same initial model, compared on rank 0 with an independent single-process reference: one
 padded forward over the whole rollout, each loss written out from its paper's definition,
 plain torch SGD. Old log-probs are perturbed so that the ratio and the clipping are active
@@ -23,20 +23,22 @@ from __future__ import annotations
 import copy
 import json
 import sys
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from equivalence import SMALL, full_state
 from transformers import LlamaForTokenClassification
 
-from exactrl.algorithms.ppo import Critic
 from exactrl.algorithms.rl import Sample, attach_advantages, collect_rollout, policy_micro_batch_loss, step_plan
-from exactrl.algorithms.rollouts import gather, shard
+from exactrl.workers.critic import Critic
+from exactrl.distributed.collectives import gather, shard
 from exactrl.config import RLConfig, load_config
 from exactrl.data.encode import Prompt
 from exactrl.distributed.engine import build_engine
 from exactrl.distributed.launch import shutdown
 from exactrl.rewards import load_rewards
+from exactrl.rollout.generator import SamplingParams
 from exactrl.rollout.hf import Generation
 from exactrl.tasks.tiny_model import build_tiny_model
 from exactrl.tasks.tokenizer import build_tokenizer
@@ -70,6 +72,11 @@ def spans(samples):
     return [slice(len(s.prompt_ids) - 1, len(s.prompt_ids) - 1 + len(s.response_ids)) for s in samples]
 
 
+@dataclass(slots=True)
+class ScoredSample(Sample):
+    seq_advantage: float = 0.0  # GSPO's one advantage per response (sequence_advantages)
+
+
 @torch.no_grad()
 def make_rollout(tok) -> list[Sample]:
     """8 samples (2 groups of 4) of uneven length, per-token advantages, old log-probs = the initial policy's + noise, a reference
@@ -79,7 +86,7 @@ def make_rollout(tok) -> list[Sample]:
     for i in range(8):
         prompt = tok(f"{i}+{i * 7}=")["input_ids"]
         resp = torch.randint(7, 20, (2 + (i * 5) % 9,), generator=g).tolist()
-        samples.append(Sample(prompt, resp, reward=float(i % 3 == 0)))
+        samples.append(ScoredSample(prompt, resp, reward=float(i % 3 == 0)))
     ids, attn = padded(samples, tok.pad_token_id)
     logp = torch.log_softmax(fresh_policy(tok)(input_ids=ids, attention_mask=attn).logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
     ref = torch.log_softmax(fresh_policy(tok, seed=9)(input_ids=ids, attention_mask=attn).logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
@@ -89,7 +96,7 @@ def make_rollout(tok) -> list[Sample]:
         adv = torch.zeros(n)
         adv[sl] = torch.randn(len(s.response_ids), generator=g) + (b % 4 - 1.5)
         s.advantages = adv[: sl.stop]
-        s.seq_advantage = float(b % 4 - 1.5)  # GSPO's one advantage per response (sequence_advantages)
+        s.seq_advantage = float(b % 4 - 1.5)
         s.old_logprobs = (logp[b] + 0.3 * torch.randn(n, generator=g))[: sl.stop]
         s.ref_logprobs = ref[b, : sl.stop].clone()
         s.old_values = (values[b] + 0.2 * torch.randn(n, generator=g))[: sl.stop]
@@ -189,7 +196,7 @@ def exactrl_run(case, samples, tok, layout) -> dict:
         model = fresh_critic(tok)
         critic = Critic(cfg, model, 2, tok.pad_token_id)
         for _ in range(2):
-            critic.train_step(samples, step_plan(samples, cfg, critic.engine))
+            critic.step(samples, step_plan(samples, cfg, critic.engine))
         return full_state(critic.engine, model)
     model = fresh_policy(tok)
     engine = build_engine(model, cfg, total_steps=2)
@@ -229,10 +236,10 @@ def cases(backend: str) -> list[dict]:
 class ScriptedGenerator:
     """Deterministic responses: prompt k's j-th response has (k * 3 + j) % 7 + 1 tokens."""
 
-    def generate(self, prompt_ids, n=1, **kw):
+    def generate(self, prompt_ids, params=SamplingParams()):
         out = []
         for i, ids in enumerate(prompt_ids):
-            for j in range(n):
+            for j in range(params.n):
                 resp = [10 + (ids[0] + j) % 5] * ((ids[0] * 3 + j) % 7 + 1)
                 out.append(Generation(i, ids, resp, "x" * len(resp), True))
         return out
@@ -252,7 +259,7 @@ def rollout_sharing() -> dict:
         cfg = load_config(RLConfig, None, ["train.global_batch_size=32", "train.micro_batch_size=4", f"algo.name={algo}",
                                             "algo.group_size=4"])
         samples, _ = collect_rollout(ScriptedGenerator(), prompts, fns, cfg)
-        gens = ScriptedGenerator().generate([p.input_ids for p in prompts], n=4)
+        gens = ScriptedGenerator().generate([p.input_ids for p in prompts], SamplingParams(n=4))
         one = [Sample(g.prompt_ids, g.response_ids, float(len(g.text) % 3)) for g in gens]
         attach_advantages(samples, cfg)
         attach_advantages(one, cfg)

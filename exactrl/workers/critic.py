@@ -19,17 +19,16 @@ from pathlib import Path
 
 import torch
 
-from exactrl.algorithms.common import load_model
-from exactrl.algorithms.rollouts import Sample, attach_per_token
 from exactrl.config.schema import RLConfig
-from exactrl.data.batching import collate_rl
-from exactrl.models.packing import model_batch
+from exactrl.data.batch import Sample, collate
 from exactrl.distributed.checkpoint import resume_engine
 from exactrl.distributed.engine import build_engine
 from exactrl.distributed.step_plan import StepPlan
 from exactrl.losses import aggregate, canary_share, masked_mean
 from exactrl.losses.policy import value_loss
 from exactrl.models.loading import load_value_model
+from exactrl.workers.load import load_model
+from exactrl.workers.worker import Worker
 
 
 def token_values(output_logits: torch.Tensor) -> torch.Tensor:
@@ -38,19 +37,22 @@ def token_values(output_logits: torch.Tensor) -> torch.Tensor:
     return output_logits[:, :-1, 0].float()
 
 
-class Critic:
+class Critic(Worker):
     def __init__(self, cfg: RLConfig, model: torch.nn.Module, total_steps: int, pad_id: int):
-        self.cfg, self.pad_id, self.model = cfg, pad_id, model
-        self.engine = build_engine(model, cfg.model_copy(update={"optim": cfg.critic.optim}), total_steps)
+        engine = build_engine(model, cfg.model_copy(update={"optim": cfg.critic.optim}), total_steps)
+        super().__init__("critic", model, engine, pad_id=pad_id, packed=cfg.train.padding_free)
+        self.cfg = cfg
 
     @classmethod
-    def load(cls, cfg: RLConfig, policy_start: str, total_steps: int, pad_id: int, run_dir: Path, phase: str, longest: int) -> Critic:
+    def load(cls, cfg: RLConfig, policy_start: str, total_steps: int, pad_id: int, run_dir: Path, phase: str,
+             longest: int) -> Critic:
         """From the checkpoint being resumed, else critic.path, else the policy's starting model;
         packing self-checked like the policy."""
         if cfg.train.resume_from:
             path = Path(cfg.train.resume_from) / "critic"
         else:
             path = cfg.critic.path or policy_start
+
         def loader(p, trainable, attn, dropout):  # a value head is new: seeded; its dropout is off
             return load_value_model(p, init_seed=cfg.train.seed, attn=attn)
 
@@ -59,26 +61,14 @@ class Critic:
     def resume(self, checkpoint: Path) -> None:
         resume_engine(checkpoint / "critic", self.engine)
 
-    def components(self) -> dict:
-        """What a checkpoint saves of the critic (save_checkpoint's ``others``)."""
-        return {"critic": (self.model, self.engine)}
-
-    def _model_batch(self, samples: list[Sample]):
-        return model_batch(self.model, [s.ids for s in samples], self.pad_id, self.cfg.train.padding_free)
-
-    def attach_values(self, samples: list[Sample], micro_batches: list[list[int]], autocast) -> None:
-        """The rollout's values under the critic before any update (``old_values``)."""
-
-        def compute(chunk):
-            mb = self._model_batch(chunk)
-            with autocast():
-                return mb.repad(token_values(self.model(**mb.inputs).logits))
-
-        attach_per_token(samples, "old_values", micro_batches, compute)
+    def token_field(self, name: str, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        if name != "values":
+            raise ValueError(f"the critic computes values, not '{name}'")
+        return token_values(logits)
 
     def micro_batch_loss(self, samples: list[Sample], normalizer):
         """This micro-batch's part of the step's value loss, its canary share, and metrics."""
-        b, mb = collate_rl(samples, self.pad_id), self._model_batch(samples)
+        b, mb = collate(samples, self.pad_id), self.model_batch(samples)
         with self.engine.autocast():
             out = self.engine.forward(self.model, **mb.inputs)
         values, mask = mb.repad(token_values(out.logits)), b["loss_mask"]
@@ -89,15 +79,8 @@ class Critic:
                  "value_mean": masked_mean(values.detach(), mask).item()}
         return aggregate(tok, mask, normalizer), canary_share(mask, normalizer), m
 
-    def train_step(self, batch: list[Sample], plan: StepPlan) -> dict:
+    def step(self, batch: list[Sample], plan: StepPlan) -> dict:
         """One critic optimizer step on the policy's mini-batch, in the policy's micro-batches."""
-        total, parts = 0.0, []
-        for mb in plan.micro_batches:
-            loss, share, m = self.micro_batch_loss([batch[i] for i in mb], plan.normalizer)
-            self.engine.backward(loss, share, num_samples=len(mb))
-            total += loss.item()
-            parts.append(m)
-        stats = self.engine.step(plan)
-        mean = self.engine.mean_over_ranks({k: sum(p[k] for p in parts) / len(parts) for k in parts[0]})
-        return {"critic_loss": self.engine.sum_over_ranks(total), "critic_grad_norm": stats["grad_norm"],
-                "critic_canary": stats["canary"], **mean}
+        result = self.train_step(batch, plan, lambda worker, samples, normalizer: worker.micro_batch_loss(samples, normalizer))
+        return {"critic_loss": result.loss, "critic_grad_norm": result.stats["grad_norm"],
+                "critic_canary": result.stats["canary"], **self.mean_metrics(result.parts)}

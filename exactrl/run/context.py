@@ -1,0 +1,116 @@
+"""The run context: what every training phase does around its loop, in one object.
+
+It owns the run directory (config, manifest, status), the metric sinks (metrics.jsonl), the
+progress bar, evaluation and the checkpoint cadence, so a loop says only what happened:
+
+    ctx = RunContext(cfg, "rl", phase, run_dir, data_files, tokenizer, eval_set)
+    ctx.start(steps, first_step)
+    ...
+    if ctx.logs(step):
+        ctx.write(step, {"loss": ..., ...})
+    ctx.step_done(step, {"policy": policy, "critic": critic}, position, postfix)
+    ctx.finish({"final": policy, "final-critic": critic})
+
+Under several processes only the main one writes; the others share the directory's path.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from exactrl.audit.manifest import write_manifest
+from exactrl.distributed.checkpoint import complete_checkpoints, save_checkpoint
+from exactrl.distributed.launch import broadcast_str, is_main, world_size
+from exactrl.metrics import MetricsLog
+from exactrl.progress import progress
+from exactrl.run.evaluation import Accuracy, EvalSet, greedy_accuracy
+from exactrl.run_dir import create_run_dir
+
+
+class EvaluationError(RuntimeError):
+    """The final evaluation failed after the trained model was saved."""
+
+
+def open_run(cfg, command: str, run_dir: Path | None, data_files: dict) -> tuple[Path, MetricsLog]:
+    """Create (or reuse, for a demo phase) the run directory; write config and manifest."""
+    if not is_main():
+        path = run_dir or Path(broadcast_str(""))
+        return path, MetricsLog(None)
+    if run_dir is None:
+        run_dir = create_run_dir(cfg.output_dir, command, cfg)
+        write_manifest(run_dir, cfg.train.seed, data_files)
+    if world_size() > 1:
+        broadcast_str(str(run_dir))
+    return run_dir, MetricsLog(run_dir / "metrics.jsonl")
+
+
+def should(every: int, step: int, last: int) -> bool:
+    """True on every ``every``-th completed step (1-based ``step``), never on the last (handled once after the loop)."""
+    return every > 0 and step % every == 0 and step != last
+
+
+class RunContext:
+    def __init__(self, cfg, command: str, phase: str, run_dir: Path | None, data_files: dict, tokenizer,
+                 eval_set: EvalSet | None):
+        self.cfg, self.phase, self.tokenizer, self.eval_set = cfg, phase, tokenizer, eval_set
+        self.run_dir, self.log = open_run(cfg, command, run_dir, data_files)
+        self.steps, self.bar = 0, None
+
+    def start(self, steps: int, first_step: int = 0) -> None:
+        """The loop runs completed steps first_step + 1 .. steps (a resumed run starts later)."""
+        self.steps = steps
+        self.bar = progress(steps, self.phase, first_step, enabled=is_main())
+
+    def logs(self, step: int) -> bool:
+        """Whether completed step ``step`` writes a metrics record (every train.log_every, and the last)."""
+        return step % self.cfg.train.log_every == 0 or step == self.steps
+
+    def write(self, step: int, record: dict) -> None:
+        self.log.write({"phase": self.phase, "step": step, **record})
+
+    def step_done(self, step: int, workers: dict, position: dict, postfix: dict[str, str]) -> None:
+        """After completed step ``step``: the bar, then the periodic evaluation and checkpoint.
+        ``workers``: name -> worker saved in a checkpoint, the policy under "policy" (None: absent);
+        ``position``: what a resumed run needs to continue exactly (step, RNG states...)."""
+        self.bar.update(1)
+        self.bar.set_postfix(**postfix)
+        policy = workers["policy"]
+        if self.eval_set and should(self.cfg.train.eval_every, step, self.steps):
+            self.evaluate(step, policy.model, say=self.bar.write)
+        if should(self.cfg.train.save_every, step, self.steps):
+            others = {name: (w.model, w.engine) for name, w in workers.items() if name != "policy" and w is not None}
+            save_checkpoint(self.run_dir / f"checkpoint-{step}", policy.model, self.tokenizer, policy.engine, position, others)
+            if self.cfg.train.save_total_limit and is_main():  # only now is the new one complete
+                for old in complete_checkpoints(self.run_dir)[: -self.cfg.train.save_total_limit]:
+                    shutil.rmtree(old)
+
+    def evaluate(self, step: int, model, say=print) -> Accuracy:
+        # Every rank generates for the same prompts (a sharded model needs all ranks in each
+        # forward); greedy decoding keeps them in lockstep.
+        acc = greedy_accuracy(self.cfg, model, self.tokenizer, self.eval_set)
+        self.write(step, {"eval_accuracy": acc.value, "eval_ci95": list(acc.ci95), "eval_reward_failures": acc.reward_failures})
+        if is_main():
+            failed = f" ({acc.reward_failures} scored reward.fallback: the reward failed on them)" if acc.reward_failures else ""
+            say(f"[{self.phase}] step {step}: greedy accuracy on {acc.n} eval prompts {acc}{failed}")
+        return acc
+
+    def finish(self, saved: dict) -> Path:
+        """Each trained worker in Hugging Face format (``saved``: directory name -> worker, the
+        policy first; None: absent), then the final evaluation: saved first, so a failing
+        evaluation never costs the training. Returns the policy's directory."""
+        self.bar.close()
+        names = [name for name, w in saved.items() if w is not None]
+        final = saved[names[0]].engine.save_pretrained(self.run_dir / names[0], self.tokenizer)
+        for name in names[1:]:
+            saved[name].engine.save_pretrained(self.run_dir / name, self.tokenizer)
+        try:
+            if self.eval_set:
+                self.evaluate(self.steps, saved[names[0]].model)
+        except Exception as e:
+            raise EvaluationError(f"the final evaluation failed: {e} (the trained model is saved in {final})") from e
+        finally:
+            self.log.close()
+            if self.eval_set:
+                self.eval_set.close()
+        return final

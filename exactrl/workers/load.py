@@ -1,0 +1,28 @@
+"""Loading a worker's model: as cfg.model says, then the packing self-check on that very model."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+from exactrl.audit.manifest import record_check
+from exactrl.checks.packing import check_packing
+from exactrl.distributed.launch import is_main
+from exactrl.models.loading import load_causal_lm
+
+
+def load_model(cfg, path, run_dir: Path, phase: str, role: str, longest: int, trainable: bool = True, loader=None):
+    """A model for ``role`` (policy, reference, critic) loaded as cfg.model says, after the
+    packing self-check (exactrl/checks/packing.py) has confirmed the path the run will train on
+    and recorded its figures in the manifest. ``longest``: the run's longest sequence."""
+    m = cfg.model
+    model = (loader or load_causal_lm)(path, trainable=trainable, attn=m.attn_implementation, dropout=not m.disable_dropout)
+    t = cfg.train
+    if t.packing_check != "off":
+        report = check_packing(model, model.config.get_text_config(decoder=True).vocab_size, longest, t.padding_free,
+                               t.packing_check, t.packing_check_tol, what=f"the {role} model")
+        if is_main():
+            record_check(run_dir, f"packing/{phase}/{role}", report.as_dict())
+            if report.notice:
+                warnings.warn(report.notice, UserWarning, stacklevel=2)
+    return model

@@ -1,0 +1,109 @@
+"""The worker: one model, the engine that trains it (none for a frozen model) and its device.
+
+Every role of a run (policy, reference, critic, later a reward model) is a worker and is
+driven the same way:
+
+    fields = worker.forward(samples, "logprobs", micro_batches)   # per-token, no gradient
+    result = worker.train_step(batch, plan, loss_fn)             # one verified optimizer step
+    generator.load_weights(worker.export_weights())              # to a rollout engine
+
+``train_step`` is the only place micro-batches are backpropagated: each one's exact share of
+the step loss under the plan's one normaliser, then the engine's sample accounting, canary
+and optimizer step. ``forward`` computes a per-token field for this rank's micro-batches and
+hands every rank every sample's values, so per-token fields computed once per rollout (old
+log-probs, reference log-probs, values) are the same on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from exactrl.data.batch import Sample
+from exactrl.distributed.collectives import gather
+from exactrl.distributed.step_plan import StepPlan
+from exactrl.losses.token_losses import token_entropy, token_logprobs
+from exactrl.models.packing import model_batch
+
+# loss_fn(worker, samples of one micro-batch, the step's normaliser) -> (this micro-batch's part
+# of the step loss, its canary share, its metrics)
+LossFn = Callable[["Worker", list[Sample], object], tuple[torch.Tensor, float, dict[str, float]]]
+
+
+@dataclass
+class StepResult:
+    loss: float  # the step's loss, summed over micro-batches and ranks
+    parts: list[dict[str, float]] = field(default_factory=list)  # this rank's per-micro-batch metrics
+    stats: dict = field(default_factory=dict)  # the engine's: grad_norm, lr, canary, micro-batches, samples...
+
+
+class Worker:
+    """``role``'s model; ``engine`` trains it (None: frozen, forward only); forwards run under
+    ``autocast`` (the engine's, else the one given); sequences are packed when ``packed``."""
+
+    def __init__(self, role: str, model: torch.nn.Module, engine=None, *, pad_id: int, packed: bool = True,
+                 temperature: float = 1.0, autocast: Callable | None = None):
+        self.role, self.model, self.engine = role, model, engine
+        self.pad_id, self.packed, self.temperature = pad_id, packed, temperature
+        self.autocast = autocast or (engine.autocast if engine is not None else contextlib.nullcontext)
+
+    def model_batch(self, samples: list[Sample]):
+        return model_batch(self.model, [s.ids for s in samples], self.pad_id, self.packed)
+
+    def token_field(self, name: str, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """Per-token ``name`` [rows, L-1] from one forward's logits (packed or padded rows)."""
+        if name == "logprobs":
+            return token_logprobs(logits, input_ids, self.temperature)
+        if name == "entropy":
+            return token_entropy(logits, self.temperature)
+        raise ValueError(f"the {self.role} worker computes logprobs or entropy, not '{name}'")
+
+    @torch.no_grad()
+    def forward(self, samples: list[Sample], name: str, micro_batches: list[list[int]]) -> list[torch.Tensor]:
+        """Per-token ``name`` of every sample (one tensor of its num_targets each): this rank
+        computes its ``micro_batches`` (indices into samples), then every rank receives all."""
+        mine = {}
+        for mb in micro_batches:
+            chunk = [samples[i] for i in mb]
+            batch = self.model_batch(chunk)
+            with self.autocast():
+                logits = self.model(**batch.inputs).logits
+            rows = batch.repad(self.token_field(name, logits, batch.inputs["input_ids"]))
+            for i, row in zip(mb, rows):
+                mine[i] = row[: samples[i].num_targets].clone()
+        out: list[torch.Tensor | None] = [None] * len(samples)
+        for part in gather(mine):
+            for i, row in part.items():
+                out[i] = row
+        missing = [i for i, row in enumerate(out) if row is None]
+        if missing:
+            raise RuntimeError(f"the {self.role}'s {name} were computed for no micro-batch holding samples {missing[:8]}")
+        return out
+
+    def train_step(self, batch: list, plan: StepPlan, loss_fn: LossFn,
+                   before_step: Callable[[list[dict]], None] | None = None) -> StepResult:
+        """One optimizer step over ``batch`` (every rank's samples) as ``plan`` lays it out.
+        ``before_step(parts)`` sees this rank's micro-batch metrics once all are backpropagated
+        and may stop the step before it is applied (the on-policy check does)."""
+        total, parts = 0.0, []
+        for mb in plan.micro_batches:
+            loss, share, metrics = loss_fn(self, [batch[i] for i in mb], plan.normalizer)
+            self.engine.backward(loss, share, num_samples=len(mb))
+            total += loss.item()
+            parts.append(metrics)
+        if before_step is not None:
+            before_step(parts)
+        stats = self.engine.step(plan)
+        return StepResult(self.engine.sum_over_ranks(total), parts, stats)
+
+    def mean_metrics(self, parts: list[dict[str, float]], skip: tuple[str, ...] = ()) -> dict[str, float]:
+        """Per-micro-batch metrics averaged over this rank's micro-batches, then over ranks."""
+        keys = [k for k in (parts[0] if parts else {}) if k not in skip]
+        return self.engine.mean_over_ranks({k: sum(p[k] for p in parts) / len(parts) for k in keys})
+
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The model's named parameters, as a generator's load_weights takes them."""
+        return self.model.named_parameters()

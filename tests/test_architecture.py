@@ -1,0 +1,123 @@
+"""The structure DESIGN.md asks for, checked on the source: imports point down (algorithms ->
+workers and generators -> engines -> losses/advantages), the task package never needs the
+trainer, engines are found through a registry, and the algorithm registry agrees with the config."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from exactrl.algorithms.registry import ALGORITHMS
+from exactrl.config.schema import GROUP_ALGOS, RL_ALGOS
+from exactrl.data.batch import TOKEN_FIELDS, Sample, collate
+from exactrl.registry import Registry
+
+PACKAGE = Path(__file__).resolve().parents[1] / "exactrl"
+
+# package -> packages it must never import (directly, at any depth of its modules)
+FORBIDDEN = {
+    "tasks": {"algorithms", "workers", "run", "pipelines", "distributed", "rollout"},
+    "losses": {"algorithms", "workers", "run", "pipelines", "distributed", "rollout", "models"},
+    "advantages": {"algorithms", "workers", "run", "pipelines", "distributed", "rollout", "models"},
+    "distributed": {"algorithms", "workers", "run", "pipelines", "rollout"},
+    "models": {"algorithms", "workers", "run", "pipelines", "rollout"},
+    "checks": {"algorithms", "workers", "run", "pipelines", "audit"},
+    "rollout": {"algorithms", "workers", "pipelines"},
+    "workers": {"algorithms", "pipelines", "run"},
+    "run": {"algorithms", "workers", "pipelines"},
+    "algorithms": {"pipelines"},
+    "data": {"algorithms", "workers", "run", "pipelines", "distributed", "rollout"},
+    "config": {"algorithms", "workers", "run", "pipelines", "distributed", "rollout", "models"},
+}
+
+
+def imported_packages(path: Path) -> set[str]:
+    """The exactrl sub-packages (or top-level modules) a module imports, lazily imported ones included."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "exactrl" and len(parts) > 1:
+                out.add(parts[1])
+    return out
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_imports_point_down(package):
+    wrong = {f"{path.relative_to(PACKAGE.parent)} imports exactrl.{p}"
+             for path in (PACKAGE / package).rglob("*.py") for p in imported_packages(path) & FORBIDDEN[package]}
+    assert not wrong, sorted(wrong)
+
+
+def test_the_import_check_can_fail(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from exactrl.algorithms.sft import train_sft\n")
+    assert "algorithms" in imported_packages(bad)
+
+
+def test_build_engine_imports_no_engine_subclass():
+    """distributed.backend names an engine through ENGINES: DeepSpeed stays optional."""
+    assert imported_packages(PACKAGE / "distributed" / "engine.py") <= {"checks", "config", "distributed"}
+    src = (PACKAGE / "distributed" / "engine.py").read_text()
+    assert "import fsdp2" not in src and "deepspeed_engine import" not in src
+
+
+def test_the_algorithm_registry_agrees_with_the_config():
+    assert set(ALGORITHMS) == set(RL_ALGOS)
+    assert {a.name for a in ALGORITHMS.values() if a.group_baseline} == set(GROUP_ALGOS)
+    assert [a.name for a in ALGORITHMS.values() if a.critic] == ["ppo"]
+
+
+def test_no_loop_branches_on_an_algorithm_name():
+    for path in (PACKAGE / "algorithms").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare) and isinstance(node.left, ast.Attribute) and node.left.attr == "name":
+                consts = [c.value for c in node.comparators if isinstance(c, ast.Constant)]
+                assert not set(consts) & set(RL_ALGOS), f"{path.name}:{node.lineno} branches on algo.name"
+
+
+def test_a_registry_refuses_a_name_twice():
+    r = Registry("thing")
+    r.add("a", 1)
+    with pytest.raises(ValueError, match="thing 'a' is registered twice"):
+        r.add("a", 2)
+
+
+def test_the_typed_batch_refuses_undeclared_fields_and_collates_declared_ones():
+    s = Sample([1, 2], [3, 4, 5], 1.0, advantages=torch.ones(4))
+    with pytest.raises(AttributeError):
+        s.advantage = torch.ones(4)  # a typo: not a declared field
+    assert TOKEN_FIELDS == ("advantages", "old_logprobs", "gen_logprobs", "ref_logprobs", "old_values", "returns")
+    t = Sample([1], [3, 4], 0.0, source="demonstration", advantages=torch.tensor([2.0, 3.0]))
+    b = collate([s, t], pad_id=0)
+    assert set(b) == {"input_ids", "attention_mask", "loss_mask", "advantages"}  # only fields every sample holds
+    assert b["advantages"].tolist() == [[1.0, 1.0, 1.0, 1.0], [2.0, 3.0, 0.0, 0.0]]
+    assert b["loss_mask"].tolist() == [[0, 1, 1, 1], [1, 1, 0, 0]]
+    assert t.source == "demonstration" and s.source == "on_policy"
+
+
+def test_an_algorithms_own_section_and_its_old_flat_keys(tmp_path):
+    from exactrl.algorithms.registry import check_algorithm_config
+    from exactrl.config import ConfigError, DemoConfig, RLConfig, load_config
+
+    old = tmp_path / "old.yaml"  # a config (or checkpoint) written before algo.gae / algo.dapo existed
+    old.write_text("algo:\n  name: ppo\n  lam: 0.8\n  whiten_advantages: false\n  max_refill_rounds: 3\n")
+    with pytest.warns(FutureWarning, match="'algo.lam' is now 'algo.gae.lam'"):
+        cfg = load_config(RLConfig, old)
+    assert (cfg.algo.gae.lam, cfg.algo.gae.whiten_advantages, cfg.algo.dapo.max_refill_rounds) == (0.8, False, 3)
+    with pytest.warns(FutureWarning, match="'algo.max_refill_rounds' is now 'algo.dapo.max_refill_rounds'"):
+        assert load_config(DemoConfig, None, ["rl.algo.max_refill_rounds=4"]).rl.algo.dapo.max_refill_rounds == 4
+    assert check_algorithm_config(load_config(RLConfig, None, ["algo.name=ppo", "algo.gae.lam=0.5"]).algo).critic
+    with pytest.raises(ConfigError, match=r"algo.gae.\* is set \(lam=0.5 .*\) but belongs to algo.name=ppo, not grpo"):
+        check_algorithm_config(load_config(RLConfig, None, ["algo.name=grpo", "algo.gae.lam=0.5"]).algo)
+    with pytest.raises(ConfigError, match=r"algo.dapo.\* is set .* belongs to algo.name=dapo, not ppo"):
+        check_algorithm_config(load_config(RLConfig, None, ["algo.name=ppo", "algo.dapo.max_refill_rounds=2"]).algo)

@@ -31,6 +31,7 @@ from exactrl.models.loading import load_causal_lm
 from exactrl.progress import progress as progress_bar
 from exactrl.rewards import DEFAULT_TIMEOUT, Reward, Rewards, require_answers
 from exactrl.run_dir import create_run_dir
+from exactrl.tracking import open_metrics, require_trackers
 
 
 def check_world(cfg) -> None:
@@ -50,8 +51,10 @@ def seed_everything(seed: int) -> None:
 
 
 def open_run(cfg, command: str, run_dir: Path | None, data_files: dict) -> tuple[Path, MetricsLog]:
-    """Create (or reuse, for a demo phase) the run directory; write config and manifest.
-    Under several processes only the main one writes; the others share the path."""
+    """Create (or reuse, for a demo phase) the run directory; write config and manifest; open the metric sinks
+    (metrics.jsonl and the trackers log.* asks for). Under several processes only the main one writes; the others
+    share the path."""
+    require_trackers(cfg.log)
     if not is_main():
         path = run_dir or Path(broadcast_str(""))
         return path, MetricsLog(None)
@@ -60,7 +63,7 @@ def open_run(cfg, command: str, run_dir: Path | None, data_files: dict) -> tuple
         write_manifest(run_dir, cfg.train.seed, data_files)
     if world_size() > 1:
         broadcast_str(str(run_dir))
-    return run_dir, MetricsLog(run_dir / "metrics.jsonl")
+    return run_dir, open_metrics(cfg, run_dir, f"{run_dir.name}-{command}")
 
 
 def load_model(cfg, path, run_dir: Path, phase: str, role: str, longest: int, trainable: bool = True, loader=None):

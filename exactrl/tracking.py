@@ -21,7 +21,8 @@ from exactrl.metrics import MetricsLog
 
 # Keys of a record that say where it belongs rather than what was measured.
 NOT_SCALARS = ("phase", "step", "time")
-# The run directory's files every tracker receives as metadata (re-sent at the end: start-up checks add to the manifest).
+# The run directory's files every tracker receives as metadata (sent again at the end: the start-up checks
+# add their figures to the manifest after the trackers have started).
 METADATA = ("config.yaml", "manifest.json")
 
 
@@ -44,7 +45,7 @@ def require_trackers(log) -> None:
 
 
 def scalars(record: dict) -> dict[str, float]:
-    """``<phase>/<key>`` -> value for each numeric value of a record; lists, dicts and None stay in metrics.jsonl only."""
+    """``<phase>/<key>`` -> value of each numeric value of a record (lists, dicts, None: metrics.jsonl only)."""
     phase = record.get("phase", "")
     return {f"{phase}/{k}": float(v) for k, v in record.items()
             if k not in NOT_SCALARS and isinstance(v, (int, float))}
@@ -188,5 +189,6 @@ def open_metrics(cfg, run_dir: Path, name: str) -> MetricsLog | Sinks:
             trackers.append(TRACKERS[key](cfg.log, run_dir, name, params))
         except Exception as e:  # a tracker that cannot start (no server, no login) is a set-up problem, not a bug
             Sinks(jsonl, trackers).close()
-            raise ConfigError(f"{key}: the tracker could not start ({type(e).__name__}: {e}); fix it or unset {key}") from None
+            raise ConfigError(f"{key}: the tracker could not start ({type(e).__name__}: {e}); "
+                              f"fix it or unset {key}") from None
     return Sinks(jsonl, trackers)

@@ -100,7 +100,9 @@ def read_wandb(run: Path) -> tuple[dict, dict, Path]:
     for record in map(json.loads, filter(None, proc.stdout.splitlines())):
         if record.get("type") == "history":
             item = record["history"]["item"]
-            series.update({k: series[k] + [(item["_step"], float(v))] for k, v in item.items() if not k.startswith("_")})
+            for key, value in item.items():
+                if not key.startswith("_"):  # W&B's own _step, _runtime, _timestamp
+                    series[key].append((item["_step"], float(value)))
         elif record.get("type") == "run":
             config = {k: v for k, v in record["run"]["config"]["update"].items() if k != "_wandb"}
     return dict(series), config, offline / "files"
@@ -162,7 +164,8 @@ def test_a_missing_tracker_package_is_a_one_line_error_before_the_run(tmp_path, 
     cfg = load_config(SFTConfig, None, ["data.eval=null", "train.max_steps=1", "train.global_batch_size=8",
                                         "train.micro_batch_size=4", key, f"output_dir={tmp_path / 'run'}"])
     name = key.split("=")[0]
-    with pytest.raises(ConfigError, match=rf"^{name} needs the '{module}' package.*pip install 'exactrl\[{module}\]'") as e:
+    expected = rf"^{name} needs the '{module}' package.*pip install 'exactrl\[{module}\]'"
+    with pytest.raises(ConfigError, match=expected) as e:
         train_sft(cfg, spec=BuiltinSpec(n_sft=64, n_rl=8, n_eval=8))
     assert "\n" not in str(e.value)
     assert not (tmp_path / "run").exists()  # nothing was created

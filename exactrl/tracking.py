@@ -189,6 +189,7 @@ def open_metrics(cfg, run_dir: Path, name: str) -> MetricsLog | Sinks:
             trackers.append(TRACKERS[key](cfg.log, run_dir, name, params))
         except Exception as e:  # a tracker that cannot start (no server, no login) is a set-up problem, not a bug
             Sinks(jsonl, trackers).close()
-            raise ConfigError(f"{key}: the tracker could not start ({type(e).__name__}: {e}); "
+            reason = " ".join(str(e).split())  # one line, whatever the library's message looks like
+            raise ConfigError(f"{key}: the tracker could not start ({type(e).__name__}: {reason}); "
                               f"fix it or unset {key}") from None
     return Sinks(jsonl, trackers)

@@ -169,3 +169,14 @@ def test_a_missing_tracker_package_is_a_one_line_error_before_the_run(tmp_path, 
         train_sft(cfg, spec=BuiltinSpec(n_sft=64, n_rl=8, n_eval=8))
     assert "\n" not in str(e.value)
     assert not (tmp_path / "run").exists()  # nothing was created
+
+
+def test_a_tracker_that_cannot_start_is_a_one_line_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("EXACTRL_CACHE", str(tmp_path / "cache"))
+    cfg = load_config(SFTConfig, None, ["data.eval=null", "train.max_steps=1", "train.global_batch_size=8",
+                                        "train.micro_batch_size=4", "log.mlflow.uri=nosuchscheme://x",
+                                        f"output_dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match=r"^log.mlflow.uri: the tracker could not start \(.*nosuchscheme") as e:
+        train_sft(cfg, spec=BuiltinSpec(n_sft=64, n_rl=8, n_eval=8))
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "run" / "final").exists()

@@ -13,12 +13,12 @@ import yaml
 
 from exactrl.distributed.checkpoint import CheckpointError, check_resumable
 
-# How long to run, how often to log/save/evaluate, where to write and what to evaluate on,
+# How long to run, how often to log/save/evaluate, where to write (output_dir, log.*) and what to evaluate on,
 # how checks react, and how a step is split into micro-batches (the gradient is the same).
 MAY_CHANGE = ("output_dir", "train.max_steps", "train.epochs", "train.save_every", "train.log_every",
               "train.eval_every", "train.resume_from", "train.resume_allow_changes", "train.save_total_limit",
               "train.nonfinite", "train.micro_batch_size", "train.packing_check", "data.eval", "data.eval_size", "eval.", "audit.",
-              "reward.timeout", "reward.retries", "distributed.nproc_per_node")
+              "log.", "reward.timeout", "reward.retries", "distributed.nproc_per_node")
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

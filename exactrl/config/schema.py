@@ -50,7 +50,7 @@ class TrainConfig(Section):
     eval_every: int = Field(0, ge=0, description="Steps between evaluations (0 = only at the end).")
     save_every: int = Field(0, ge=0, description="Steps between checkpoints (0 = only the final model).")
     resume_from: str | None = Field(None, description="A checkpoint-N directory to continue from (model, optimizer, scheduler, RNG, data position).")
-    resume_allow_changes: list[str] = Field([], description="Keys that may differ from the resumed checkpoint's run config (e.g. [train.global_batch_size]); others refuse the resume, as exact continuation needs the same data and layout. Always free: how long to run, logging/saving/eval cadence, output_dir, eval data, audit.*, train.micro_batch_size.")
+    resume_allow_changes: list[str] = Field([], description="Keys that may differ from the resumed checkpoint's run config (e.g. [train.global_batch_size]); others refuse the resume, as exact continuation needs the same data and layout. Always free: how long to run, logging/saving/eval cadence, output_dir, eval data, audit.*, log.*, train.micro_batch_size.")
     save_total_limit: int | None = Field(None, gt=0, description="Keep only the latest N checkpoints (an older one is deleted after the new one is complete); unset = keep all.")
     nonfinite: Literal["error", "skip"] = Field("error", description="On an inf/NaN gradient norm: 'error' stops the run (exit 4) before the step is applied; 'skip' applies no update for that step (counted in metrics as skipped_nonfinite; the schedule still moves). Weights that are not finite are never saved. deepspeed: error only.")
 
@@ -91,6 +91,24 @@ class EvalConfig(Section):
     reward_fn: str | None = Field(None, description="module:function (or http://...) that scores eval answers; accuracy = share with reward >= 1. Unset: rl scores with its first reward.fn (or reward.url); sft with the built-in checker on built-in eval data (an eval file of your own needs it set).")
 
 
+class WandbConfig(Section):
+    project: str | None = Field(None, description="Weights & Biases project to log to (pip install exactrl[wandb]); unset = no W&B.")
+    entity: str | None = Field(None, description="W&B team or user; unset = your default entity.")
+    name: str | None = Field(None, description="W&B run name; unset = <run directory name>-<command>.")
+    mode: Literal["online", "offline"] = Field("online", description="offline: write the W&B run only under <run>/wandb/ (upload later with `wandb sync`); online also sends it.")
+
+
+class MlflowConfig(Section):
+    uri: str | None = Field(None, description="MLflow tracking URI to log to (pip install exactrl[mlflow]): http://host:5000, or file:///abs/path/mlruns for a local store; unset = no MLflow.")
+    experiment: str = Field("exactrl", description="MLflow experiment (created if missing).")
+
+
+class LogConfig(Section):
+    tensorboard: bool = Field(False, description="Also write the metrics.jsonl scalars as TensorBoard events under <run>/tensorboard/ (pip install exactrl[tensorboard]).")
+    wandb: WandbConfig = WandbConfig()
+    mlflow: MlflowConfig = MlflowConfig()
+
+
 class CommonConfig(Section):
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
@@ -100,6 +118,7 @@ class CommonConfig(Section):
     deepspeed: DeepSpeedConfig = DeepSpeedConfig()
     audit: AuditConfig = AuditConfig()
     eval: EvalConfig = EvalConfig()
+    log: LogConfig = LogConfig()
     output_dir: str = Field("runs/{command}-{time}", description="Run directory; {command} and {time} are filled in.")
 
     @model_validator(mode="after")

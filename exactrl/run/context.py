@@ -26,6 +26,7 @@ from exactrl.metrics import MetricsLog
 from exactrl.progress import progress
 from exactrl.run.evaluation import Accuracy, EvalSet, greedy_accuracy
 from exactrl.run_dir import create_run_dir
+from exactrl.tracking import open_metrics, require_trackers
 
 
 class EvaluationError(RuntimeError):
@@ -33,7 +34,9 @@ class EvaluationError(RuntimeError):
 
 
 def open_run(cfg, command: str, run_dir: Path | None, data_files: dict) -> tuple[Path, MetricsLog]:
-    """Create (or reuse, for a demo phase) the run directory; write config and manifest."""
+    """Create (or reuse, for a demo phase) the run directory; write config and manifest; open the
+    metric sinks (metrics.jsonl and the trackers log.* asks for, exactrl/tracking.py)."""
+    require_trackers(cfg.log)
     if not is_main():
         path = run_dir or Path(broadcast_str(""))
         return path, MetricsLog(None)
@@ -42,7 +45,7 @@ def open_run(cfg, command: str, run_dir: Path | None, data_files: dict) -> tuple
         write_manifest(run_dir, cfg.train.seed, data_files)
     if world_size() > 1:
         broadcast_str(str(run_dir))
-    return run_dir, MetricsLog(run_dir / "metrics.jsonl")
+    return run_dir, open_metrics(cfg, run_dir, f"{run_dir.name}-{command}")
 
 
 def should(every: int, step: int, last: int) -> bool:

@@ -1,0 +1,182 @@
+"""TensorBoard, W&B (offline) and MLflow (local file store) receive exactly the scalars of metrics.jsonl.
+
+One short `exactrl sft` and one `exactrl rl` run, each with all three trackers on, are read back
+with each tracker's own reader and compared, key by key and (step, value) by (step, value), with
+a series built here from metrics.jsonl; the config and the manifest must have arrived too. The
+runs cannot reach a network: W&B is offline, MLflow writes to a file:// store, and any HTTP(S)
+request goes to a proxy that does not exist (a tracker that tried to connect would fail the run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import yaml
+
+from exactrl.algorithms.sft import train_sft
+from exactrl.config import SFTConfig, load_config
+from exactrl.config.loader import ConfigError
+from exactrl.tasks.builtin import BuiltinSpec
+
+SMALL = ["train.global_batch_size=8", "train.micro_batch_size=4", "train.log_every=1", "data.eval_size=4"]
+RUNS = {
+    # eval at step 2 and at the end: eval_accuracy is a scalar, eval_ci95 a list trackers skip.
+    "sft": ["train.max_steps=3", "train.eval_every=2"],
+    # kl_coef > 0 adds the reference model's rollout_kl; ratio_dev_first is None after the first update.
+    "rl": ["train.max_steps=4", "algo.group_size=4", "algo.mini_batches=2", "algo.kl_coef=0.05",
+           "rollout.max_new_tokens=8", "reward.fn=reward_fixtures:varied"],
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{command: (run directory, MLflow URI)} of one finished run per command, all trackers on."""
+    root = tmp_path_factory.mktemp("trackers")
+    env = {**os.environ, "EXACTRL_CACHE": str(root / "cache"), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline",
+           "WANDB_DIR": str(root / "wandb"), "WANDB_CONFIG_DIR": str(root / "wandb-config"),
+           "WANDB_CACHE_DIR": str(root / "wandb-cache"), "WANDB_DATA_DIR": str(root / "wandb-data"),
+           "HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9", "NO_PROXY": "127.0.0.1,localhost",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    env.pop("WANDB_API_KEY", None)
+    out = {}
+    for command, overrides in RUNS.items():
+        run, uri = root / command, f"file://{root / 'mlruns'}"
+        args = [*SMALL, *overrides, f"output_dir={run}", "log.tensorboard=true", "log.wandb.project=exactrl-test",
+                "log.wandb.mode=offline", f"log.mlflow.uri={uri}", f"log.mlflow.experiment={command}"]
+        proc = subprocess.run([sys.executable, "-m", "exactrl.cli", command, *args], env=env, cwd=root,
+                              stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, f"exactrl {command} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        out[command] = run, uri
+    return out
+
+
+def jsonl_series(run: Path) -> dict[str, list[tuple[int, float]]]:
+    """The reference: every int/float/bool value of metrics.jsonl as <phase>/<key> at the record's step."""
+    series = defaultdict(list)
+    for record in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()):
+        for key, value in record.items():
+            if key not in ("phase", "step", "time") and type(value) in (int, float, bool):
+                series[f"{record['phase']}/{key}"].append((record["step"], float(value)))
+    return dict(series)
+
+
+def assert_same_series(got: dict, run: Path) -> None:
+    want = jsonl_series(run)
+    assert sorted(got) == sorted(want)
+    for key in want:
+        assert sorted(got[key]) == sorted(want[key]), key
+
+
+def read_tensorboard(run: Path) -> tuple[dict, dict]:
+    from tensorboard.backend.event_processing.event_accumulator import TENSORS, EventAccumulator
+    from tensorboard.util import tensor_util
+
+    acc = EventAccumulator(str(run / "tensorboard"), size_guidance={TENSORS: 0})  # 0: keep every event
+    acc.Reload()
+    series, texts = {}, {}
+    for tag in acc.Tags()["tensors"]:
+        events = acc.Tensors(tag)
+        if acc.SummaryMetadata(tag).plugin_data.plugin_name == "scalars":
+            series[tag] = [(e.step, float(tensor_util.make_ndarray(e.tensor_proto))) for e in events]
+        else:  # text: the last one sent (at the end of the run)
+            text = tensor_util.make_ndarray(events[-1].tensor_proto).item().decode()
+            texts[tag.removesuffix("/text_summary")] = [line[4:] for line in text.splitlines()]
+    return series, texts
+
+
+def read_wandb(run: Path) -> tuple[dict, dict, Path]:
+    """W&B's own reader of the offline run's transaction log (`wandb leet inspect --json`)."""
+    (offline,) = (run / "wandb").glob("offline-run-*")
+    wandb_cli = Path(sys.executable).with_name("wandb")
+    proc = subprocess.run([str(wandb_cli), "leet", "inspect", "--json", str(offline)], capture_output=True, text=True,
+                          timeout=120, stdin=subprocess.DEVNULL, check=True)
+    series, config = defaultdict(list), {}
+    for record in map(json.loads, filter(None, proc.stdout.splitlines())):
+        if record.get("type") == "history":
+            item = record["history"]["item"]
+            for key, value in item.items():
+                if not key.startswith("_"):  # W&B's own _step, _runtime, _timestamp
+                    series[key].append((item["_step"], float(value)))
+        elif record.get("type") == "run":
+            config = {k: v for k, v in record["run"]["config"]["update"].items() if k != "_wandb"}
+    return dict(series), config, offline / "files"
+
+
+def read_mlflow(uri: str, experiment: str, tmp_path: Path):
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    series = {k: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, k)] for k in run.data.metrics}
+    files = {name: Path(client.download_artifacts(run.info.run_id, name, str(tmp_path))).read_text()
+             for name in ("config.yaml", "manifest.json")}
+    return series, run.data.params, files, run.info.status
+
+
+def flat(node: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in node.items():
+        out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+@pytest.mark.parametrize("command", RUNS)
+def test_tensorboard_holds_the_scalars_of_metrics_jsonl(runs, command):
+    run, _ = runs[command]
+    series, texts = read_tensorboard(run)
+    assert_same_series(series, run)
+    assert texts == {name: (run / name).read_text().splitlines() for name in ("config.yaml", "manifest.json")}
+
+
+@pytest.mark.parametrize("command", RUNS)
+def test_wandb_offline_run_holds_the_scalars_of_metrics_jsonl(runs, command):
+    run, _ = runs[command]
+    series, config, files = read_wandb(run)
+    assert_same_series(series, run)
+    assert config == flat(yaml.safe_load((run / "config.yaml").read_text()))
+    for name in ("config.yaml", "manifest.json"):
+        assert (files / name).read_text() == (run / name).read_text(), name
+
+
+@pytest.mark.parametrize("command", RUNS)
+def test_mlflow_file_store_holds_the_scalars_of_metrics_jsonl(runs, command, tmp_path):
+    run, uri = runs[command]
+    series, params, files, status = read_mlflow(uri, command, tmp_path)
+    assert_same_series(series, run)
+    config = flat(yaml.safe_load((run / "config.yaml").read_text()))
+    assert params == {k: v if isinstance(v, str) else json.dumps(v) for k, v in config.items()}
+    assert files == {name: (run / name).read_text() for name in ("config.yaml", "manifest.json")}
+    assert status == "FINISHED"
+
+
+@pytest.mark.parametrize("key, module", [("log.tensorboard=true", "tensorboard"), ("log.wandb.project=p", "wandb"),
+                                         ("log.mlflow.uri=file:///nowhere", "mlflow")])
+def test_a_missing_tracker_package_is_a_one_line_error_before_the_run(tmp_path, monkeypatch, key, module):
+    monkeypatch.setenv("EXACTRL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setitem(sys.modules, module, None)  # `import module` now raises ImportError
+    cfg = load_config(SFTConfig, None, ["data.eval=null", "train.max_steps=1", "train.global_batch_size=8",
+                                        "train.micro_batch_size=4", key, f"output_dir={tmp_path / 'run'}"])
+    name = key.split("=")[0]
+    expected = rf"^{name} needs the '{module}' package.*pip install 'exactrl\[{module}\]'"
+    with pytest.raises(ConfigError, match=expected) as e:
+        train_sft(cfg, spec=BuiltinSpec(n_sft=64, n_rl=8, n_eval=8))
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "run").exists()  # nothing was created
+
+
+def test_a_tracker_that_cannot_start_is_a_one_line_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("EXACTRL_CACHE", str(tmp_path / "cache"))
+    cfg = load_config(SFTConfig, None, ["data.eval=null", "train.max_steps=1", "train.global_batch_size=8",
+                                        "train.micro_batch_size=4", "log.mlflow.uri=nosuchscheme://x",
+                                        f"output_dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match=r"^log.mlflow.uri: the tracker could not start \(.*nosuchscheme") as e:
+        train_sft(cfg, spec=BuiltinSpec(n_sft=64, n_rl=8, n_eval=8))
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "run" / "final").exists()

@@ -23,6 +23,7 @@ from exactrl.checks.packing import check_packing
 from exactrl.config.loader import ConfigError
 from exactrl.config.schema import check_layout, check_rl_layout
 from exactrl.distributed.checkpoint import complete_checkpoints, save_checkpoint
+from exactrl.distributed.device import place, process_device, use_device
 from exactrl.distributed.launch import broadcast_str, is_main, world_size
 from exactrl.data.encode import Prompt, encode_prompts
 from exactrl.data.jsonl import read_jsonl
@@ -36,6 +37,7 @@ from exactrl.run_dir import create_run_dir
 def check_world(cfg) -> None:
     """The config against the real number of processes (torchrun may have started more)."""
     try:
+        use_device(cfg.distributed.device)  # before any process group or model: both follow it
         check_layout(cfg, world_size())
         if hasattr(cfg, "algo"):
             check_rl_layout(cfg, world_size())
@@ -69,6 +71,7 @@ def load_model(cfg, path, run_dir: Path, phase: str, role: str, longest: int, tr
     and recorded its figures in the manifest. ``longest``: the run's longest sequence."""
     m = cfg.model
     model = (loader or load_causal_lm)(path, trainable=trainable, attn=m.attn_implementation, dropout=not m.disable_dropout)
+    place(model, process_device())  # the self-check runs the kernels training will use
     t = cfg.train
     if t.packing_check != "off":
         report = check_packing(model, model.config.get_text_config(decoder=True).vocab_size, longest, t.padding_free,

@@ -129,11 +129,11 @@ def attach_advantages(samples: list[Sample], cfg: RLConfig, kl_coef: float | Non
 def policy_micro_batch_loss(model, engine, samples: list[Sample], normalizer, cfg: RLConfig, pad_id: int,
                             kl_coef: float | None = None):
     """This micro-batch's part of the step loss, its canary share, and its metrics."""
-    b = collate_rl(samples, pad_id)
+    b = collate_rl(samples, pad_id, engine.device)
     mb = model_batch(model, [s.ids for s in samples], pad_id, cfg.train.padding_free)
     with engine.autocast():
         logits = engine.forward(model, **mb.inputs).logits
-    logp = mb.repad(token_logprobs(logits, mb.inputs["input_ids"], cfg.rollout.temperature))
+    logp = mb.repad(token_logprobs(logits, mb.inputs["input_ids"], cfg.rollout.temperature, engine.logprob_chunk))
     mask = b["loss_mask"]
     a = cfg.algo
     # A rollout that feeds a single update needs no separate old-log-prob pass: this forward's
@@ -148,7 +148,7 @@ def policy_micro_batch_loss(model, engine, samples: list[Sample], normalizer, cf
         tok_loss = tok_loss + (a.kl_coef if kl_coef is None else kl_coef) * kl
         m["kl"] = masked_mean(kl.detach(), mask).item()
     with torch.set_grad_enabled(a.entropy_coef > 0 and torch.is_grad_enabled()):
-        entropy = mb.repad(token_entropy(logits, cfg.rollout.temperature))
+        entropy = mb.repad(token_entropy(logits, cfg.rollout.temperature, engine.logprob_chunk))
     if a.entropy_coef > 0:  # a bonus: higher entropy lowers the loss
         tok_loss = tok_loss - a.entropy_coef * entropy
     with torch.no_grad():
@@ -325,10 +325,10 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
         first_pass = first_pass_micro_batches(samples, cfg, engine)
         if not reuses_first_forward(cfg, samples):
             attach_logprobs(model, samples, "old_logprobs", first_pass, tok.pad_token_id, cfg.rollout.temperature, engine.autocast,
-                            cfg.train.padding_free)
+                            cfg.train.padding_free, engine.logprob_chunk)
         if ref is not None:
             attach_logprobs(ref, samples, "ref_logprobs", first_pass, tok.pad_token_id, cfg.rollout.temperature, engine.autocast,
-                            cfg.train.padding_free)
+                            cfg.train.padding_free, engine.logprob_chunk)
         if critic is not None:
             critic.attach_values(samples, first_pass, engine.autocast)
         kl_coef = kl_control.coef  # this rollout's; the controller moves it for the next

@@ -156,7 +156,9 @@ def attach_per_token(samples: list[Sample], attr: str, micro_batches: list[list[
         rows = compute([samples[i] for i in mb])
         for i, row in zip(mb, rows):
             s = samples[i]
-            mine[i] = row[: len(s.prompt_ids) + len(s.response_ids) - 1].clone()
+            # Kept on the CPU between passes (collate moves them back): a rollout's worth of
+            # per-token fields stays off the GPU, and gather pickles CPU tensors.
+            mine[i] = row[: len(s.prompt_ids) + len(s.response_ids) - 1].to("cpu", copy=True)
     for part in gather(mine):
         for i, row in part.items():
             setattr(samples[i], attr, row)
@@ -166,7 +168,7 @@ def attach_per_token(samples: list[Sample], attr: str, micro_batches: list[list[
 
 
 def attach_logprobs(model, samples: list[Sample], attr: str, micro_batches: list[list[int]], pad_id: int, temperature: float,
-                    autocast, packed: bool = True) -> None:
+                    autocast, packed: bool = True, logprob_chunk: int = 0) -> None:
     """Each sample's per-token log-probs, computed in the micro-batches training will use
     (``packed``: padding-free, as the training forward)."""
 
@@ -174,6 +176,6 @@ def attach_logprobs(model, samples: list[Sample], attr: str, micro_batches: list
         mb = model_batch(model, [s.ids for s in chunk], pad_id, packed)
         with autocast():
             logits = model(**mb.inputs).logits
-        return mb.repad(token_logprobs(logits, mb.inputs["input_ids"], temperature))
+        return mb.repad(token_logprobs(logits, mb.inputs["input_ids"], temperature, logprob_chunk))
 
     attach_per_token(samples, attr, micro_batches, compute)

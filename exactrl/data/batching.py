@@ -12,12 +12,17 @@ def pad_right(seqs: list[list[int]], pad_value: int) -> torch.Tensor:
     return torch.tensor([s + [pad_value] * (width - len(s)) for s in seqs], dtype=torch.long)
 
 
-def collate_sft(examples, pad_id: int) -> dict[str, torch.Tensor]:
-    """input_ids/attention_mask [B, L]; loss_mask [B, L-1] aligned with next-token targets."""
+def collate_sft(examples, pad_id: int, device: torch.device | None = None) -> dict[str, torch.Tensor]:
+    """input_ids/attention_mask [B, L]; loss_mask [B, L-1] aligned with next-token targets (on ``device``)."""
     ids = pad_right([e.input_ids for e in examples], pad_id)
     attn = pad_right([[1] * len(e.input_ids) for e in examples], 0)
     loss_mask = pad_right([e.loss_mask for e in examples], 0)[:, 1:]
-    return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss_mask}
+    return _to({"input_ids": ids, "attention_mask": attn, "loss_mask": loss_mask}, device)
+
+
+def _to(batch: dict[str, torch.Tensor], device: torch.device | None) -> dict[str, torch.Tensor]:
+    """The batch on ``device`` (the model's: exactrl/distributed/device.py); None keeps it on the CPU."""
+    return batch if device is None else {k: v.to(device) for k, v in batch.items()}
 
 
 class StepSampler:
@@ -48,8 +53,8 @@ class StepSampler:
         return step * self.g / self.n
 
 
-def collate_rl(samples, pad_id: int) -> dict[str, torch.Tensor]:
-    """Prompt+response sequences, right-padded. ``loss_mask`` [B, L-1] marks response targets;
+def collate_rl(samples, pad_id: int, device: torch.device | None = None) -> dict[str, torch.Tensor]:
+    """Prompt+response sequences, right-padded, on ``device``. ``loss_mask`` [B, L-1] marks response targets;
     per-token tensors stored on the samples (advantages, old/ref log-probs, old values, returns) are padded to the same width."""
     seqs = [s.ids for s in samples]
     ids = pad_right(seqs, pad_id)
@@ -61,4 +66,4 @@ def collate_rl(samples, pad_id: int) -> dict[str, torch.Tensor]:
         if all(v is not None for v in values):
             width = ids.size(1) - 1
             out[key] = torch.stack([torch.nn.functional.pad(v, (0, width - v.numel())) for v in values])
-    return out
+    return _to(out, device)

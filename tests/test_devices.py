@@ -50,6 +50,11 @@ def test_cuda_without_cuda_is_a_one_line_config_error(no_cuda):
         load_config(SFTConfig, None, ["distributed.device=gpu"])
 
 
+def test_fsdp_cpu_offload_without_a_gpu_is_a_config_error(no_cuda):
+    with pytest.raises(ConfigError, match="distributed.fsdp_cpu_offload=true"):
+        check_world(load_config(SFTConfig, None, ["distributed.backend=fsdp2", "distributed.fsdp_cpu_offload=true"]))
+
+
 def test_engine_owns_the_device_and_puts_model_and_canary_on_it(make_model):
     model = make_model(0)
     engine = build_engine(model, load_config(SFTConfig, None, ["distributed.device=cpu"]), total_steps=1)

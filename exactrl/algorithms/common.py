@@ -23,7 +23,7 @@ from exactrl.checks.packing import check_packing
 from exactrl.config.loader import ConfigError
 from exactrl.config.schema import check_layout, check_rl_layout
 from exactrl.distributed.checkpoint import complete_checkpoints, save_checkpoint
-from exactrl.distributed.device import place, process_device, use_device
+from exactrl.distributed.device import check_device, place, process_device
 from exactrl.distributed.launch import broadcast_str, is_main, world_size
 from exactrl.data.encode import Prompt, encode_prompts
 from exactrl.data.jsonl import read_jsonl
@@ -37,7 +37,7 @@ from exactrl.run_dir import create_run_dir
 def check_world(cfg) -> None:
     """The config against the real number of processes (torchrun may have started more)."""
     try:
-        use_device(cfg.distributed.device)  # before any process group or model: both follow it
+        check_device(cfg)  # before any process group or model: both follow it
         check_layout(cfg, world_size())
         if hasattr(cfg, "algo"):
             check_rl_layout(cfg, world_size())

@@ -53,6 +53,16 @@ def use_device(setting: str = "auto") -> torch.device:
     return device
 
 
+def check_device(cfg) -> torch.device:
+    """This process's device from ``cfg.distributed`` (decided here, before any process group or
+    model), with the settings that need a GPU checked against it."""
+    device = use_device(cfg.distributed.device)
+    if getattr(cfg.distributed, "fsdp_cpu_offload", False) and device.type == "cpu":
+        raise DeviceError("distributed.fsdp_cpu_offload=true offloads from a GPU, and this process runs on the CPU "
+                          f"(distributed.device={cfg.distributed.device}); set it to false")
+    return device
+
+
 def process_device() -> torch.device:
     """This process's device: the one decided by use_device, else what 'auto' gives."""
     return _process_device if _process_device is not None else use_device("auto")

@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test setup clean bench
+.PHONY: demo test setup clean bench gpu-check
 
 setup: $(STAMP)
 
@@ -24,6 +24,14 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# On a GPU machine: the gradient-equivalence subset, SFT and GRPO in fp32 and bf16 on CUDA
+# (scripts/gpu_check.py). Needs a CUDA torch, e.g. make gpu-check TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+# (a .venv built with the CPU torch: make clean first). GPU_CHECK_ARGS=--dry-run runs it on the CPU.
+GPU_CHECK_ARGS ?=
+
+gpu-check: $(STAMP)
+	$(PY) scripts/gpu_check.py $(GPU_CHECK_ARGS)
 
 # exactrl and TRL side by side (benchmarks/bench.py); TRL lives in .venv-bench.
 BENCH       := .venv-bench

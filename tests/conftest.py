@@ -6,7 +6,11 @@ equivalence tests, which run many forward/backward passes, stay fast on two CPU 
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
+import torch
 
 from exactrl.tasks.tiny_model import build_tiny_model
 from exactrl.tasks.tokenizer import build_tokenizer
@@ -46,3 +50,37 @@ def smollm2_dir():
         return ensure_smollm2()
     except SmolLMError as e:
         pytest.fail(f"cannot build the SmolLM2 test model: {e}", pytrace=False)
+
+
+# Tests marked `gpu` run on CUDA (make gpu-check); elsewhere they are skipped, unless
+# EXACTRL_GPU_DRY_RUN=1 (scripts/gpu_check.py --dry-run) runs them on the CPU.
+DRY_RUN = os.environ.get("EXACTRL_GPU_DRY_RUN") == "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available() or DRY_RUN:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False); `make gpu-check` runs it on a GPU machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def gpu_device():
+    """cuda:0, or the CPU under a dry run of make gpu-check."""
+    return torch.device("cuda", 0) if torch.cuda.is_available() and not DRY_RUN else torch.device("cpu")
+
+
+@pytest.fixture
+def gpu_figure(request):
+    """gpu_figure(name, value): a measured figure for make gpu-check's table (appended as a JSON
+    line to $EXACTRL_GPU_FIGURES when set)."""
+
+    def record(name: str, value: float) -> None:
+        path = os.environ.get("EXACTRL_GPU_FIGURES")
+        if path:
+            with open(path, "a") as f:
+                f.write(json.dumps({"test": request.node.name, "figure": name, "value": value}) + "\n")
+
+    return record

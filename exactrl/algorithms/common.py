@@ -10,12 +10,14 @@ import torch
 
 from exactrl.config.loader import ConfigError
 from exactrl.config.schema import check_layout, check_rl_layout
+from exactrl.distributed.device import check_device
 from exactrl.distributed.launch import world_size
 
 
 def check_world(cfg) -> None:
     """The config against the real number of processes (torchrun may have started more)."""
     try:
+        check_device(cfg)  # before any process group or model: both follow it
         check_layout(cfg, world_size())
         if hasattr(cfg, "algo"):
             check_rl_layout(cfg, world_size())

@@ -123,11 +123,11 @@ def attach_advantages(samples: list[Sample], cfg: RLConfig, kl_coef: float | Non
 def policy_micro_batch_loss(model, engine, samples: list[Sample], normalizer, cfg: RLConfig, pad_id: int,
                             kl_coef: float | None = None):
     """This micro-batch's part of the step loss, its canary share, and its metrics."""
-    b = collate(samples, pad_id)
+    b = collate(samples, pad_id, engine.device)
     mb = model_batch(model, [s.ids for s in samples], pad_id, cfg.train.padding_free)
     with engine.autocast():
         logits = engine.forward(model, **mb.inputs).logits
-    logp = mb.repad(token_logprobs(logits, mb.inputs["input_ids"], cfg.rollout.temperature))
+    logp = mb.repad(token_logprobs(logits, mb.inputs["input_ids"], cfg.rollout.temperature, engine.logprob_chunk))
     mask = b["loss_mask"]
     a = cfg.algo
     # A rollout that feeds a single update needs no separate old-log-prob pass: this forward's
@@ -142,7 +142,7 @@ def policy_micro_batch_loss(model, engine, samples: list[Sample], normalizer, cf
         tok_loss = tok_loss + (a.kl_coef if kl_coef is None else kl_coef) * kl
         m["kl"] = masked_mean(kl.detach(), mask).item()
     with torch.set_grad_enabled(a.entropy_coef > 0 and torch.is_grad_enabled()):
-        entropy = mb.repad(token_entropy(logits, cfg.rollout.temperature))
+        entropy = mb.repad(token_entropy(logits, cfg.rollout.temperature, engine.logprob_chunk))
     if a.entropy_coef > 0:  # a bonus: higher entropy lowers the loss
         tok_loss = tok_loss - a.entropy_coef * entropy
     with torch.no_grad():
@@ -267,7 +267,8 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     engine = build_engine(model, cfg, max(1, steps - warmup))  # the policy's schedule starts after the critic's warm-up
     policy = Worker("policy", model, engine, pad_id=pad, packed=t.padding_free, temperature=cfg.rollout.temperature)
     reference = None if ref_model is None else Worker("reference", ref_model, pad_id=pad, packed=t.padding_free,
-                                                      temperature=cfg.rollout.temperature, autocast=engine.autocast)
+                                                      temperature=cfg.rollout.temperature, autocast=engine.autocast,
+                                                      logprob_chunk=engine.logprob_chunk)
     critic = Critic.load(cfg, model_path, steps, pad, ctx.run_dir, phase, longest) if alg.critic else None
     # Several ranks holding shards of the parameters must run every forward together
     # (generate's synced_gpus keeps a rank whose responses have all ended stepping with the others).

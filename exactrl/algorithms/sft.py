@@ -49,8 +49,8 @@ def sft_micro_batch_loss(model, engine, examples, pad_id: int, normalizer, packe
     mb = model_batch(model, [e.input_ids for e in examples], pad_id, packed)
     with engine.autocast():
         logits = engine.forward(model, **mb.inputs).logits
-    logprobs = mb.repad(token_logprobs(logits, mb.inputs["input_ids"]))
-    mask = collate_sft(examples, pad_id)["loss_mask"]
+    logprobs = mb.repad(token_logprobs(logits, mb.inputs["input_ids"], chunk=engine.logprob_chunk))
+    mask = collate_sft(examples, pad_id, engine.device)["loss_mask"]
     return aggregate(sft_loss(logprobs), mask, normalizer), canary_share(mask, normalizer)
 
 

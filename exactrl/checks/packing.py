@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from exactrl.distributed.device import device_of
 from exactrl.models import packing
 
 
@@ -72,7 +73,8 @@ def _alone(model, seqs) -> list[torch.Tensor]:
     except (ValueError, ImportError):
         current = None  # no eager path: compare against the model's current kernel
     try:
-        return [_outputs(model, input_ids=torch.tensor([s]), use_cache=False)[0] for s in seqs]
+        device = device_of(model)
+        return [_outputs(model, input_ids=torch.tensor([s], device=device), use_cache=False)[0] for s in seqs]
     finally:
         if current is not None:
             hf.set_attn_implementation(current)

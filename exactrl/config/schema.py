@@ -22,7 +22,7 @@ class Section(BaseModel):
 
 class ModelConfig(Section):
     path: str = Field("builtin", description="Local Hugging Face model directory (from_pretrained), or 'builtin'.")
-    dtype: Literal["fp32", "bf16"] = Field("fp32", description="Compute dtype: bf16 autocasts forward passes; weights and optimizer stay fp32.")
+    dtype: Literal["fp32", "bf16"] = Field("fp32", description="Compute dtype. bf16: forward passes under bf16 autocast on the engine's device (matmuls and attention in bf16); fp32 stay the master weights, their gradients and every gradient reduction (FSDP2, DeepSpeed), the optimizer state and step, log-softmax, log-probs, entropies and values (the bf16 logits are cast to fp32 first), the loss aggregation and the canary. The usual setting on GPUs; fp32 on CPU.")
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="Attention kernel of every forward, packed or padded: sdpa (PyTorch's fused kernel; layers with attention-logit softcapping, e.g. Gemma2, run eager) or eager (scores, softmax and weighted sum written out: Hugging Face's reference path).")
     disable_dropout: bool = Field(True, description="Set every dropout rate of the model to 0 (TRL's disable_dropout): the policy's log-probs must equal the generator's (eval mode) and a verified step needs a deterministic forward. false keeps the model config's dropout (sft only).")
 
@@ -52,6 +52,8 @@ class TrainConfig(Section):
     resume_from: str | None = Field(None, description="A checkpoint-N directory to continue from (model, optimizer, scheduler, RNG, data position).")
     resume_allow_changes: list[str] = Field([], description="Keys that may differ from the resumed checkpoint's run config (e.g. [train.global_batch_size]); others refuse the resume, as exact continuation needs the same data and layout. Always free: how long to run, logging/saving/eval cadence, output_dir, eval data, audit.*, log.*, train.micro_batch_size.")
     save_total_limit: int | None = Field(None, gt=0, description="Keep only the latest N checkpoints (an older one is deleted after the new one is complete); unset = keep all.")
+    gradient_checkpointing: bool = Field(False, description="Recompute each decoder layer's activations during backward instead of storing them (Hugging Face's gradient_checkpointing_enable, non-reentrant): less memory, about one more forward per step; gradients unchanged.")
+    logprob_chunk_size: int = Field(0, ge=0, description="Tokens per chunk when turning logits into log-probs and entropies: the fp32 log-softmax over the vocabulary is computed chunk by chunk, never for the whole micro-batch at once (log-softmax is per token, so the values and gradients are bit-identical). 0 = one chunk.")
     nonfinite: Literal["error", "skip"] = Field("error", description="On an inf/NaN gradient norm: 'error' stops the run (exit 4) before the step is applied; 'skip' applies no update for that step (counted in metrics as skipped_nonfinite; the schedule still moves). Weights that are not finite are never saved. deepspeed: error only.")
 
 
@@ -70,6 +72,8 @@ class OptimConfig(Section):
 class DistributedConfig(Section):
     backend: Literal["single", "fsdp2", "deepspeed"] = Field("single", description="Train engine: 'single' (one process), 'fsdp2' (fully_shard over ranks) or 'deepspeed' (ZeRO, see deepspeed.*).")
     nproc_per_node: int = Field(1, ge=1, description="Processes to launch on this machine (exactrl re-runs itself under torchrun when > 1).")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where this process's models, batches, KV caches and collectives live: auto = cuda:LOCAL_RANK when CUDA is available, else cpu; cuda without a CUDA device is an error. NCCL on cuda, gloo on cpu.")
+    fsdp_cpu_offload: bool = Field(False, description="distributed.backend=fsdp2: keep the sharded parameters, gradients and optimizer state on the CPU (FSDP2's CPUOffloadPolicy; the optimizer steps there), copying each layer to the device for its compute. For DeepSpeed see deepspeed.offload_*.")
 
 
 

@@ -55,9 +55,10 @@ class Sample:
 TOKEN_FIELDS = tuple(f.name for f in fields(Sample) if f.metadata.get("per_token"))
 
 
-def collate(samples: list[Sample], pad_id: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+def collate(samples: list[Sample], pad_id: int, device: torch.device | None = None) -> dict[str, torch.Tensor]:
     """Prompt+response sequences, right-padded. ``loss_mask`` [B, L-1] marks response targets;
-    every declared per-token field set on all samples is padded to the same width."""
+    every declared per-token field set on all samples is padded to the same width. On ``device``
+    (the model's), else the CPU."""
     seqs = [s.ids for s in samples]
     ids = pad_right(seqs, pad_id)
     attn = pad_right([[1] * len(s) for s in seqs], 0)
@@ -68,4 +69,4 @@ def collate(samples: list[Sample], pad_id: int, device: torch.device | str = "cp
         values = [getattr(s, key) for s in samples]
         if all(v is not None for v in values):
             out[key] = torch.stack([torch.nn.functional.pad(v, (0, width - v.numel())) for v in values])
-    return {k: v.to(device) for k, v in out.items()}
+    return out if device is None else {k: v.to(device) for k, v in out.items()}

@@ -24,7 +24,9 @@ import torch
 
 from exactrl.checks.canary import Canary
 from exactrl.distributed.checkpoint import save_pretrained
-from exactrl.distributed.engine import NonFiniteError, SampleAccountingError, SingleEngine, nonfinite_message
+from exactrl.distributed.device import place, process_device, process_group_backend
+from exactrl.distributed.engine import (NonFiniteError, SampleAccountingError, SingleEngine, enable_gradient_checkpointing,
+                                      nonfinite_message)
 from exactrl.distributed.launch import is_main, single_process_env
 from exactrl.distributed.optim import build_optimizer, lr_factor
 
@@ -79,17 +81,23 @@ class DeepSpeedEngine(SingleEngine):
     backend = "deepspeed"
 
     @classmethod
-    def from_config(cls, model, cfg, total_steps: int) -> DeepSpeedEngine:
-        return cls(model, cfg.model, cfg.train, cfg.optim, cfg.audit, total_steps, cfg=cfg)
+    def from_config(cls, model, cfg, total_steps: int, device: torch.device) -> DeepSpeedEngine:
+        return cls(model, cfg.model, cfg.train, cfg.optim, cfg.audit, total_steps, cfg=cfg, device=device)
 
-    def __init__(self, model, model_cfg, train, optim, audit, total_steps: int, cfg=None):
-        if not torch.cuda.is_available():
+    def __init__(self, model, model_cfg, train, optim, audit, total_steps: int, cfg=None, device=None):
+        self.device = device or process_device()
+        if self.device.type == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         single_process_env()
         import deepspeed
 
         self.deepspeed = deepspeed
-        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+        deepspeed.init_distributed(dist_backend=process_group_backend(self.device))
+        # DeepSpeed moves the model to its accelerator itself; recorded so inputs follow it.
+        place(model, self.device)
+        if train.gradient_checkpointing:
+            enable_gradient_checkpointing(model)
+        self.logprob_chunk = train.logprob_chunk_size
         self.world_size, self.rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
         self.reduction_divisor = self.world_size
         self.model, self.dtype = model, model_cfg.dtype
@@ -143,7 +151,7 @@ class DeepSpeedEngine(SingleEngine):
             grad = self.deepspeed.utils.safe_get_full_grad(self.canary.param)  # a collective under ZeRO
             canary = self.canary.verify(0.0 if grad is None else float(grad.sum()) / CANARY_SCALE, self.step_count, self._micro_seen)
         lr = self.optimizer.param_groups[0]["lr"]
-        finite = torch.tensor(float(self._finite is None or bool(self._finite)))
+        finite = torch.tensor(float(self._finite is None or bool(self._finite)), device=self.device)
         self._finite = None
         torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
         if not finite.item():

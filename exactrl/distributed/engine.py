@@ -27,6 +27,7 @@ import torch
 from exactrl.checks.canary import Canary
 from exactrl.config.schema import AuditConfig, ModelConfig, OptimConfig, TrainConfig
 from exactrl.distributed.checkpoint import save_pretrained
+from exactrl.distributed.device import place, process_device, use_device
 from exactrl.distributed.optim import build_optimizer, build_scheduler
 from exactrl.distributed.step_plan import StepPlan
 
@@ -55,12 +56,17 @@ class SingleEngine:
     shards_parameters = False  # True when a forward needs every rank (FSDP2, ZeRO-3)
 
     def __init__(self, model: torch.nn.Module, model_cfg: ModelConfig, train: TrainConfig, optim: OptimConfig,
-                 audit: AuditConfig, total_steps: int):
+                 audit: AuditConfig, total_steps: int, device: torch.device | None = None):
         self.model = model
+        if not hasattr(self, "device"):  # FSDP2 decides it before sharding
+            self.device = prepare_model(model, train, device)
         self.canary = Canary(audit.canary, audit.canary_tol, self.describe) if audit.canary != "off" else None
+        if self.canary is not None:
+            self.canary.module.to(self.device)
         self.dtype = model_cfg.dtype
         self.max_grad_norm = train.max_grad_norm
         self.nonfinite = train.nonfinite
+        self.logprob_chunk = train.logprob_chunk_size  # tokens per log-softmax chunk (exactrl/losses/token_losses.py)
         self.skipped = 0  # steps skipped for a non-finite gradient (train.nonfinite=skip), logged as a running total
         self.optimizer = build_optimizer(model.parameters(), optim)
         self.scheduler = build_scheduler(self.optimizer, optim, total_steps)
@@ -69,12 +75,14 @@ class SingleEngine:
         self._samples_seen = 0
 
     @classmethod
-    def from_config(cls, model: torch.nn.Module, cfg, total_steps: int) -> SingleEngine:
-        return cls(model, cfg.model, cfg.train, cfg.optim, cfg.audit, total_steps)
+    def from_config(cls, model: torch.nn.Module, cfg, total_steps: int, device: torch.device) -> SingleEngine:
+        return cls(model, cfg.model, cfg.train, cfg.optim, cfg.audit, total_steps, device=device)
 
     def autocast(self):
+        """bf16 compute for the forward passes under it; the weights, their gradients and the
+        optimizer stay fp32 (see model.dtype)."""
         if self.dtype == "bf16":
-            return torch.autocast("cpu", dtype=torch.bfloat16)
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     def forward(self, model, **inputs):
@@ -83,7 +91,8 @@ class SingleEngine:
 
     def describe(self) -> str:
         """Backend, layout and versions, for error messages."""
-        return f"backend={self.backend}, world size {self.world_size}, dtype {self.dtype}, torch {torch.__version__}"
+        return (f"backend={self.backend}, world size {self.world_size}, device {self.device}, dtype {self.dtype}, "
+                f"torch {torch.__version__}")
 
     # What the backend's own gradient reduction divides by (FSDP2 averages over ranks).
     reduction_divisor = 1
@@ -144,7 +153,7 @@ class SingleEngine:
         return {k: v / self.world_size for k, v in zip(values, summed)}
 
     def _reduce(self, values: list[float], op) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)  # NCCL reduces GPU tensors only
         torch.distributed.all_reduce(t, op=op)
         return t.tolist()
 
@@ -166,6 +175,27 @@ class SingleEngine:
         self.step_count = state["step"]
 
 
+def prepare_model(model: torch.nn.Module, train: TrainConfig, device: torch.device | None) -> torch.device:
+    """Put ``model`` on ``device`` (default: this process's) with train.gradient_checkpointing
+    applied; return the device."""
+    device = device or process_device()
+    place(model, device)
+    if train.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    return device
+
+
+def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each decoder layer's activations in backward instead of keeping them. The
+    non-reentrant variant: it keeps the autograd graph intact (the reentrant one drops
+    gradients of inputs that do not require grad and mishandles keyword arguments)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 # distributed.backend -> the engine class, as "module:Class": imported when a run asks for it,
 # so DeepSpeed is needed only by the runs that use it.
 ENGINES = {
@@ -176,6 +206,7 @@ ENGINES = {
 
 
 def build_engine(model, cfg, total_steps: int) -> SingleEngine:
-    """The engine named by ``cfg.distributed.backend``, built from the run's config."""
+    """The engine named by ``cfg.distributed.backend``, built from the run's config, on the
+    device distributed.device gives."""
     module, name = ENGINES[cfg.distributed.backend].split(":")
-    return getattr(importlib.import_module(module), name).from_config(model, cfg, total_steps)
+    return getattr(importlib.import_module(module), name).from_config(model, cfg, total_steps, use_device(cfg.distributed.device))

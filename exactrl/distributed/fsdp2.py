@@ -13,10 +13,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_optimizer_state_dict
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
 from exactrl.distributed.checkpoint import save_pretrained
-from exactrl.distributed.engine import SingleEngine
+from exactrl.distributed.engine import SingleEngine, prepare_model
 from exactrl.distributed.launch import init_process_group, is_main, rank, world_size
 
 
@@ -24,17 +24,26 @@ class FSDP2Engine(SingleEngine):
     backend = "fsdp2"
     shards_parameters = True
 
-    def __init__(self, model, model_cfg, train, optim, audit, total_steps: int):
+    @classmethod
+    def from_config(cls, model, cfg, total_steps: int, device: torch.device) -> FSDP2Engine:
+        return cls(model, cfg.model, cfg.train, cfg.optim, cfg.audit, total_steps, device=device,
+                   cpu_offload=cfg.distributed.fsdp_cpu_offload)
+
+    def __init__(self, model, model_cfg, train, optim, audit, total_steps: int, device=None, cpu_offload: bool = False):
+        self.device = prepare_model(model, train, device)  # before sharding: each rank shards from its device
         init_process_group()
         self.world_size, self.rank = world_size(), rank()
         self.reduction_divisor = self.world_size
+        # cpu_offload: the sharded parameters, gradients and optimizer state live on the CPU (the
+        # optimizer steps there); each unit's parameters are copied to the device for its compute.
+        options = {"offload_policy": CPUOffloadPolicy()} if cpu_offload else {}
         # One FSDP unit per decoder layer (all-gathered one at a time), then the root.
         for layer in getattr(getattr(model, "model", model), "layers", []):
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, **options)
+        fully_shard(model, **options)
         super().__init__(model, model_cfg, train, optim, audit, total_steps)
         if self.canary is not None:
-            fully_shard(self.canary.module)
+            fully_shard(self.canary.module, **options)
 
     def save_pretrained(self, path: Path, tokenizer) -> Path:
         # A collective: every rank takes part, the main process writes.

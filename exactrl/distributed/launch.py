@@ -14,8 +14,9 @@ from __future__ import annotations
 import os
 import sys
 
-import torch
 import torch.distributed as dist
+
+from exactrl.distributed.device import process_device, process_group_backend
 
 
 def under_launcher() -> bool:
@@ -49,10 +50,11 @@ def single_process_env() -> None:
 
 
 def init_process_group() -> None:
-    """gloo on CPU, NCCL on GPUs; idempotent; works without a launcher (world size 1)."""
+    """gloo on CPU, NCCL on GPUs (this process's device, exactrl/distributed/device.py, which
+    also selects the rank's GPU); idempotent; works without a launcher (world size 1)."""
     if not dist.is_initialized():
         single_process_env()
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group(process_group_backend(process_device()))
 
 
 def shutdown() -> None:

@@ -10,23 +10,43 @@ import torch
 import torch.nn.functional as F
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0, chunk: int = 0) -> torch.Tensor:
     """log p(x[t+1] | x[..t]) for every position, at ``temperature`` (logits are divided by it,
-    matching how the rollout engine sampled). Computed in fp32 whatever the forward dtype."""
-    logits = logits[:, :-1].float()
-    if temperature != 1.0:
-        logits = logits / temperature
+    matching how the rollout engine sampled). Computed in fp32 whatever the forward dtype.
+    ``chunk`` > 0: at most that many positions at a time (see ``_by_chunks``)."""
     targets = input_ids[:, 1:]
-    # cross_entropy fuses log-softmax and gather without keeping a [B, T, V] log-prob tensor.
-    nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="none")
-    return -nll.view(targets.shape)
+
+    def nll(rows: torch.Tensor, rows_targets: torch.Tensor) -> torch.Tensor:
+        rows = rows.float()
+        if temperature != 1.0:
+            rows = rows / temperature
+        # cross_entropy fuses log-softmax and gather without keeping a [N, V] log-prob tensor.
+        return F.cross_entropy(rows, rows_targets, reduction="none")
+
+    return -_by_chunks(nll, logits[:, :-1], chunk, targets).view(targets.shape)
 
 
-def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0, chunk: int = 0) -> torch.Tensor:
     """Entropy of the next-token distribution at each target position (for metrics)."""
-    logits = logits[:, :-1].float() / temperature
-    logp = logits.log_softmax(-1)
-    return -(logp.exp() * logp).sum(-1)
+
+    def entropy(rows: torch.Tensor) -> torch.Tensor:
+        logp = (rows.float() / temperature).log_softmax(-1)
+        return -(logp.exp() * logp).sum(-1)
+
+    return _by_chunks(entropy, logits[:, :-1], chunk).view(logits.shape[0], -1)
+
+
+def _by_chunks(fn, logits: torch.Tensor, chunk: int, targets: torch.Tensor | None = None) -> torch.Tensor:
+    """``fn`` over the [B, T, V] ``logits`` as [N, V] rows, ``chunk`` rows at a time (0: all at
+    once), so the fp32 copy and log-softmax of the whole micro-batch never exist together.
+    Every row is computed by itself (log-softmax normalises over one row), so the values and,
+    through split's backward (one gradient buffer, no sums), the gradients are bit-identical."""
+    rows = logits.reshape(-1, logits.size(-1))
+    args = [] if targets is None else [targets.reshape(-1)]
+    if chunk <= 0 or rows.size(0) <= chunk:
+        return fn(rows, *args)
+    parts = zip(rows.split(chunk), *(a.split(chunk) for a in args))
+    return torch.cat([fn(*p) for p in parts])
 
 
 def sft_loss(logprobs: torch.Tensor) -> torch.Tensor:

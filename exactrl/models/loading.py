@@ -8,6 +8,7 @@ import torch
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from exactrl.distributed.device import place
 from exactrl.models import packing
 
 
@@ -31,9 +32,11 @@ def load_tokenizer(path: str | Path):
     return tok
 
 
-def load_causal_lm(path: str | Path, trainable: bool = True, attn: str = "sdpa", dropout: bool = False) -> torch.nn.Module:
+def load_causal_lm(path: str | Path, trainable: bool = True, attn: str = "sdpa", dropout: bool = False,
+                   device: torch.device | None = None) -> torch.nn.Module:
     """A causal LM in fp32 whose attention takes packed rows (``attn``: the kernel, sdpa or
-    eager), with its dropout off unless ``dropout`` (see packing.disable_dropout)."""
+    eager), with its dropout off unless ``dropout`` (see packing.disable_dropout), on ``device``
+    (default: the CPU; exactrl/distributed/device.py)."""
     p = Path(path)
     if not (p / "config.json").is_file():
         raise ModelLoadError(f"'{p}' has no config.json: not a Hugging Face model directory")
@@ -47,10 +50,11 @@ def load_causal_lm(path: str | Path, trainable: bool = True, attn: str = "sdpa",
     model.train(trainable)
     if not trainable:
         model.requires_grad_(False)
-    return model
+    return place(model, device or torch.device("cpu"))
 
 
-def load_value_model(path: str | Path, init_seed: int | None = None, attn: str = "sdpa") -> torch.nn.Module:
+def load_value_model(path: str | Path, init_seed: int | None = None, attn: str = "sdpa",
+                     device: torch.device | None = None) -> torch.nn.Module:
     """A critic: the model's architecture with a scalar head per position (Hugging Face's
     *ForTokenClassification, num_labels=1, dropout off), from a causal-LM or a saved critic
     directory. A new head (from a causal LM) is initialised from ``init_seed`` -- weights
@@ -77,4 +81,4 @@ def load_value_model(path: str | Path, init_seed: int | None = None, attn: str =
     packing.enable(model, attn)
     packing.disable_dropout(model)
     model.train(True)
-    return model
+    return place(model, device or torch.device("cpu"))  # the head is initialised on the CPU: the same on every device

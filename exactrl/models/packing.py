@@ -30,6 +30,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from exactrl.data.batching import pad_right
+from exactrl.distributed.device import device_of
 
 # One registered name per attention kernel (model.attn_implementation); both take packed rows.
 KERNELS = {"sdpa": "exactrl_varlen", "eager": "exactrl_varlen_eager"}
@@ -181,13 +182,14 @@ class ModelBatch:
 
 
 def model_batch(model, seqs: list[list[int]], pad_id: int, packed: bool) -> ModelBatch:
-    """Inputs of ``model`` for ``seqs``: right-padded with an attention mask, or (``packed``, and
-    the model can pack) one row with per-sequence position ids and the cumulative lengths
-    ``varlen_attention`` reads."""
+    """Inputs of ``model`` for ``seqs``, on the model's device: right-padded with an attention
+    mask, or (``packed``, and the model can pack) one row with per-sequence position ids and the
+    cumulative lengths ``varlen_attention`` reads."""
     lengths = [len(s) for s in seqs]
+    device = device_of(model)
     if not packed or not can_pack(model):
         attn = pad_right([[1] * n for n in lengths], 0)
-        return ModelBatch({"input_ids": pad_right(seqs, pad_id), "attention_mask": attn, "use_cache": False})
+        return ModelBatch({"input_ids": pad_right(seqs, pad_id).to(device), "attention_mask": attn.to(device), "use_cache": False})
     hf = _hf_model(model)
     if hf.config._attn_implementation not in KERNELS.values():
         enable(hf)  # models not loaded through exactrl.models.loading
@@ -198,12 +200,14 @@ def model_batch(model, seqs: list[list[int]], pad_id: int, packed: bool) -> Mode
         "position_ids": torch.cat([torch.arange(n_) for n_ in lengths]).unsqueeze(0),
         # All ones: SDPA's mask builder then skips the N x N mask that varlen_attention would ignore.
         "attention_mask": torch.ones(1, n, dtype=torch.long),
-        "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lengths), "max_length_k": max(lengths),
-        "use_cache": False,  # a training forward: no KV cache to fill
+        "cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
     }
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    inputs |= {"max_length_q": max(lengths), "max_length_k": max(lengths),
+               "use_cache": False}  # a training forward: no KV cache to fill
     # Target t of sequence s (predicting its token t+1) sits at flat position cu[s] + t.
     width = max(lengths) - 1
     pos = torch.arange(width)
     valid = pos[None, :] < torch.tensor(lengths)[:, None] - 1
     index = torch.where(valid, cu[:-1, None].long() + pos[None, :], 0)
-    return ModelBatch(inputs, (index, valid))
+    return ModelBatch(inputs, (index.to(device), valid.to(device)))

@@ -1,5 +1,6 @@
 """Generation with the trainer's own Hugging Face model (KV cache, batched sampling, finished
-rows leaving the batch): the default engine, the first implementation of exactrl/rollout/generator.py."""
+rows leaving the batch), on the model's device: the default engine, the first implementation of
+exactrl/rollout/generator.py."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from exactrl.distributed.device import device_of
 from exactrl.rollout.generator import SamplingParams, WeightSyncError
 
 
@@ -83,7 +85,7 @@ def _draw(logits: torch.Tensor, greedy: bool, temperature: float, top_p: float) 
 
 
 def _any_live(live: torch.Tensor, synced: bool) -> bool:
-    flag = live.any().to(torch.int32)
+    flag = live.any().to(torch.int32)  # on the model's device, as NCCL needs
     if synced:  # every rank steps while any rank has a live row
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
     return bool(flag)
@@ -102,15 +104,15 @@ def sample(model, input_ids: torch.Tensor, attention: torch.Tensor, *, max_new_t
 
     ``synced`` (parameters sharded over ranks): every rank runs as many forwards, stepping
     at least one row until no rank has a live one."""
-    rows = input_ids.shape[0]
-    tokens = torch.full((rows, max_new_tokens), pad, dtype=torch.long)
-    logprobs = None if greedy else torch.zeros(rows, max_new_tokens)
+    rows, device = input_ids.shape[0], input_ids.device  # the model's device: the loop never leaves it
+    tokens = torch.full((rows, max_new_tokens), pad, dtype=torch.long, device=device)
+    logprobs = None if greedy else torch.zeros(rows, max_new_tokens, device=device)
     cache = preallocated_cache(model, input_ids.shape[1] + max_new_tokens)
     mask = attention
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    row = torch.arange(rows)  # the original row of each batch row
-    live = torch.ones(rows, dtype=torch.bool)
+    row = torch.arange(rows, device=device)  # the original row of each batch row
+    live = torch.ones(rows, dtype=torch.bool, device=device)
     for t in range(max_new_tokens):
         token, logp = _draw(out.logits[:, -1].float(), greedy, temperature, top_p)
         tokens[row[live], t] = token[live]
@@ -121,7 +123,7 @@ def sample(model, input_ids: torch.Tensor, attention: torch.Tensor, *, max_new_t
             break
         token = torch.where(live, token, pad)
         if (~live).sum() >= max(1.0, compact_at * len(live)):
-            keep = live.nonzero()[:, 0] if live.any() else torch.zeros(1, dtype=torch.long)
+            keep = live.nonzero()[:, 0] if live.any() else torch.zeros(1, dtype=torch.long, device=device)
             row, live, token, mask = row[keep], live[keep], token[keep], mask[keep]
             cache.batch_select_indices(keep)
         mask = torch.cat([mask, mask.new_ones(len(mask), 1)], 1)
@@ -180,8 +182,9 @@ class HFEngine:
     def _generate_batch(self, requests, greedy, temperature, top_p, max_new_tokens) -> list[Generation]:
         pad, eos = self.tok.pad_token_id, self.tok.eos_token_id
         width = max(len(ids) for _, ids in requests)
-        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for _, ids in requests])
-        attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, ids in requests])
+        device = device_of(self.model)
+        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for _, ids in requests], device=device)
+        attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, ids in requests], device=device)
         tokens, logprobs = sample(self.model, input_ids, attention, max_new_tokens=max_new_tokens, eos=eos, pad=pad, greedy=greedy,
                                   temperature=temperature, top_p=top_p, synced=self.synced)
         logprobs = [None] * len(requests) if logprobs is None else logprobs.tolist()

@@ -68,7 +68,7 @@ class Critic(Worker):
 
     def micro_batch_loss(self, samples: list[Sample], normalizer):
         """This micro-batch's part of the step's value loss, its canary share, and metrics."""
-        b, mb = collate(samples, self.pad_id), self.model_batch(samples)
+        b, mb = collate(samples, self.pad_id, self.engine.device), self.model_batch(samples)
         with self.engine.autocast():
             out = self.engine.forward(self.model, **mb.inputs)
         values, mask = mb.repad(token_values(out.logits)), b["loss_mask"]

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from exactrl.audit.manifest import record_check
 from exactrl.checks.packing import check_packing
+from exactrl.distributed.device import place, process_device
 from exactrl.distributed.launch import is_main
 from exactrl.models.loading import load_causal_lm
 
@@ -17,6 +18,7 @@ def load_model(cfg, path, run_dir: Path, phase: str, role: str, longest: int, tr
     and recorded its figures in the manifest. ``longest``: the run's longest sequence."""
     m = cfg.model
     model = (loader or load_causal_lm)(path, trainable=trainable, attn=m.attn_implementation, dropout=not m.disable_dropout)
+    place(model, process_device())  # the self-check runs the kernels training will use
     t = cfg.train
     if t.packing_check != "off":
         report = check_packing(model, model.config.get_text_config(decoder=True).vocab_size, longest, t.padding_free,

@@ -45,10 +45,11 @@ class Worker:
     ``autocast`` (the engine's, else the one given); sequences are packed when ``packed``."""
 
     def __init__(self, role: str, model: torch.nn.Module, engine=None, *, pad_id: int, packed: bool = True,
-                 temperature: float = 1.0, autocast: Callable | None = None):
+                 temperature: float = 1.0, autocast: Callable | None = None, logprob_chunk: int | None = None):
         self.role, self.model, self.engine = role, model, engine
         self.pad_id, self.packed, self.temperature = pad_id, packed, temperature
         self.autocast = autocast or (engine.autocast if engine is not None else contextlib.nullcontext)
+        self.logprob_chunk = logprob_chunk if logprob_chunk is not None else getattr(engine, "logprob_chunk", 0)
 
     def model_batch(self, samples: list[Sample]):
         return model_batch(self.model, [s.ids for s in samples], self.pad_id, self.packed)
@@ -56,9 +57,9 @@ class Worker:
     def token_field(self, name: str, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """Per-token ``name`` [rows, L-1] from one forward's logits (packed or padded rows)."""
         if name == "logprobs":
-            return token_logprobs(logits, input_ids, self.temperature)
+            return token_logprobs(logits, input_ids, self.temperature, self.logprob_chunk)
         if name == "entropy":
-            return token_entropy(logits, self.temperature)
+            return token_entropy(logits, self.temperature, self.logprob_chunk)
         raise ValueError(f"the {self.role} worker computes logprobs or entropy, not '{name}'")
 
     @torch.no_grad()
@@ -73,7 +74,9 @@ class Worker:
                 logits = self.model(**batch.inputs).logits
             rows = batch.repad(self.token_field(name, logits, batch.inputs["input_ids"]))
             for i, row in zip(mb, rows):
-                mine[i] = row[: samples[i].num_targets].clone()
+                # Kept on the CPU between passes (collate moves them back): a rollout's worth of
+                # per-token fields stays off the GPU, and gather pickles CPU tensors.
+                mine[i] = row[: samples[i].num_targets].to("cpu", copy=True)
         out: list[torch.Tensor | None] = [None] * len(samples)
         for part in gather(mine):
             for i, row in part.items():

@@ -13,6 +13,7 @@ definition, plain torch SGD or AdamW. One process group serves every case.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -113,7 +114,10 @@ def cases(backend: str, world: int) -> list[dict]:
     adamw = [dict(mode="token-mean", micro=2, optim="adamw", eps=eps) for eps in (1e-8, 1e-6)]
     if backend == "fsdp2":
         out = [dict(mode=m, micro=mi, optim="sgd", extra=[]) for m in MODES for mi in micros]
-        return out + [dict(k3, extra=[])] + [dict(a, extra=[]) for a in adamw]
+        # Recomputed activations must not change the update (FSDP2's CPU offload needs a GPU: make gpu-check).
+        knobs = [dict(mode="token-mean", micro=2 // world, optim="sgd", extra=[x]) for x in
+                 ["train.gradient_checkpointing=true"] + (["distributed.fsdp_cpu_offload=true"] if os.environ.get("EXACTRL_TEST_DEVICE") == "cuda" else [])]
+        return out + [dict(k3, extra=[])] + [dict(a, extra=[]) for a in adamw] + knobs
     out = []
     for stage in (0, 1, 2, 3):
         for offload in (("none", "cpu") if stage else ("none",)):
@@ -138,7 +142,9 @@ def main(backend: str, world: int, out_path: str) -> None:
     rows = [Row(f"t:{i}", {"prompt": f"{i}+{i}=", "completion": c}) for i, c in enumerate(COMPLETIONS)]
     exs = encode_sft(rows, tok, 256)
     fresh = lambda: build_tiny_model(len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, seed=3, **SMALL)  # noqa: E731
-    layout = [f"distributed.backend={backend}", f"distributed.nproc_per_node={world}"]
+    # EXACTRL_TEST_DEVICE=cuda: the backend runs on GPUs over NCCL (tests/test_gpu.py); the reference stays on the CPU.
+    layout = [f"distributed.backend={backend}", f"distributed.nproc_per_node={world}",
+              f"distributed.device={os.environ.get('EXACTRL_TEST_DEVICE', 'auto')}"]
     user_json = Path(out_path).with_name("user_ds_config.json")
     user_json.write_text(json.dumps(USER_JSON))
     results = []

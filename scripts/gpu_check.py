@@ -1,0 +1,145 @@
+"""make gpu-check: does exactrl train exactly on this machine's GPUs?
+
+1. the gradient-equivalence subset on CUDA (tests marked `gpu`, tests/test_gpu.py: micro-batches
+   vs the full batch in fp32 and bf16, packed vs padded, FSDP2 at world size 2 over NCCL with
+   two or more GPUs);
+2. a short SFT and a short GRPO run in fp32 and bf16, at world size 1 and, with several GPUs,
+   2 (FSDP2 over NCCL), each checked by the canary at every step;
+then a PASS/FAIL table with the figures (equivalence errors, tokens/s, peak GPU memory). Exit
+code 1 on any FAIL.
+
+--dry-run: the same on the CPU (distributed.device=cpu, gloo, world size 1, fewer steps), so
+the script itself is tested where there is no GPU (tests/test_gpu_check.py).
+
+usage: python scripts/gpu_check.py [--dry-run] [--steps N] [--runs sft-fp32,grpo-bf16,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_tests(dry: bool, work: Path) -> list[tuple]:
+    figures = work / "figures.jsonl"
+    env = {**os.environ, "EXACTRL_GPU_FIGURES": str(figures), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    if dry:
+        env["EXACTRL_GPU_DRY_RUN"] = "1"
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-rs",
+                           str(ROOT / "tests" / "test_gpu.py")], cwd=ROOT, env=env, capture_output=True, text=True)
+    summary = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
+    if proc.returncode:
+        print(proc.stdout[-3000:], proc.stderr[-2000:], file=sys.stderr)
+    rows = [("tests -m gpu", "PASS" if proc.returncode == 0 else "FAIL", summary, f"{time.perf_counter() - t0:.0f} s")]
+    for line in figures.read_text().splitlines() if figures.exists() else []:
+        f = json.loads(line)
+        rows.append((f"  {f['test']}", "", f"{f['figure']} = {f['value']:.3g}", ""))
+    return rows
+
+
+def run_training(kind: str, dtype: str, world: int, dry: bool, steps: int, work: Path) -> tuple:
+    out = work / f"{kind}-{dtype}-w{world}.json"
+    child = [str(Path(__file__).resolve()), "--child", kind, dtype, "cpu" if dry else "cuda", str(steps), str(out)]
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"] if world > 1 else []
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    proc = subprocess.run([sys.executable, *launcher, *child], cwd=work, env=env, capture_output=True, text=True)
+    name = f"{kind} {dtype} world {world}"
+    if proc.returncode or not out.exists():
+        print(f"--- {name} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+        return (name, "FAIL", f"exit code {proc.returncode}", "")
+    r = json.loads(out.read_text())
+    ok = math.isfinite(r["loss"]) and all(abs(c - 1) <= 1e-5 for c in r["canary"])
+    memory = "n/a (cpu)" if r["peak_memory_gb"] is None else f"{r['peak_memory_gb']:.2f} GB peak"
+    return (name, "PASS" if ok else "FAIL", f"loss {r['loss']:.4f}, canary {min(r['canary'], default=1):.7f}, "
+            f"{r['tokens_per_s']:.0f} tokens/s", memory)
+
+
+def child(kind: str, dtype: str, device: str, steps: int, out: str) -> None:
+    """One short run in this process (one rank of it under torchrun); rank 0 writes the figures."""
+    import torch
+
+    from exactrl.config import RLConfig, SFTConfig, load_config
+    from exactrl.distributed.launch import is_main, shutdown, world_size
+    from exactrl.tasks.builtin import BuiltinSpec
+
+    world = world_size()
+    common = [f"distributed.device={device}", f"model.dtype={dtype}", f"train.max_steps={steps}", "train.log_every=1",
+              "data.eval=null", f"output_dir={Path(out).with_suffix('')}", f"distributed.nproc_per_node={world}",
+              f"distributed.backend={'fsdp2' if world > 1 else 'single'}"]
+    spec = BuiltinSpec(n_sft=64, n_rl=64, n_eval=8)
+    if kind == "sft":
+        from exactrl.algorithms.sft import train_sft
+
+        cfg = load_config(SFTConfig, None, [*common, "train.global_batch_size=16", f"train.micro_batch_size={8 // world}"])
+        result, tokens = train_sft(cfg, spec=spec), None
+        tokens = result.trained_tokens
+    else:
+        from exactrl.algorithms.rl import train_rl
+
+        cfg = load_config(RLConfig, None, [*common, "train.global_batch_size=16", f"train.micro_batch_size={8 // world}",
+                                           "algo.name=grpo", "algo.group_size=4", "rollout.max_new_tokens=16",
+                                           "reward.fn=exactrl.tasks.arithmetic:reward"])
+        result = train_rl(cfg, spec=spec)
+        tokens = result.generated_tokens
+    if is_main():
+        lines = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+        logged = [x for x in lines if "loss" in x]
+        peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+        Path(out).write_text(json.dumps({"loss": logged[-1]["loss"], "canary": [x["canary"] for x in logged if x.get("canary") is not None],
+                                         "tokens_per_s": tokens / result.seconds, "peak_memory_gb": peak}))
+    shutdown()
+
+
+def print_table(rows: list[tuple]) -> None:
+    widths = [max(len(str(r[i])) for r in rows) for i in range(4)]
+    for r in rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip())
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dry-run", action="store_true", help="run everything on the CPU (gloo, world size 1)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps of each run (default 20 on GPU, 2 dry)")
+    p.add_argument("--runs", default="sft-fp32,sft-bf16,grpo-fp32,grpo-bf16", help="which training runs (kind-dtype, comma-separated)")
+    p.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        kind, dtype, device, steps, out = args.child
+        child(kind, dtype, device, int(steps), out)
+        return 0
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        print(f"gpu-check: this torch ({torch.__version__}) sees no CUDA device; install a CUDA build "
+              "(make gpu-check TORCH=\"torch==... --index-url https://download.pytorch.org/whl/cu128\") or pass --dry-run")
+        return 2
+    gpus = 0 if args.dry_run else torch.cuda.device_count()
+    steps = args.steps or (2 if args.dry_run else 20)
+    where = "CPU (dry run)" if args.dry_run else f"{gpus} x {torch.cuda.get_device_name(0)}"
+    print(f"gpu-check on {where}, torch {torch.__version__}")
+    rows = [("check", "result", "figures", "")]
+    with tempfile.TemporaryDirectory(prefix="exactrl-gpu-check-") as tmp:
+        work = Path(tmp)
+        rows += run_tests(args.dry_run, work)
+        for world in [1, 2] if gpus >= 2 else [1]:
+            for run in args.runs.split(","):
+                kind, dtype = run.split("-")
+                rows.append(run_training(kind, dtype, world, args.dry_run, steps, work))
+    print_table(rows)
+    failed = [r[0] for r in rows if r[1] == "FAIL"]
+    print(f"gpu-check: {'FAIL: ' + ', '.join(failed) if failed else 'PASS'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

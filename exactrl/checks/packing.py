@@ -8,11 +8,18 @@ packed attention does not apply, a model whose attention never calls the registe
 (Falcon and Bloom compute ALiBi attention themselves, so a packed row would attend across its
 sequences), dropout left on. Sequences run past the model's narrowest sliding window when the
 run's sequences can. Costs a few forwards of at most a few dozen tokens.
+
+These run in fp32. flash-attention's kernel (exactrl/models/flash.py) only runs in half
+precision, so for a bf16 run the packed row runs once more under the run's autocast: when that
+engages flash, it is compared with the packed SDPA path (just verified in fp32) under the same
+autocast. The report names the kernel the packed forwards of training run.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 
 import torch
@@ -34,7 +41,9 @@ class PackingReport:
     packed_attention_calls: int  # varlen_attention calls in the packed forward (0: the model bypassed it)
     seconds: float
     packed: bool  # whether the run trains on packed rows
-    notice: str | None = None  # why packing was turned off
+    notice: str | None = None  # why packing (or flash-attention) was turned off
+    kernel: str | None = None  # the packed path's attention: "flash_attn varlen", "sdpa varlen", "eager varlen"; None: not run
+    flash_error: float | None = None  # flash vs packed SDPA under the run's autocast, same scale; None: flash not used
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -80,17 +89,34 @@ def _alone(model, seqs) -> list[torch.Tensor]:
             hf.set_attn_implementation(current)
 
 
+def _packed(model, seqs, lengths) -> tuple[list[torch.Tensor], int, str]:
+    """The packed forward's outputs per sequence, its calls of the packed attention and the
+    kernels those ran."""
+    calls, kernels = packing.packed_calls, packing.packed_kernels.copy()
+    flat = _outputs(model, **packing.model_batch(model, seqs, 0, packed=True).inputs)[0]
+    return list(flat.split(lengths)), packing.packed_calls - calls, ", ".join(sorted(packing.packed_kernels - kernels))
+
+
 def _error(rows: list[torch.Tensor], refs: list[torch.Tensor]) -> float:
     scale = max(1.0, max(r.abs().max().item() for r in refs))
     return max((a - b).abs().max().item() for a, b in zip(rows, refs)) / scale
 
 
+# flash against SDPA, both under bf16 autocast (8-bit mantissa, ~4e-3 per rounding): the two
+# kernels round differently, compounded over the layers and rounded again in the bf16 logits
+# (the tiny test models reach 2e-2); a window or softcap flash-attention misses changes whole
+# attention rows (5e-1 and more there).
+BF16_TOL = 5e-2
+
+
 @torch.no_grad()
 def check_packing(model, vocab_size: int, longest: int, padding_free: bool, policy: str, tol: float,
-                  what: str = "the model") -> PackingReport:
+                  what: str = "the model", autocast: Callable[[], AbstractContextManager] | None = None) -> PackingReport:
     """Run the check on ``model`` (a Hugging Face model loaded by exactrl.models.loading, not yet
     wrapped by an engine). ``policy``: 'fallback' turns packing off for the model (padded
-    batches) when only the packed path disagrees; 'error' stops. Raises PackingCheckError."""
+    batches) when only the packed path disagrees, or flash-attention off when only it does;
+    'error' stops. ``autocast``: the run's (bf16), under which flash-attention may engage.
+    Raises PackingCheckError."""
     t0 = time.perf_counter()
     hf = packing._hf_model(model)
     lengths = probe_lengths(hf.config, longest)
@@ -102,15 +128,16 @@ def check_packing(model, vocab_size: int, longest: int, padding_free: bool, poli
         refs = _alone(model, seqs)
         padded = _outputs(model, **packing.model_batch(model, seqs, 0, packed=False).inputs)
         padded_error = _error([padded[i, :n] for i, n in enumerate(lengths)], refs)
-        packed_error, calls = None, 0
+        packed_error, calls, kernel, flash_error, without_flash = None, 0, None, None, None
         if padding_free and packing.can_pack(model):
-            before = packing.packed_calls
-            flat = _outputs(model, **packing.model_batch(model, seqs, 0, packed=True).inputs)[0]
-            calls = packing.packed_calls - before
-            packed_error = _error(list(flat.split(lengths)), refs)
+            rows, calls, kernel = _packed(model, seqs, lengths)
+            packed_error = _error(rows, refs)
+            if autocast is not None and "flash" not in kernel:
+                kernel, flash_error, without_flash = _check_flash(model, seqs, lengths, autocast) or (kernel, None, kernel)
     finally:
         model.train(was_training)
-    report = PackingReport(lengths, packed_error, padded_error, calls, time.perf_counter() - t0, packed_error is not None)
+    report = PackingReport(lengths, packed_error, padded_error, calls, time.perf_counter() - t0, packed_error is not None,
+                           kernel=kernel, flash_error=flash_error)
     where = f"{what} ({type(hf).__name__}; sequences of {', '.join(map(str, lengths))} tokens)"
     if padding_free and packed_error is not None and (packed_error > tol or calls == 0):
         why = (f"its attention never called exactrl's packed attention (the model computes attention itself, "
@@ -125,4 +152,28 @@ def check_packing(model, vocab_size: int, longest: int, padding_free: bool, poli
     elif padded_error > tol and not report.packed:
         raise PackingCheckError(f"packing self-check failed for {where}: right-padded batches differ from each sequence "
                                 f"alone by {padded_error:.3g} (train.packing_check_tol={tol:g})")
+    elif flash_error is not None and flash_error > BF16_TOL:
+        why = f"flash-attention's packed rows differ from the packed SDPA path in bf16 by {flash_error:.3g} (allowed {BF16_TOL:g})"
+        if policy == "error":
+            raise PackingCheckError(f"packing self-check failed for {where}: {why}; uninstall flash-attn or set train.padding_free=false")
+        packing.use_flash(model, False)
+        report.kernel = without_flash
+        report.notice = f"packing self-check: {where}: {why}; packed rows run {without_flash} instead"
     return report
+
+
+def _check_flash(model, seqs, lengths, autocast) -> tuple[str, float, str] | None:
+    """Under the run's autocast: the kernels the packed row runs and, when flash-attention is
+    among them, its largest difference from the same row with flash turned off, and the kernels
+    that row ran."""
+    with autocast():
+        rows, _, kernel = _packed(model, seqs, lengths)
+    if "flash" not in kernel:
+        return None
+    packing.use_flash(model, False)
+    try:
+        with autocast():
+            refs, _, without_flash = _packed(model, seqs, lengths)
+    finally:
+        packing.use_flash(model, True)
+    return kernel, _error(rows, refs), without_flash

@@ -10,7 +10,9 @@ keep the packed forward equal to the padded one:
   queries, keys and values into a right-padded [sequences, heads, longest, dim] block and
   runs causal attention on it -- with the layer's sliding window and logit softcapping when
   it has them. Under a causal mask a real query never sees a pad key, pad queries are
-  dropped, so no pad contributes to any output or gradient.
+  dropped, so no pad contributes to any output or gradient. On CUDA in half precision with the
+  ``flash-attn`` extra installed, flash-attention's varlen kernel takes the packed row as it is
+  instead (exactrl/models/flash.py).
 
 Models whose attention never calls the registered function (Falcon, Bloom: ALiBi) cannot be
 packed this way; the packing self-check (exactrl/checks/packing.py) finds them, and every other
@@ -22,6 +24,7 @@ tests/test_arch_matrix.py hold them equal.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +34,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from exactrl.data.batching import pad_right
 from exactrl.distributed.device import device_of
+from exactrl.models import flash
 
 # One registered name per attention kernel (model.attn_implementation); both take packed rows.
 KERNELS = {"sdpa": "exactrl_varlen", "eager": "exactrl_varlen_eager"}
@@ -72,8 +76,10 @@ def _kernel(module, softcap):
 
 
 # Packed calls seen since the counter was last read: a packed forward that made none never
-# reached varlen_attention, so its attention ran across the sequences of the row.
+# reached varlen_attention, so its attention ran across the sequences of the row. The kernels
+# those calls ran, by name, for the self-check's report.
 packed_calls = 0
+packed_kernels: Counter[str] = Counter()
 
 
 def varlen_attention(module, query, key, value, attention_mask, *, cu_seq_lens_q=None, max_length_q=None,
@@ -87,6 +93,14 @@ def varlen_attention(module, query, key, value, attention_mask, *, cu_seq_lens_q
         return kernel(module, query, key, value, attention_mask, **kwargs)
     global packed_calls
     packed_calls += 1
+    fast = _flash_fn(module, query, key, value)
+    if fast is not None:
+        packed_kernels["flash_attn varlen"] += 1
+        out = flash.flash_varlen_attention(
+            *fast, query, key, value, cu_seq_lens_q, kwargs.get("cu_seq_lens_k", cu_seq_lens_q), max_length_q,
+            kwargs.get("max_length_k", max_length_q), sliding_window, softcap, kwargs.get("dropout", 0.0), kwargs.get("scaling"))
+        return out, None
+    packed_kernels["eager varlen" if kernel is eager_attention else "sdpa varlen"] += 1
     width = int(max_length_q)
     gather, keep = _gather_index(cu_seq_lens_q, width)
     # [1, H, N, D] -> [S, H, Lmax, D]: each sequence in its own row, right-padded. index_select
@@ -96,6 +110,22 @@ def varlen_attention(module, query, key, value, attention_mask, *, cu_seq_lens_q
     mask = window_mask(width, sliding_window, query.device)
     out, _ = kernel(module, q, k, v, mask, is_causal=mask is None, **kwargs)  # [S, Lmax, H, D]
     return out.flatten(0, 1).index_select(0, keep).unsqueeze(0), None  # [1, N, H, D]
+
+
+def _flash_fn(module, query, key, value):
+    """flash-attention's varlen function when it can take this packed call: the model runs SDPA
+    (an explicit eager stays eager) and the self-check has not turned flash off for it."""
+    if module.config._attn_implementation == KERNELS["eager"] or not getattr(module, "exactrl_flash", True):
+        return None
+    return flash.flash_available(query, key, value)
+
+
+def use_flash(model, on: bool) -> None:
+    """Allow (the default) or forbid flash-attention in ``model``'s packed forwards. A flag on
+    every submodule, the attention layers among them, so the model's config (saved with it)
+    stays as it was."""
+    for module in _hf_model(model).modules():
+        module.exactrl_flash = on
 
 
 def window_mask(width: int, window: int | None, device=None) -> torch.Tensor | None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
+import torch
+
 from exactrl.audit.manifest import record_check
 from exactrl.checks.packing import check_packing
 from exactrl.distributed.device import place, process_device
@@ -18,11 +20,14 @@ def load_model(cfg, path, run_dir: Path, phase: str, role: str, longest: int, tr
     and recorded its figures in the manifest. ``longest``: the run's longest sequence."""
     m = cfg.model
     model = (loader or load_causal_lm)(path, trainable=trainable, attn=m.attn_implementation, dropout=not m.disable_dropout)
-    place(model, process_device())  # the self-check runs the kernels training will use
+    device = process_device()
+    place(model, device)  # the self-check runs the kernels training will use
     t = cfg.train
     if t.packing_check != "off":
+        # Under bf16 autocast, as the engine runs the forwards: where flash-attention can take them.
+        autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if m.dtype == "bf16" else None
         report = check_packing(model, model.config.get_text_config(decoder=True).vocab_size, longest, t.padding_free,
-                               t.packing_check, t.packing_check_tol, what=f"the {role} model")
+                               t.packing_check, t.packing_check_tol, what=f"the {role} model", autocast=autocast)
         if is_main():
             record_check(run_dir, f"packing/{phase}/{role}", report.as_dict())
             if report.notice:

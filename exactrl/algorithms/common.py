@@ -28,6 +28,7 @@ from exactrl.data.encode import Prompt, encode_prompts
 from exactrl.data.jsonl import read_jsonl
 from exactrl.metrics import MetricsLog
 from exactrl.models.loading import load_causal_lm
+from exactrl.models.lora import apply_lora
 from exactrl.progress import progress as progress_bar
 from exactrl.rewards import DEFAULT_TIMEOUT, Reward, Rewards, require_answers
 from exactrl.run_dir import create_run_dir
@@ -63,12 +64,19 @@ def open_run(cfg, command: str, run_dir: Path | None, data_files: dict) -> tuple
     return run_dir, MetricsLog(run_dir / "metrics.jsonl")
 
 
-def load_model(cfg, path, run_dir: Path, phase: str, role: str, longest: int, trainable: bool = True, loader=None):
+def load_model(cfg, path, run_dir: Path, phase: str, role: str, longest: int, trainable: bool = True, loader=None,
+               checkpoint: str | None = None):
     """A model for ``role`` (policy, reference, critic) loaded as cfg.model says, after the
     packing self-check (exactrl/checks/packing.py) has confirmed the path the run will train on
-    and recorded its figures in the manifest. ``longest``: the run's longest sequence."""
+    and recorded its figures in the manifest. ``longest``: the run's longest sequence.
+    ``checkpoint``: a checkpoint to resume from: its full weights, or (the policy with
+    model.lora.rank > 0) the base model at ``path`` with the checkpoint's adapters."""
     m = cfg.model
+    lora = m.lora.rank > 0 and role == "policy"
+    path = checkpoint if checkpoint and not lora else path
     model = (loader or load_causal_lm)(path, trainable=trainable, attn=m.attn_implementation, dropout=not m.disable_dropout)
+    if lora:
+        model = apply_lora(model, m.lora, checkpoint)
     t = cfg.train
     if t.packing_check != "off":
         report = check_packing(model, model.config.get_text_config(decoder=True).vocab_size, longest, t.padding_free,

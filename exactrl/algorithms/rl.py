@@ -18,6 +18,7 @@ mode behind DeepSpeed-Chat's "one generation batch, one PPO epoch" guidance).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import time
@@ -46,6 +47,7 @@ from exactrl.losses import aggregate, canary_share, masked_mean
 from exactrl.losses.policy import PolicyInput, get_policy_loss
 from exactrl.losses.token_losses import kl_penalty, token_entropy, token_logprobs
 from exactrl.models.loading import load_tokenizer
+from exactrl.models.lora import reference_mode
 from exactrl.models.packing import model_batch
 from exactrl.rewards import load_rewards, require_answers
 from exactrl.rollout.hf import HFEngine
@@ -287,8 +289,12 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
         check_resume(cfg, "rl", steps)
     run_dir, log = open_run(cfg, "rl", run_dir, {"train": train_path, "eval": eval_path})
     longest = cfg.data.max_length + cfg.rollout.max_new_tokens
-    model = load_model(cfg, cfg.train.resume_from or model_path, run_dir, phase, "policy", longest)
-    ref = load_model(cfg, model_path, run_dir, phase, "reference", longest, trainable=False) if cfg.algo.kl_coef > 0 else None
+    model = load_model(cfg, model_path, run_dir, phase, "policy", longest, checkpoint=cfg.train.resume_from)
+    # With LoRA the reference is the policy with its adapters off (lora.reference_mode): no second model.
+    lora_ref = cfg.algo.kl_coef > 0 and cfg.model.lora.rank > 0
+    ref = None
+    if cfg.algo.kl_coef > 0 and not lora_ref:
+        ref = load_model(cfg, model_path, run_dir, phase, "reference", longest, trainable=False)
 
     warmup = min(cfg.critic.warmup_rollouts, rollouts) * steps_per_rollout if a.name == "ppo" else 0
     engine = build_engine(model, cfg, max(1, steps - warmup))  # the policy's schedule starts after the critic's warm-up
@@ -326,13 +332,14 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
         if not reuses_first_forward(cfg, samples):
             attach_logprobs(model, samples, "old_logprobs", first_pass, tok.pad_token_id, cfg.rollout.temperature, engine.autocast,
                             cfg.train.padding_free)
-        if ref is not None:
-            attach_logprobs(ref, samples, "ref_logprobs", first_pass, tok.pad_token_id, cfg.rollout.temperature, engine.autocast,
-                            cfg.train.padding_free)
+        if a.kl_coef > 0:
+            with reference_mode(model) if lora_ref else contextlib.nullcontext():
+                attach_logprobs(model if lora_ref else ref, samples, "ref_logprobs", first_pass, tok.pad_token_id,
+                                cfg.rollout.temperature, engine.autocast, cfg.train.padding_free)
         if critic is not None:
             critic.attach_values(samples, first_pass, engine.autocast)
         kl_coef = kl_control.coef  # this rollout's; the controller moves it for the next
-        if ref is not None:
+        if a.kl_coef > 0:
             rstats["rollout_kl"], rstats["kl_coef"] = kl_control.update(samples), kl_coef
         attach_advantages(samples, cfg, kl_coef)
         for step_loss, parts, stats in update_policy(model, engine, samples, cfg, rollout, group_rng, tok.pad_token_id,

@@ -64,7 +64,7 @@ def train_sft(cfg: SFTConfig, run_dir: Path | None = None, spec: BuiltinSpec = B
     if cfg.train.resume_from:
         check_resume(cfg, "sft", steps)
     run_dir, log = open_run(cfg, "sft", run_dir, {"train": train_path, "eval": eval_path})
-    model = load_model(cfg, cfg.train.resume_from or model_path, run_dir, phase, "policy", cfg.data.max_length)
+    model = load_model(cfg, model_path, run_dir, phase, "policy", cfg.data.max_length, checkpoint=cfg.train.resume_from)
     engine = build_engine(model, cfg, steps)
     start = resume(cfg.train.resume_from, engine)["step"] if cfg.train.resume_from else 0
     sampler = StepSampler(len(examples), cfg.train.global_batch_size, cfg.train.seed)

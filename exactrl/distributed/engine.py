@@ -58,6 +58,7 @@ class SingleEngine:
         self.model = model
         self.canary = Canary(audit.canary, audit.canary_tol, self.describe) if audit.canary != "off" else None
         self.dtype = model_cfg.dtype
+        self.merge_on_save = model_cfg.lora.merge_on_save  # LoRA: final/ also holds the merged model
         self.max_grad_norm = train.max_grad_norm
         self.nonfinite = train.nonfinite
         self.skipped = 0  # steps skipped for a non-finite gradient (train.nonfinite=skip), logged as a running total
@@ -145,7 +146,7 @@ class SingleEngine:
 
     def save_pretrained(self, path: Path, tokenizer) -> Path:
         """The model in Hugging Face format (on the main process)."""
-        return save_pretrained(path, self.model, tokenizer)
+        return save_pretrained(path, self.model, tokenizer, merge=self.merge_on_save)
 
     def checkpoint_state(self) -> tuple[dict | None, dict]:
         """(full model weights, or None for the model's own state_dict; optimizer, scheduler

@@ -18,6 +18,7 @@ from torch.distributed.fsdp import fully_shard
 from exactrl.distributed.checkpoint import save_pretrained
 from exactrl.distributed.engine import SingleEngine
 from exactrl.distributed.launch import init_process_group, is_main, rank, world_size
+from exactrl.models import lora
 
 
 class FSDP2Engine(SingleEngine):
@@ -29,7 +30,8 @@ class FSDP2Engine(SingleEngine):
         self.world_size, self.rank = world_size(), rank()
         self.reduction_divisor = self.world_size
         # One FSDP unit per decoder layer (all-gathered one at a time), then the root.
-        for layer in getattr(getattr(model, "model", model), "layers", []):
+        hf = lora.base_model(model)  # under a LoRA model's peft wrapper
+        for layer in getattr(getattr(hf, "model", hf), "layers", []):
             fully_shard(layer)
         fully_shard(model)
         super().__init__(model, model_cfg, train, optim, audit, total_steps)
@@ -40,13 +42,14 @@ class FSDP2Engine(SingleEngine):
         # A collective: every rank takes part, the main process writes.
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if is_main():
-            save_pretrained(path, self.model, tokenizer, state)
+            save_pretrained(path, self.model, tokenizer, state, merge=self.merge_on_save)
         return Path(path)
 
     def checkpoint_state(self):
         # Full (unsharded) weights and optimizer state, keyed by parameter name, on the main
-        # process; every rank takes part.
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # process; every rank takes part. A LoRA model's checkpoint holds only its adapters.
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=lora.is_peft(self.model))
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=options)
         return model_sd, {"optimizer": optim_sd, "scheduler": self.scheduler.state_dict(), "step": self.step_count}
 
     def load_state_dict(self, state: dict, directory: Path | None = None) -> None:

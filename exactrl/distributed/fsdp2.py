@@ -48,8 +48,12 @@ class FSDP2Engine(SingleEngine):
     def checkpoint_state(self):
         # Full (unsharded) weights and optimizer state, keyed by parameter name, on the main
         # process; every rank takes part. A LoRA model's checkpoint holds only its adapters.
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=lora.is_peft(self.model))
+        adapters_only = lora.is_peft(self.model)
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=adapters_only)
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=options)
+        if adapters_only:  # a frozen weight tied to another (lm_head to the embeddings) still comes back
+            trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+            model_sd = {k: v for k, v in model_sd.items() if k in trainable}
         return model_sd, {"optimizer": optim_sd, "scheduler": self.scheduler.state_dict(), "step": self.step_count}
 
     def load_state_dict(self, state: dict, directory: Path | None = None) -> None:

@@ -24,7 +24,7 @@ from exactrl.algorithms.rl import train_rl
 from exactrl.algorithms.rollouts import attach_logprobs
 from exactrl.algorithms.sft import train_sft
 from exactrl.audit.canary import CanaryError
-from exactrl.config import RLConfig, SFTConfig, load_config
+from exactrl.config import DemoConfig, RLConfig, SFTConfig, load_config
 from exactrl.config.loader import ConfigError
 from exactrl.config.schema import LoraConfig
 from exactrl.distributed.checkpoint import save_pretrained
@@ -168,8 +168,8 @@ def test_config_mistakes_are_refused_naming_the_key(make_model):
         load_config(SFTConfig, None, ["model.lora.rank=4", "model.lora.target_modules=[q_proj,lm_head]"])
     with pytest.raises(ConfigError, match="model.lora.dropout=0.1: RL needs a deterministic forward"):
         load_config(RLConfig, None, ["model.lora.rank=4", "model.lora.dropout=0.1"])
-    with pytest.raises(ConfigError, match="model.lora.rank > 0 needs distributed.backend single or fsdp2"):
-        load_config(SFTConfig, None, ["model.lora.rank=4", "distributed.backend=deepspeed"])
+    with pytest.raises(ConfigError, match="sft.model.lora.rank / rl.model.lora.rank: the demo hands full models"):
+        load_config(DemoConfig, None, ["rl.model.lora.rank=4"])
     assert load_config(SFTConfig, None, ["model.lora.rank=4", "model.lora.dropout=0.1"]).model.lora.dropout == 0.1
     with pytest.raises(LoraError, match="'qkv' matches no linear layer of the model; it has down_proj, gate_proj, k_proj"):
         apply_lora(make_model(0), LoraConfig(rank=4, target_modules=["q_proj", "qkv"]))

@@ -135,9 +135,6 @@ def check_layout(cfg: CommonConfig, world: int) -> None:
     if cfg.deepspeed.offload_param != "none" and cfg.deepspeed.zero_stage != 3:
         raise ValueError(f"deepspeed.offload_param={cfg.deepspeed.offload_param} needs deepspeed.zero_stage=3 "
                          f"(given {cfg.deepspeed.zero_stage})")
-    if cfg.model.lora.rank and cfg.distributed.backend == "deepspeed":
-        raise ValueError("model.lora.rank > 0 needs distributed.backend single or fsdp2: LoRA with DeepSpeed is not "
-                         "verified exact yet (its checkpoints would hold the frozen base weights too)")
     t = cfg.train
     if t.nonfinite == "skip" and cfg.distributed.backend == "deepspeed":
         raise ValueError("train.nonfinite=skip needs distributed.backend single or fsdp2: DeepSpeed applies its step "

@@ -42,7 +42,8 @@ def _peft():
     try:
         import peft
     except ImportError:
-        raise LoraError("model.lora.rank > 0 needs peft: pip install 'exactrl[lora]' (or peft from requirements.txt)") from None
+        raise LoraError("model.lora.rank > 0 needs peft: pip install 'exactrl[lora]' "
+                        "(or peft from requirements.txt)") from None
     return peft
 
 
@@ -65,10 +66,12 @@ def check_targets(model, targets: str | list[str]) -> None:
     head = next((n for n, m in model.named_modules() if m is model.get_output_embeddings()), None)
     for t in [targets] if isinstance(targets, str) else targets:
         if head is not None and (head == t or head.endswith("." + t)):
-            raise LoraError(f"model.lora.target_modules: '{t}' is the output head ({head}), which cannot take an adapter")
+            raise LoraError(f"model.lora.target_modules: '{t}' is the output head ({head}), "
+                            "which cannot take an adapter")
         if not any(n == t or n.endswith("." + t) for n in names):
             known = sorted({n.rsplit(".", 1)[-1] for n in names})
-            raise LoraError(f"model.lora.target_modules: '{t}' matches no linear layer of the model; it has {', '.join(known)}")
+            raise LoraError(f"model.lora.target_modules: '{t}' matches no linear layer of the model; "
+                            f"it has {', '.join(known)}")
 
 
 def apply_lora(model, lora, checkpoint: str | Path | None = None):
@@ -95,8 +98,8 @@ def load_adapter(model, directory: Path) -> None:
     peft = _peft()
     path = directory / ADAPTER_WEIGHTS
     if not path.is_file():
-        raise LoraError(f"train.resume_from: '{directory}' holds no {ADAPTER_WEIGHTS}: it is not a checkpoint of a LoRA run "
-                        "(model.lora.rank must be what the resumed run used)")
+        raise LoraError(f"train.resume_from: '{directory}' holds no {ADAPTER_WEIGHTS}: not a checkpoint of a LoRA "
+                        "run (model.lora.rank must be what the resumed run used)")
     saved = load_file(str(path))
     want = peft.get_peft_model_state_dict(model)
     if saved.keys() != want.keys() or any(saved[k].shape != want[k].shape for k in want):

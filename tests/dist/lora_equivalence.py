@@ -1,7 +1,7 @@
-"""LoRA cases for FSDP2, run by tests/test_lora_fsdp2.py (under torchrun for world size 2, or as
+"""LoRA cases for FSDP2 and DeepSpeed, run by tests/test_lora_backends.py (under torchrun for world size 2, or as
 one process); writes one JSON result file.
 
-usage: python lora_equivalence.py fsdp2 WORLD OUT.json
+usage: python lora_equivalence.py {fsdp2,deepspeed} WORLD OUT.json
 
 The SFT cases of equivalence.py on a model with rank-4 adapters (A and B random, so both get
 gradients): two optimizer steps through the real path, compared on rank 0 with the same
@@ -41,43 +41,52 @@ def lora_model(tok):
     return model
 
 
+# DeepSpeed: ZeRO-2, ZeRO-2 with the optimizer offloaded to CPU (where 0.15.2-0.18.x lost
+# micro-batches), ZeRO-3; every aggregation mode on FSDP2, token-mean on DeepSpeed.
+LAYOUTS = {"fsdp2": [[]], "deepspeed": [["deepspeed.zero_stage=2"], ["deepspeed.zero_stage=2", "deepspeed.offload_optimizer=cpu"],
+                                        ["deepspeed.zero_stage=3"]]}
+
+
 def main(backend: str, world: int, out_path: str) -> None:
     tok = build_tokenizer()
     exs = encode_sft([Row(f"t:{i}", {"prompt": f"{i}+{i}=", "completion": c}) for i, c in enumerate(COMPLETIONS)], tok, 256)
-    layout = [f"distributed.backend={backend}", f"distributed.nproc_per_node={world}"]
     steps = [exs, exs[::-1]]
-    cases = [dict(mode=m, micro=mi, optim="sgd") for m in MODES for mi in (8, 4, 2, 1) if 8 % (mi * world) == 0]
-    cases.append(dict(mode="token-mean", micro=2, optim="adamw"))
-    results = []
-    for case in cases:
-        # seq-mean-token-sum's loss is ~40x the others' (token sums): at lr 0.5 its first step moves the adapters so
-        # far that the second step's gradient amplifies fp32 rounding past 1e-5 even at K=1 (measured 1.2e-5, no
-        # accumulation involved); a step of the others' size keeps the comparison about accumulation.
-        lr = 0.5 if case["optim"] == "sgd" else 1e-2
-        lr /= 40 if case["mode"] == "seq-mean-token-sum" else 1
-        cfg = load_config(SFTConfig, None, [*layout, f"train.loss_agg={case['mode']}", "train.global_batch_size=8",
-                                            f"train.micro_batch_size={case['micro']}", "train.max_grad_norm=0",
-                                            f"optim.name={case['optim']}", f"optim.lr={lr}",
-                                            "optim.scheduler=constant", "optim.eps=1e-6"])
-        got = exactrl_run(lora_model(tok), steps, tok, cfg)
-        if dist.get_rank() == 0:
-            ref, init = reference(lora_model(tok), steps, tok, case["mode"], case["optim"], 1e-6, lr), lora_model(tok).state_dict()
-            num = sum(((got[k] - ref[k]).norm() ** 2).item() for k in ref)
-            den = sum(((ref[k] - init[k]).norm() ** 2).item() for k in ref)
-            base_moved = [k for k in ref if "lora_" not in k and not torch.equal(got[k], init[k])]
-            results.append({**case, "K": 8 // (case["micro"] * world), "rel_err": (num / den) ** 0.5, "base_moved": base_moved})
-    cfg = load_config(SFTConfig, None, [*layout, "train.global_batch_size=8", "train.micro_batch_size=2", "optim.name=sgd"])
-    model = lora_model(tok)
-    checkpoint_keys = sorted(build_engine(model, cfg, total_steps=1).checkpoint_state()[0])
-    try:
-        exactrl_run(lora_model(tok), [exs, exs], tok, cfg, fault="drop")
-        fault = "not raised"
-    except CanaryError as e:
-        fault = str(e)
-    if dist.get_rank() == 0:
+    modes = MODES if backend == "fsdp2" else MODES[:1]
+    results, checkpoints, faults = [], [], []
+    for extra in LAYOUTS[backend]:
+        layout = [f"distributed.backend={backend}", f"distributed.nproc_per_node={world}", *extra]
+        cases = [dict(mode=m, micro=mi, optim="sgd") for m in modes for mi in (8, 4, 2, 1) if 8 % (mi * world) == 0]
+        cases.append(dict(mode="token-mean", micro=2, optim="adamw"))
+        for case in cases:
+            # seq-mean-token-sum's loss is ~40x the others' (token sums): at lr 0.5 its first step moves the adapters
+            # so far that the second step's gradient amplifies fp32 rounding past 1e-5 even at K=1 (measured 1.2e-5, no
+            # accumulation involved); a step of the others' size keeps the comparison about accumulation.
+            lr = 0.5 if case["optim"] == "sgd" else 1e-2
+            lr /= 40 if case["mode"] == "seq-mean-token-sum" else 1
+            cfg = load_config(SFTConfig, None, [*layout, f"train.loss_agg={case['mode']}", "train.global_batch_size=8",
+                                                f"train.micro_batch_size={case['micro']}", "train.max_grad_norm=0",
+                                                f"optim.name={case['optim']}", f"optim.lr={lr}", "optim.scheduler=constant",
+                                                "optim.eps=1e-6"])
+            got = exactrl_run(lora_model(tok), steps, tok, cfg)
+            if dist.get_rank() == 0:
+                ref, init = reference(lora_model(tok), steps, tok, case["mode"], case["optim"], 1e-6, lr), lora_model(tok).state_dict()
+                num = sum(((got[k] - ref[k]).norm() ** 2).item() for k in ref)
+                den = sum(((ref[k] - init[k]).norm() ** 2).item() for k in ref)
+                base_moved = [k for k in ref if "lora_" not in k and not torch.equal(got[k], init[k])]
+                results.append({**case, "config": " ".join(extra), "K": 8 // (case["micro"] * world),
+                                "rel_err": (num / den) ** 0.5, "base_moved": base_moved})
+        cfg = load_config(SFTConfig, None, [*layout, "train.global_batch_size=8", "train.micro_batch_size=2", "optim.name=sgd"])
+        model = lora_model(tok)
+        state = build_engine(model, cfg, total_steps=1).checkpoint_state()[0]
         trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
-        json.dump({"cases": results, "checkpoint_keys": checkpoint_keys, "trainable": trainable, "fault": fault},
-                  open(out_path, "w"))
+        checkpoints.append({"config": " ".join(extra), "keys": sorted(state or {}), "trainable": trainable})
+        try:
+            exactrl_run(lora_model(tok), [exs, exs], tok, cfg, fault="drop")
+            faults.append("not raised")
+        except CanaryError as e:
+            faults.append(str(e))
+    if dist.get_rank() == 0:
+        json.dump({"cases": results, "checkpoints": checkpoints, "faults": faults}, open(out_path, "w"))
     shutdown()
 
 

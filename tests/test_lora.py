@@ -266,3 +266,11 @@ def test_lora_rl_resumes_to_the_same_adapter_and_its_reference_is_the_base(tmp_p
     attach_logprobs(base, expect, "ref_logprobs", micro_batches, *args)
     assert all(torch.equal(s.ref_logprobs, e.ref_logprobs) for s, e in zip(samples, expect))
     assert max((s.ref_logprobs - s.old_logprobs).abs().max() for s in samples) > 1e-4  # the policy has moved from it
+
+
+def test_an_adapter_directory_given_as_a_model_says_what_to_load(base_model, tokenizer, tmp_path):
+    from exactrl.models.loading import ModelLoadError
+
+    save_pretrained(tmp_path / "final", copy.deepcopy(base_model), tokenizer)
+    with pytest.raises(ModelLoadError, match="holds a LoRA adapter, not a model: load its merged/ directory"):
+        load_causal_lm(tmp_path / "final")

@@ -35,6 +35,9 @@ def load_causal_lm(path: str | Path, trainable: bool = True, attn: str = "sdpa",
     """A causal LM in fp32 whose attention takes packed rows (``attn``: the kernel, sdpa or
     eager), with its dropout off unless ``dropout`` (see packing.disable_dropout)."""
     p = Path(path)
+    if not (p / "config.json").is_file() and (p / "adapter_config.json").is_file():
+        raise ModelLoadError(f"'{p}' holds a LoRA adapter, not a model: load its merged/ directory (written with "
+                             "model.lora.merge_on_save=true), or train from its base model")
     if not (p / "config.json").is_file():
         raise ModelLoadError(f"'{p}' has no config.json: not a Hugging Face model directory")
     try:

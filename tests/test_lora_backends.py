@@ -1,7 +1,8 @@
 """LoRA on FSDP2 and DeepSpeed (ZeRO-2, ZeRO-2 + CPU-offloaded optimizer, ZeRO-3; gloo, CPU) at
 world size 1 and 2 (tests/dist/lora_equivalence.py): the adapters' update equals the one-pass
-full-batch reference through the same adapters (SGD and AdamW), the base weights never move, a
-checkpoint holds only the adapters, and the canary stops a lost micro-batch."""
+full-batch reference through the same adapters (SFT with SGD and AdamW; the RL policy losses),
+the base weights never move, a checkpoint holds only the adapters, and the canary stops a lost
+micro-batch."""
 
 from __future__ import annotations
 
@@ -32,6 +33,15 @@ def test_adapter_update_matches_the_full_batch_reference_and_the_base_stays(resu
     assert {c["K"] for c in r["cases"]} == ({1, 2, 4, 8} if world == 1 else {1, 2, 4})
     assert len({c["config"] for c in r["cases"]}) == (1 if backend == "fsdp2" else 3)
     bad = [c for c in r["cases"] if not (c["rel_err"] <= 1e-5 and not c["base_moved"])]
+    assert not bad, bad
+
+
+def test_policy_losses_on_adapters_match_the_one_pass_reference(results):
+    """PPO's clipped ratio (with clip-higher, k3 KL and entropy), GSPO and REINFORCE, as tests/test_rl_backends.py
+    checks them, on the LoRA model."""
+    _, _, r = results
+    assert {c["loss"] for c in r["rl"]} == {"ppo", "gspo", "reinforce"}
+    bad = [c for c in r["rl"] if not (c["rel_err"] <= 1e-5 and not c["base_moved"])]
     assert not bad, bad
 
 

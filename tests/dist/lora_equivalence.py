@@ -30,8 +30,8 @@ from exactrl.tasks.tiny_model import build_tiny_model
 from exactrl.tasks.tokenizer import build_tokenizer
 
 
-def lora_model(tok):
-    model = apply_lora(build_tiny_model(len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, seed=3, **SMALL),
+def lora_model(tok, seed=3):
+    model = apply_lora(build_tiny_model(len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, seed=seed, **SMALL),
                        LoraConfig(rank=4, alpha=8.0))
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
@@ -39,6 +39,28 @@ def lora_model(tok):
             if "lora_" in name:
                 p.copy_(0.3 * torch.randn(p.shape, generator=g))
     return model
+
+
+def rl_cases(backend: str, world: int, tok) -> list[dict]:
+    """rl_equivalence.py's policy-loss cases (PPO clip with clip-higher, KL and entropy; GSPO;
+    REINFORCE) with its policy replaced by the LoRA model: two SGD steps through the real path
+    against its one-pass reference written from the definitions."""
+    import rl_equivalence as rle
+
+    samples = rle.make_rollout(tok)  # old and reference log-probs from the plain model: data, as any rollout's
+    rle.fresh_policy = lambda tok, seed=3: lora_model(tok, seed)
+    out = []
+    for case in [c for c in rle.cases(backend) if c["loss"] != "value"][:6]:
+        rollout = rle.sequence_advantages(samples) if case["loss"] == "gspo" else samples
+        got = rle.exactrl_run(case, rollout, tok, case["layout"])
+        if dist.get_rank() == 0:
+            ref, init = rle.reference(case, rollout, tok)
+            num = sum(((got[k] - ref[k]).norm() ** 2).item() for k in ref)
+            den = sum(((ref[k] - init[k]).norm() ** 2).item() for k in ref)
+            base_moved = [k for k in ref if "lora_" not in k and not torch.equal(got[k], init[k])]
+            out.append({"loss": case["loss"], "mode": case["mode"], "config": " ".join(case["layout"]),
+                        "K": 8 // (case["micro"] * world), "rel_err": (num / den) ** 0.5, "base_moved": base_moved})
+    return out
 
 
 # DeepSpeed: ZeRO-2, ZeRO-2 with the optimizer offloaded to CPU (where 0.15.2-0.18.x lost
@@ -85,8 +107,9 @@ def main(backend: str, world: int, out_path: str) -> None:
             faults.append("not raised")
         except CanaryError as e:
             faults.append(str(e))
+    rl = rl_cases(backend, world, tok)
     if dist.get_rank() == 0:
-        json.dump({"cases": results, "checkpoints": checkpoints, "faults": faults}, open(out_path, "w"))
+        json.dump({"cases": results, "checkpoints": checkpoints, "faults": faults, "rl": rl}, open(out_path, "w"))
     shutdown()
 
 

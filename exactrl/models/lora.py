@@ -53,9 +53,12 @@ def base_model(model):
 
 
 def linear_names(model) -> list[str]:
-    """Dotted names of the linear layers an adapter could go on: every nn.Linear but the output head."""
+    """Dotted names of the linear layers an adapter could go on: every nn.Linear (and GPT-2's
+    Conv1D, a linear layer with transposed weights) but the output head."""
+    from transformers.pytorch_utils import Conv1D
+
     head = model.get_output_embeddings()
-    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head]
+    return [n for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, Conv1D)) and m is not head]
 
 
 def check_targets(model, targets: str | list[str]) -> None:

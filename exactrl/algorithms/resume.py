@@ -18,7 +18,7 @@ from exactrl.distributed.checkpoint import CheckpointError, check_resumable
 MAY_CHANGE = ("output_dir", "train.max_steps", "train.epochs", "train.save_every", "train.log_every",
               "train.eval_every", "train.resume_from", "train.resume_allow_changes", "train.save_total_limit",
               "train.nonfinite", "train.micro_batch_size", "train.packing_check", "data.eval", "data.eval_size", "eval.", "audit.",
-              "log.", "reward.timeout", "reward.retries", "distributed.nproc_per_node")
+              "log.", "reward.timeout", "reward.retries", "distributed.nproc_per_node", "model.lora.merge_on_save")
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

@@ -48,6 +48,7 @@ from exactrl.losses import aggregate, canary_share, masked_mean
 from exactrl.losses.policy import PolicyInput, get_policy_loss
 from exactrl.losses.token_losses import kl_penalty, token_entropy, token_logprobs
 from exactrl.models.loading import load_tokenizer
+from exactrl.models.lora import reference_mode
 from exactrl.models.packing import model_batch
 from exactrl.rewards import load_rewards, require_answers
 from exactrl.rollout.collect import RolloutError, collect_dynamic_rollout, collect_rollout, overlong_penalty
@@ -260,15 +261,19 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     ctx = RunContext(cfg, "rl", phase, run_dir, {"train": train_path, "eval": eval_path}, tok, eval_set)
 
     # The workers: the policy, the frozen reference (a KL term needs one), the critic (ppo).
+    # With LoRA the reference is the policy's own model with its adapters off: no second copy.
     longest, pad = cfg.data.max_length + cfg.rollout.max_new_tokens, tok.pad_token_id
-    model = load_model(cfg, t.resume_from or model_path, ctx.run_dir, phase, "policy", longest)
-    ref_model = load_model(cfg, model_path, ctx.run_dir, phase, "reference", longest, trainable=False) if a.kl_coef > 0 else None
+    model = load_model(cfg, model_path, ctx.run_dir, phase, "policy", longest, checkpoint=t.resume_from)
+    lora_ref = a.kl_coef > 0 and cfg.model.lora.rank > 0
+    ref_model = None
+    if a.kl_coef > 0:
+        ref_model = model if lora_ref else load_model(cfg, model_path, ctx.run_dir, phase, "reference", longest, trainable=False)
     warmup = min(cfg.critic.warmup_rollouts, rollouts) * steps_per_rollout if alg.critic else 0
     engine = build_engine(model, cfg, max(1, steps - warmup))  # the policy's schedule starts after the critic's warm-up
     policy = Worker("policy", model, engine, pad_id=pad, packed=t.padding_free, temperature=cfg.rollout.temperature)
-    reference = None if ref_model is None else Worker("reference", ref_model, pad_id=pad, packed=t.padding_free,
-                                                      temperature=cfg.rollout.temperature, autocast=engine.autocast,
-                                                      logprob_chunk=engine.logprob_chunk)
+    reference = None if ref_model is None else Worker(
+        "reference", ref_model, pad_id=pad, packed=t.padding_free, temperature=cfg.rollout.temperature,
+        autocast=engine.autocast, logprob_chunk=engine.logprob_chunk, mode=(lambda: reference_mode(model)) if lora_ref else None)
     critic = Critic.load(cfg, model_path, steps, pad, ctx.run_dir, phase, longest) if alg.critic else None
     # Several ranks holding shards of the parameters must run every forward together
     # (generate's synced_gpus keeps a rank whose responses have all ended stepping with the others).

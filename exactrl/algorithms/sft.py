@@ -69,7 +69,7 @@ def train_sft(cfg: SFTConfig, run_dir: Path | None = None, spec: BuiltinSpec = B
     if t.resume_from:
         check_resume(cfg, "sft", steps)
     ctx = RunContext(cfg, "sft", phase, run_dir, {"train": train_path, "eval": eval_path}, tok, eval_set)
-    model = load_model(cfg, t.resume_from or model_path, ctx.run_dir, phase, "policy", cfg.data.max_length)
+    model = load_model(cfg, model_path, ctx.run_dir, phase, "policy", cfg.data.max_length, checkpoint=t.resume_from)
     policy = Worker("policy", model, build_engine(model, cfg, steps), pad_id=tok.pad_token_id, packed=t.padding_free)
     start = resume(t.resume_from, policy.engine)["step"] if t.resume_from else 0
     sampler = StepSampler(len(examples), t.global_batch_size, t.seed)

@@ -20,11 +20,30 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
+class LoraConfig(Section):
+    rank: int = Field(0, ge=0, description="LoRA rank r (peft): train low-rank adapters B A (r x in, out x r) on the target layers and freeze the base weights; 0 = off (full fine-tuning).")
+    alpha: float = Field(16.0, gt=0, description="LoRA scaling numerator: a target layer computes W x + (alpha / rank) B A x.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input (sft only: RL needs a deterministic forward, as model.disable_dropout).")
+    target_modules: str | list[str] = Field("all-linear", description="Layers that get adapters: 'all-linear' (every linear layer but the output head, as QLoRA found all are needed to match full fine-tuning) or a list of module-name suffixes, e.g. [q_proj,v_proj]; the output head (lm_head) cannot be one.")
+    merge_on_save: bool = Field(False, description="Also write final/merged/: the base model with the adapters merged in, loadable by from_pretrained without peft.")
+
+    @model_validator(mode="after")
+    def _targets_given(self):
+        targets = [self.target_modules] if isinstance(self.target_modules, str) else self.target_modules
+        if not targets or "" in targets:
+            raise ValueError("model.lora.target_modules: give 'all-linear' or module-name suffixes such as [q_proj,v_proj]")
+        if "lm_head" in targets:
+            raise ValueError("model.lora.target_modules: lm_head (the output head) cannot take an adapter; "
+                             "'all-linear' adapts every other linear layer")
+        return self
+
+
 class ModelConfig(Section):
     path: str = Field("builtin", description="Local Hugging Face model directory (from_pretrained), or 'builtin'.")
     dtype: Literal["fp32", "bf16"] = Field("fp32", description="Compute dtype. bf16: forward passes under bf16 autocast on the engine's device (matmuls and attention in bf16); fp32 stay the master weights, their gradients and every gradient reduction (FSDP2, DeepSpeed), the optimizer state and step, log-softmax, log-probs, entropies and values (the bf16 logits are cast to fp32 first), the loss aggregation and the canary. The usual setting on GPUs; fp32 on CPU.")
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="Attention kernel of every forward, packed or padded: sdpa (PyTorch's fused kernel; layers with attention-logit softcapping, e.g. Gemma2, run eager) or eager (scores, softmax and weighted sum written out: Hugging Face's reference path).")
     disable_dropout: bool = Field(True, description="Set every dropout rate of the model to 0 (TRL's disable_dropout): the policy's log-probs must equal the generator's (eval mode) and a verified step needs a deterministic forward. false keeps the model config's dropout (sft only).")
+    lora: LoraConfig = LoraConfig()
 
 
 class DataConfig(Section):
@@ -260,6 +279,9 @@ class RLConfig(CommonConfig):
         if not self.model.disable_dropout:
             raise ValueError("model.disable_dropout=false: an RL policy with dropout computes other log-probs than the generator "
                              "sampled with (the on-policy check would fail); RL trains with dropout off")
+        if self.model.lora.rank and self.model.lora.dropout > 0:
+            raise ValueError(f"model.lora.dropout={self.model.lora.dropout}: RL needs a deterministic forward (the policy's "
+                             "log-probs must equal the generator's); set model.lora.dropout=0")
         return self
 
     @model_validator(mode="after")
@@ -342,3 +364,10 @@ class DemoConfig(Section):
     sft: SFTConfig = Field(default_factory=_demo_sft, description="The SFT phase (model and data are the built-in task's).")
     rl: RLConfig = Field(default_factory=_demo_rl, description="The GRPO phase, from the SFT model.")
     output_dir: str = Field("runs/demo-{time}", description="Run directory; {time} is filled in.")
+
+    @model_validator(mode="after")
+    def _full_models(self):
+        if self.sft.model.lora.rank or self.rl.model.lora.rank:
+            raise ValueError("sft.model.lora.rank / rl.model.lora.rank: the demo hands full models from phase to phase; "
+                             "train LoRA adapters with `exactrl sft` or `exactrl rl`")
+        return self

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from exactrl.distributed.launch import rank, world_size
+from exactrl.models import lora
 
 
 def _atomic_dir(final: Path, write, collective: bool = False) -> Path:
@@ -47,14 +48,27 @@ def check_finite(state: dict, path: Path) -> None:
                                  "(lower optim.lr, check the data and rewards)")
 
 
-def save_pretrained(path: Path, model, tokenizer, state_dict: dict | None = None) -> Path:
+def write_model(directory: Path, model, state_dict: dict | None = None) -> None:
+    """The model's weights in Hugging Face format, or a LoRA model's adapter in peft's format
+    (exactrl/models/lora.py)."""
+    if lora.is_peft(model):
+        lora.write_adapter(directory, model, state_dict)
+    else:
+        model.save_pretrained(directory, state_dict=state_dict, safe_serialization=True)
+
+
+def save_pretrained(path: Path, model, tokenizer, state_dict: dict | None = None, merge: bool = False) -> Path:
     """Model + tokenizer, loadable with from_pretrained(path). ``state_dict``: the full
-    weights when the model's own parameters are sharded (FSDP2, ZeRO-3)."""
+    weights when the model's own parameters are sharded (FSDP2, ZeRO-3). A LoRA model: its
+    adapter, and with ``merge`` (model.lora.merge_on_save) the merged model in ``merged/``."""
     check_finite(state_dict if state_dict is not None else model.state_dict(), path)
 
     def write(tmp: Path):
-        model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        write_model(tmp, model, state_dict)
         tokenizer.save_pretrained(tmp)
+        if merge and lora.is_peft(model):
+            lora.write_merged(tmp / "merged", model, state_dict)
+            tokenizer.save_pretrained(tmp / "merged")
 
     return _atomic_dir(path, write)
 
@@ -94,7 +108,7 @@ def save_checkpoint(path: Path, model, tokenizer, engine, extra: dict, others: d
             d.mkdir(exist_ok=True)
             engine_.save_shards(d)  # collective: a backend's own per-rank files (DeepSpeed)
             if me == 0:
-                model_.save_pretrained(d, state_dict=full_model, safe_serialization=True)
+                write_model(d, model_, full_model)
                 tokenizer.save_pretrained(d)
                 torch.save({"engine": engine_state, "world_size": world, "extra": extra if name is None else {}}, d / STATE_FILE)
         torch.save(_rng_state(), tmp / f"rng-rank{me}.pt")
@@ -121,7 +135,9 @@ def check_resumable(path: str | Path) -> dict:
         which = ": " + ", ".join(done) if done else " (this run has none)"
         raise CheckpointError(f"train.resume_from: '{p}' is a checkpoint whose write was interrupted (never renamed "
                               f"into place); resume from a complete one{which}")
-    missing = [name for name in (STATE_FILE, "config.json") if not (p / name).is_file()]
+    # A full model's config.json, or a LoRA run's adapter_config.json.
+    weights = lora.ADAPTER_CONFIG if (p / lora.ADAPTER_CONFIG).is_file() else "config.json"
+    missing = [name for name in (STATE_FILE, weights) if not (p / name).is_file()]
     if missing:
         raise CheckpointError(f"train.resume_from: '{p}' lacks {', '.join(missing)}; point it at a checkpoint-N directory of a run")
     try:
@@ -138,7 +154,8 @@ def check_resumable(path: str | Path) -> dict:
 def resume(path: str | Path, engine) -> dict:
     """Load optimizer, scheduler and this rank's RNG state from checkpoint ``path`` into
     ``engine`` and the global generators; return the data position (``extra``) saved with it.
-    The model weights are loaded by the caller, from the same directory, with from_pretrained."""
+    The model weights are loaded by the caller, from the same directory, with from_pretrained
+    (a LoRA run's adapter: exactrl.models.lora.apply_lora)."""
     p, state = Path(path), check_resumable(path)
     engine.load_state_dict(state["engine"], p)
     _set_rng_state(torch.load(p / f"rng-rank{rank()}.pt", weights_only=True))

@@ -29,6 +29,7 @@ from exactrl.distributed.engine import (NonFiniteError, SampleAccountingError, S
                                       nonfinite_message)
 from exactrl.distributed.launch import is_main, single_process_env
 from exactrl.distributed.optim import build_optimizer, lr_factor
+from exactrl.models import lora
 
 CANARY_SCALE = 2.0**-24
 
@@ -101,6 +102,8 @@ class DeepSpeedEngine(SingleEngine):
         self.world_size, self.rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
         self.reduction_divisor = self.world_size
         self.model, self.dtype = model, model_cfg.dtype
+        self.merge_on_save = model_cfg.lora.merge_on_save
+        self.adapters_only = lora.is_peft(model)  # LoRA: checkpoints hold the adapters, not the frozen base
         self.canary = Canary(audit.canary, audit.canary_tol, self.describe) if audit.canary != "off" else None
         self.wrapped = wrapped = _WithCanary(model, self.canary.param if self.canary else None)
         self.config = ds_config(cfg, self.world_size)
@@ -180,18 +183,24 @@ class DeepSpeedEngine(SingleEngine):
     def save_pretrained(self, path: Path, tokenizer) -> Path:
         state = self.full_model_state()
         if is_main():
-            save_pretrained(path, self.model, tokenizer, state)
+            save_pretrained(path, self.model, tokenizer, state, merge=self.merge_on_save)
         return Path(path)
 
     # Checkpoints: DeepSpeed's own per-rank files (model, ZeRO-partitioned optimizer state,
     # offloaded or not, and the scheduler) under deepspeed/, next to the Hugging Face model.
     def checkpoint_state(self):
-        return self.full_model_state(), {"step": self.step_count}
+        state = self.full_model_state()
+        if self.adapters_only and state is not None:
+            trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+            state = {k: v for k, v in state.items() if k in trainable}
+        return state, {"step": self.step_count}
 
     def save_shards(self, directory: Path) -> None:
-        self.ds.save_checkpoint(str(Path(directory) / "deepspeed"), tag="state", save_latest=False)
+        self.ds.save_checkpoint(str(Path(directory) / "deepspeed"), tag="state", save_latest=False,
+                                exclude_frozen_parameters=self.adapters_only)
 
     def load_state_dict(self, state: dict, directory: Path | None = None) -> None:
+        # Without the frozen base in the files (LoRA), the module load is partial: the base is already loaded.
         self.ds.load_checkpoint(str(Path(directory) / "deepspeed"), tag="state", load_optimizer_states=True,
-                                load_lr_scheduler_states=True)
+                                load_lr_scheduler_states=True, load_module_strict=not self.adapters_only)
         self.step_count = state["step"]

@@ -64,6 +64,7 @@ class SingleEngine:
         if self.canary is not None:
             self.canary.module.to(self.device)
         self.dtype = model_cfg.dtype
+        self.merge_on_save = model_cfg.lora.merge_on_save  # LoRA: final/ also holds the merged model
         self.max_grad_norm = train.max_grad_norm
         self.nonfinite = train.nonfinite
         self.logprob_chunk = train.logprob_chunk_size  # tokens per log-softmax chunk (exactrl/losses/token_losses.py)
@@ -159,7 +160,7 @@ class SingleEngine:
 
     def save_pretrained(self, path: Path, tokenizer) -> Path:
         """The model in Hugging Face format (on the main process)."""
-        return save_pretrained(path, self.model, tokenizer)
+        return save_pretrained(path, self.model, tokenizer, merge=self.merge_on_save)
 
     def checkpoint_state(self) -> tuple[dict | None, dict]:
         """(full model weights, or None for the model's own state_dict; optimizer, scheduler

@@ -18,6 +18,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from exactrl.distributed.checkpoint import save_pretrained
 from exactrl.distributed.engine import SingleEngine, prepare_model
 from exactrl.distributed.launch import init_process_group, is_main, rank, world_size
+from exactrl.models import lora
 
 
 class FSDP2Engine(SingleEngine):
@@ -38,7 +39,8 @@ class FSDP2Engine(SingleEngine):
         # optimizer steps there); each unit's parameters are copied to the device for its compute.
         options = {"offload_policy": CPUOffloadPolicy()} if cpu_offload else {}
         # One FSDP unit per decoder layer (all-gathered one at a time), then the root.
-        for layer in getattr(getattr(model, "model", model), "layers", []):
+        hf = lora.base_model(model)  # under a LoRA model's peft wrapper
+        for layer in getattr(getattr(hf, "model", hf), "layers", []):
             fully_shard(layer, **options)
         fully_shard(model, **options)
         super().__init__(model, model_cfg, train, optim, audit, total_steps)
@@ -49,13 +51,18 @@ class FSDP2Engine(SingleEngine):
         # A collective: every rank takes part, the main process writes.
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if is_main():
-            save_pretrained(path, self.model, tokenizer, state)
+            save_pretrained(path, self.model, tokenizer, state, merge=self.merge_on_save)
         return Path(path)
 
     def checkpoint_state(self):
         # Full (unsharded) weights and optimizer state, keyed by parameter name, on the main
-        # process; every rank takes part.
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # process; every rank takes part. A LoRA model's checkpoint holds only its adapters.
+        adapters_only = lora.is_peft(self.model)
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=adapters_only)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=options)
+        if adapters_only:  # a frozen weight tied to another (lm_head to the embeddings) still comes back
+            trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+            model_sd = {k: v for k, v in model_sd.items() if k in trainable}
         return model_sd, {"optimizer": optim_sd, "scheduler": self.scheduler.state_dict(), "step": self.step_count}
 
     def load_state_dict(self, state: dict, directory: Path | None = None) -> None:

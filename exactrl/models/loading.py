@@ -38,6 +38,9 @@ def load_causal_lm(path: str | Path, trainable: bool = True, attn: str = "sdpa",
     eager), with its dropout off unless ``dropout`` (see packing.disable_dropout), on ``device``
     (default: the CPU; exactrl/distributed/device.py)."""
     p = Path(path)
+    if not (p / "config.json").is_file() and (p / "adapter_config.json").is_file():
+        raise ModelLoadError(f"'{p}' holds a LoRA adapter, not a model: load its merged/ directory (written with "
+                             "model.lora.merge_on_save=true), or train from its base model")
     if not (p / "config.json").is_file():
         raise ModelLoadError(f"'{p}' has no config.json: not a Hugging Face model directory")
     try:

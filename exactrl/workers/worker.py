@@ -45,11 +45,13 @@ class Worker:
     ``autocast`` (the engine's, else the one given); sequences are packed when ``packed``."""
 
     def __init__(self, role: str, model: torch.nn.Module, engine=None, *, pad_id: int, packed: bool = True,
-                 temperature: float = 1.0, autocast: Callable | None = None, logprob_chunk: int | None = None):
+                 temperature: float = 1.0, autocast: Callable | None = None, logprob_chunk: int | None = None,
+                 mode: Callable | None = None):
         self.role, self.model, self.engine = role, model, engine
         self.pad_id, self.packed, self.temperature = pad_id, packed, temperature
         self.autocast = autocast or (engine.autocast if engine is not None else contextlib.nullcontext)
         self.logprob_chunk = logprob_chunk if logprob_chunk is not None else getattr(engine, "logprob_chunk", 0)
+        self.mode = mode or contextlib.nullcontext  # entered around forward: e.g. LoRA's adapters off for the reference
 
     def model_batch(self, samples: list[Sample]):
         return model_batch(self.model, [s.ids for s in samples], self.pad_id, self.packed)
@@ -70,7 +72,7 @@ class Worker:
         for mb in micro_batches:
             chunk = [samples[i] for i in mb]
             batch = self.model_batch(chunk)
-            with self.autocast():
+            with self.mode(), self.autocast():
                 logits = self.model(**batch.inputs).logits
             rows = batch.repad(self.token_field(name, logits, batch.inputs["input_ids"]))
             for i, row in zip(mb, rows):

@@ -46,9 +46,9 @@ def definition_loss(logits, ids, mask, mode):
             "seq-mean-token-sum": seq.mean(), "seq-mean-token-sum-norm": seq.sum() / (len(seq) * NORM_LEN)}[mode]
 
 
-def reference(model, steps, tok, mode, optim, eps=1e-8):
-    opt = (torch.optim.SGD(model.parameters(), lr=0.5) if optim == "sgd"
-           else torch.optim.AdamW(model.parameters(), lr=1e-2, eps=eps, weight_decay=0.0))
+def reference(model, steps, tok, mode, optim, eps=1e-8, lr=None):
+    opt = (torch.optim.SGD(model.parameters(), lr=lr or 0.5) if optim == "sgd"
+           else torch.optim.AdamW(model.parameters(), lr=lr or 1e-2, eps=eps, weight_decay=0.0))
     for exs in steps:
         width = max(len(e.input_ids) for e in exs)
         ids = torch.tensor([e.input_ids + [tok.pad_token_id] * (width - len(e.input_ids)) for e in exs])

@@ -1,0 +1,140 @@
+"""LoRA adapters through peft (model.lora.*): the base weights stay frozen, only the adapters
+train, are checkpointed and saved.
+
+* ``apply_lora`` wraps a loaded causal LM in a peft model (fresh adapters, or a checkpoint's
+  for resume) before the packing self-check, so the check runs on the model that trains.
+* ``reference_mode`` is the frozen reference of RL's KL term: the same model with its
+  adapters switched off (peft's ``disable_adapter``), so no second copy is held in memory.
+* ``write_adapter`` / ``write_merged``: the adapter in peft's format (adapter_config.json,
+  adapter_model.safetensors), and optionally the base with the adapters merged in, built
+  from the saved weights on a fresh copy so the live training model is never altered.
+
+peft is an optional extra (``pip install exactrl[lora]``); it is imported only when asked for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+from exactrl.models.loading import ModelLoadError
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+class LoraError(ModelLoadError):
+    """A model.lora.* setting that does not fit the model, or an adapter checkpoint that does not fit the run."""
+
+
+def is_peft(model) -> bool:
+    """Whether ``model`` is a peft model (a model built before peft was ever imported is not)."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
+def _peft():
+    try:
+        import peft
+    except ImportError:
+        raise LoraError("model.lora.rank > 0 needs peft: pip install 'exactrl[lora]' "
+                        "(or peft from requirements.txt)") from None
+    return peft
+
+
+def base_model(model):
+    """The Hugging Face model inside a peft model (``model`` itself otherwise)."""
+    return model.get_base_model() if is_peft(model) else model
+
+
+def linear_names(model) -> list[str]:
+    """Dotted names of the linear layers an adapter could go on: every nn.Linear (and GPT-2's
+    Conv1D, a linear layer with transposed weights) but the output head."""
+    from transformers.pytorch_utils import Conv1D
+
+    head = model.get_output_embeddings()
+    return [n for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, Conv1D)) and m is not head]
+
+
+def check_targets(model, targets: str | list[str]) -> None:
+    """Refuse target module names that match no linear layer of ``model`` (peft would skip them silently)."""
+    if targets == "all-linear":
+        return
+    names = linear_names(model)
+    head = next((n for n, m in model.named_modules() if m is model.get_output_embeddings()), None)
+    for t in [targets] if isinstance(targets, str) else targets:
+        if head is not None and (head == t or head.endswith("." + t)):
+            raise LoraError(f"model.lora.target_modules: '{t}' is the output head ({head}), "
+                            "which cannot take an adapter")
+        if not any(n == t or n.endswith("." + t) for n in names):
+            known = sorted({n.rsplit(".", 1)[-1] for n in names})
+            raise LoraError(f"model.lora.target_modules: '{t}' matches no linear layer of the model; "
+                            f"it has {', '.join(known)}")
+
+
+def apply_lora(model, lora, checkpoint: str | Path | None = None):
+    """``model`` with adapters per ``lora`` (a LoraConfig) on its target layers, base weights
+    frozen; ``checkpoint``: a directory whose adapter weights replace the fresh ones (resume)."""
+    peft = _peft()
+    check_targets(model, lora.target_modules)
+    config = peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none",
+                             target_modules=lora.target_modules, task_type="CAUSAL_LM")
+    trainable = model.training
+    with warnings.catch_warnings():  # peft 0.21 asks transformers 5 a deprecated question; nothing for the user to do
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        model = peft.get_peft_model(model, config)
+    model.train(trainable)
+    if checkpoint is not None:
+        load_adapter(model, Path(checkpoint))
+    return model
+
+
+def load_adapter(model, directory: Path) -> None:
+    """Load a checkpoint's adapter weights into ``model``; every adapter tensor must be there, with its shape."""
+    from safetensors.torch import load_file
+
+    peft = _peft()
+    path = directory / ADAPTER_WEIGHTS
+    if not path.is_file():
+        raise LoraError(f"train.resume_from: '{directory}' holds no {ADAPTER_WEIGHTS}: not a checkpoint of a LoRA "
+                        "run (model.lora.rank must be what the resumed run used)")
+    saved = load_file(str(path))
+    want = peft.get_peft_model_state_dict(model)
+    if saved.keys() != want.keys() or any(saved[k].shape != want[k].shape for k in want):
+        raise LoraError(f"train.resume_from: the adapter in '{path}' does not fit model.lora.* of this run "
+                        f"({len(saved)} tensors saved, {len(want)} expected); resume with the run's own LoRA settings")
+    peft.set_peft_model_state_dict(model, saved)
+
+
+def reference_mode(model):
+    """The context in which ``model``'s forward is the frozen base model's: adapters off (a
+    plain model has no adapters, so nothing changes)."""
+    return model.disable_adapter() if is_peft(model) else contextlib.nullcontext()
+
+
+def write_adapter(directory: Path, model, state_dict: dict | None = None) -> None:
+    """The adapter in peft's format. ``state_dict``: the model's weights gathered from shards
+    (the adapter tensors are picked from it); None = the model's own."""
+    model.save_pretrained(directory, state_dict=state_dict, safe_serialization=True, save_embedding_layers=False)
+
+
+def write_merged(directory: Path, model, state_dict: dict | None = None) -> None:
+    """The base model with the adapters merged in (W + alpha/r B A), in Hugging Face format.
+    Built on a fresh copy of the architecture loaded with ``state_dict`` (the full weights,
+    base and adapters; None = the model's own), so the training model keeps its adapters."""
+    peft = _peft()
+    from transformers import AutoModelForCausalLM
+
+    base = base_model(model)
+    with torch.random.fork_rng():  # initialising the copy must not move the run's random streams
+        fresh = AutoModelForCausalLM.from_config(copy.deepcopy(base.config), dtype=torch.float32)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            fresh = peft.get_peft_model(fresh, copy.deepcopy(model.peft_config[model.active_adapter]))
+    fresh.load_state_dict(model.state_dict() if state_dict is None else state_dict, strict=True)
+    fresh.merge_and_unload().save_pretrained(directory, safe_serialization=True)

@@ -31,7 +31,7 @@ def starting_accuracy(eval_size: int):
     from exactrl.data.jsonl import read_jsonl
     from exactrl.models.loading import load_causal_lm, load_tokenizer
     from exactrl.rewards import load_rewards
-    from exactrl.algorithms.builtin import resolve
+    from exactrl.algorithms.sft import resolve
 
     path = resolve("builtin-sft", "model")
     tok = load_tokenizer(path)

@@ -65,7 +65,7 @@ def test_the_import_check_can_fail(tmp_path):
 
 def test_build_engine_imports_no_engine_subclass():
     """distributed.backend names an engine through ENGINES: DeepSpeed stays optional."""
-    assert imported_packages(PACKAGE / "distributed" / "engine.py") <= {"checks", "config", "distributed"}
+    assert imported_packages(PACKAGE / "distributed" / "engine.py") <= {"checks", "config", "device", "distributed"}
     src = (PACKAGE / "distributed" / "engine.py").read_text()
     assert "import fsdp2" not in src and "deepspeed_engine import" not in src
 
@@ -121,3 +121,37 @@ def test_an_algorithms_own_section_and_its_old_flat_keys(tmp_path):
         check_algorithm_config(load_config(RLConfig, None, ["algo.name=grpo", "algo.gae.lam=0.5"]).algo)
     with pytest.raises(ConfigError, match=r"algo.dapo.\* is set .* belongs to algo.name=dapo, not ppo"):
         check_algorithm_config(load_config(RLConfig, None, ["algo.name=ppo", "algo.dapo.max_refill_rounds=2"]).algo)
+
+
+def module_imports(path: Path) -> set[str]:
+    """The exactrl modules a module imports (``from exactrl.x import y`` names module x.y when y is one)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("exactrl") and node.level == 0:
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                out.add(sub if (PACKAGE.parent / (sub.replace(".", "/") + ".py")).is_file() else node.module)
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("exactrl.")}
+    return out
+
+
+def test_no_two_modules_import_each_other():
+    """Not even lazily: a cycle means two modules that are one, or one that sits on the wrong floor."""
+    graph = {".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts): module_imports(p) for p in PACKAGE.rglob("*.py")}
+    graph = {k.removesuffix(".__init__"): v for k, v in graph.items()}
+    cycles, done = [], set()
+
+    def visit(node, stack):
+        if node in stack:
+            cycles.append(stack[stack.index(node):] + [node])
+            return
+        if node in done or node not in graph:
+            return
+        for nxt in graph[node]:
+            visit(nxt, stack + [node])
+        done.add(node)
+
+    for node in graph:
+        visit(node, [])
+    assert not cycles, cycles[:3]

@@ -15,7 +15,7 @@ from exactrl.algorithms.common import check_world
 from exactrl.algorithms.rl import Sample
 from exactrl.config import ConfigError, SFTConfig, load_config
 from exactrl.data.batch import collate
-from exactrl.distributed import device as dev
+from exactrl import device as dev
 from exactrl.distributed.engine import build_engine
 from exactrl.models.packing import model_batch
 from exactrl.rollout import hf

@@ -13,7 +13,7 @@ from test_engine import examples, rel_err
 from exactrl.algorithms.sft import sft_micro_batch_loss
 from exactrl.checks.packing import check_packing
 from exactrl.config import SFTConfig, load_config
-from exactrl.distributed.device import place
+from exactrl.device import place
 from exactrl.distributed.engine import build_engine
 from exactrl.distributed.step_plan import plan_step
 from exactrl.models import packing

@@ -10,7 +10,7 @@ import torch
 
 from exactrl.config.loader import ConfigError
 from exactrl.config.schema import check_layout, check_rl_layout
-from exactrl.distributed.device import check_device
+from exactrl.device import check_device
 from exactrl.distributed.launch import world_size
 
 

@@ -31,7 +31,7 @@ import torch
 
 from exactrl.advantages import AdvantageInput, get_advantage
 from exactrl.advantages.estimators import EPS, whiten
-from exactrl.algorithms.builtin import resolve
+from exactrl.algorithms.sft import resolve
 from exactrl.algorithms.common import check_data_size, check_world, seed_everything
 from exactrl.algorithms.registry import ALGORITHMS, check_algorithm_config
 from exactrl.algorithms.resume import check_resume

@@ -1,1 +1,1 @@
-"""Verification and provenance: the run manifest (and, later, the canary and stack audit)."""
+"""Provenance and the audit: the run manifest, the installed-stack probe (stack.py) and the audit of past runs (runs.py)."""

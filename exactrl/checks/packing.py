@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from exactrl.distributed.device import device_of
+from exactrl.device import device_of
 from exactrl.models import packing
 
 

@@ -1,1 +1,1 @@
-"""Datasets: JSONL reading with file:line errors, encoding (chat templates, loss masks), batching."""
+"""Data: JSONL reading with file:line errors, encoding (chat templates, loss masks), the typed batch, batching."""

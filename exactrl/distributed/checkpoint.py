@@ -38,12 +38,18 @@ def _atomic_dir(final: Path, write, collective: bool = False) -> Path:
     return final
 
 
+class NonFiniteError(RuntimeError):
+    """A loss, gradient or weight became inf or NaN; nothing non-finite was applied or saved."""
+
+    def __init__(self, message: str, step: int | None = None):
+        super().__init__(message)
+        self.step = step
+
+
 def check_finite(state: dict, path: Path) -> None:
     """Refuse to save weights holding inf or NaN: such a model is never a result."""
     for name, t in state.items():
         if torch.is_tensor(t) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            from exactrl.distributed.engine import NonFiniteError  # engine imports this module
-
             raise NonFiniteError(f"the weights hold inf or NaN (first: {name}); '{path}' was not written "
                                  "(lower optim.lr, check the data and rewards)")
 

@@ -24,7 +24,7 @@ import torch
 
 from exactrl.checks.canary import Canary
 from exactrl.distributed.checkpoint import save_pretrained
-from exactrl.distributed.device import place, process_device, process_group_backend
+from exactrl.device import place, process_device, process_group_backend
 from exactrl.distributed.engine import (NonFiniteError, SampleAccountingError, SingleEngine, enable_gradient_checkpointing,
                                       nonfinite_message)
 from exactrl.distributed.launch import is_main, single_process_env

@@ -26,22 +26,14 @@ import torch
 
 from exactrl.checks.canary import Canary
 from exactrl.config.schema import AuditConfig, ModelConfig, OptimConfig, TrainConfig
-from exactrl.distributed.checkpoint import save_pretrained
-from exactrl.distributed.device import place, process_device, use_device
+from exactrl.distributed.checkpoint import NonFiniteError, save_pretrained
+from exactrl.device import place, process_device, use_device
 from exactrl.distributed.optim import build_optimizer, build_scheduler
 from exactrl.distributed.step_plan import StepPlan
 
 
 class SampleAccountingError(RuntimeError):
     """An optimizer step did not see each sample of its plan exactly once."""
-
-
-class NonFiniteError(RuntimeError):
-    """A loss, gradient or weight became inf or NaN; nothing non-finite was applied or saved."""
-
-    def __init__(self, message: str, step: int | None = None):
-        super().__init__(message)
-        self.step = step
 
 
 def nonfinite_message(what: str, step: int) -> str:

@@ -16,7 +16,7 @@ import sys
 
 import torch.distributed as dist
 
-from exactrl.distributed.device import process_device, process_group_backend
+from exactrl.device import process_device, process_group_backend
 
 
 def under_launcher() -> bool:
@@ -50,7 +50,7 @@ def single_process_env() -> None:
 
 
 def init_process_group() -> None:
-    """gloo on CPU, NCCL on GPUs (this process's device, exactrl/distributed/device.py, which
+    """gloo on CPU, NCCL on GPUs (this process's device, exactrl/device.py, which
     also selects the rank's GPU); idempotent; works without a launcher (world size 1)."""
     if not dist.is_initialized():
         single_process_env()

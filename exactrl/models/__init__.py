@@ -1,1 +1,1 @@
-"""Model and tokenizer loading from local Hugging Face directories."""
+"""Models: loading from local Hugging Face directories, padding-free (packed) forwards, flash-attention, LoRA."""

@@ -8,7 +8,7 @@ import torch
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from exactrl.distributed.device import place
+from exactrl.device import place
 from exactrl.models import packing
 
 
@@ -36,7 +36,7 @@ def load_causal_lm(path: str | Path, trainable: bool = True, attn: str = "sdpa",
                    device: torch.device | None = None) -> torch.nn.Module:
     """A causal LM in fp32 whose attention takes packed rows (``attn``: the kernel, sdpa or
     eager), with its dropout off unless ``dropout`` (see packing.disable_dropout), on ``device``
-    (default: the CPU; exactrl/distributed/device.py)."""
+    (default: the CPU; exactrl/device.py)."""
     p = Path(path)
     if not (p / "config.json").is_file() and (p / "adapter_config.json").is_file():
         raise ModelLoadError(f"'{p}' holds a LoRA adapter, not a model: load its merged/ directory (written with "

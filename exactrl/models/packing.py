@@ -33,7 +33,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from exactrl.data.batching import pad_right
-from exactrl.distributed.device import device_of
+from exactrl.device import device_of
 from exactrl.models import flash
 
 # One registered name per attention kernel (model.attn_implementation); both take packed rows.

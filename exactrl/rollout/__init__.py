@@ -1,1 +1,1 @@
-"""Generation engines (HF generate on CPU) and, later, weight sync to external engines."""
+"""Generators (generator.py: the interface; hf.py: the KV-cached decode loop over the trainer's model) and rollout collection (collect.py)."""

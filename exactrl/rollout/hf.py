@@ -11,7 +11,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from exactrl.distributed.device import device_of
+from exactrl.device import device_of
 from exactrl.rollout.generator import SamplingParams, WeightSyncError
 
 

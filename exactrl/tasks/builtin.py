@@ -81,7 +81,7 @@ def _build(spec: BuiltinSpec, paths: BuiltinPaths) -> None:
 
 def resolve(path: str | None, kind: str, spec: BuiltinSpec = BuiltinSpec()) -> str | None:
     """Map 'builtin' in model.path / data.* to the built-in files; other paths pass through
-    ('builtin-sft', the model after SFT, needs training: exactrl/algorithms/builtin.py).
+    ('builtin-sft', the model after SFT, needs training: exactrl/algorithms/sft.py).
 
     ``kind`` is one of model, sft_train, rl_train, eval.
     """

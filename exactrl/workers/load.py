@@ -9,7 +9,7 @@ import torch
 
 from exactrl.audit.manifest import record_check
 from exactrl.checks.packing import check_packing
-from exactrl.distributed.device import place, process_device
+from exactrl.device import place, process_device
 from exactrl.distributed.launch import is_main
 from exactrl.models.loading import load_causal_lm
 from exactrl.models.lora import apply_lora

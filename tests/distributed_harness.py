@@ -22,6 +22,23 @@ def run_cases(backend: str, world: int, out: Path, extra_env: dict | None = None
     return json.loads(out.read_text())
 
 
+# Every distributed backend at world size 1 and 2: the layouts a cross-backend test runs its script on.
+LAYOUTS = [("fsdp2", 1), ("fsdp2", 2), ("deepspeed", 1), ("deepspeed", 2)]
+LAYOUT_IDS = ["fsdp2-world1", "fsdp2-world2", "deepspeed-world1", "deepspeed-world2"]
+
+
+def layout_results(request, tmp_path_factory, script: Path, tag: str) -> tuple[str, int, dict]:
+    """(backend, world, results) of ``script`` run on the layout ``request.param`` (one of LAYOUTS)."""
+    import pytest
+    from old_deepspeed import ds_env
+
+    backend, world = request.param
+    if backend == "deepspeed":
+        pytest.importorskip("deepspeed")
+    out = tmp_path_factory.mktemp(f"{tag}-{backend}-{world}") / "results.json"
+    return backend, world, run_cases(backend, world, out, ds_env() if backend == "deepspeed" else None, script=script)
+
+
 def check_faults(faults: list[dict], backend: str, world: int, layouts: int) -> None:
     """Every fault on every layout stops the step, naming the backend and the reading."""
     assert len(faults) == 3 * layouts

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from distributed_harness import run_cases
+from distributed_harness import LAYOUT_IDS, LAYOUTS, layout_results
 from old_deepspeed import ds_env
 
 pytest.importorskip("peft")
@@ -17,14 +17,9 @@ SCRIPT = Path(__file__).parent / "dist" / "lora_equivalence.py"
 MODES = {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"}
 
 
-@pytest.fixture(scope="module", params=[("fsdp2", 1), ("fsdp2", 2), ("deepspeed", 1), ("deepspeed", 2)],
-                ids=["fsdp2-world1", "fsdp2-world2", "deepspeed-world1", "deepspeed-world2"])
+@pytest.fixture(scope="module", params=LAYOUTS, ids=LAYOUT_IDS)
 def results(request, tmp_path_factory):
-    backend, world = request.param
-    if backend == "deepspeed":
-        pytest.importorskip("deepspeed")
-    out = tmp_path_factory.mktemp(f"lora-{backend}-{world}") / "results.json"
-    return backend, world, run_cases(backend, world, out, ds_env() if backend == "deepspeed" else None, script=SCRIPT)
+    return layout_results(request, tmp_path_factory, SCRIPT, "lora")
 
 
 def test_adapter_update_matches_the_full_batch_reference_and_the_base_stays(results):

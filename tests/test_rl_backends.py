@@ -15,21 +15,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from distributed_harness import run_cases
-from old_deepspeed import ds_env
+from distributed_harness import LAYOUT_IDS, LAYOUTS, layout_results
 
 SCRIPT = Path(__file__).parent / "dist" / "rl_equivalence.py"
 LOSSES = {"ppo", "gspo", "reinforce", "value"}
 
 
-@pytest.fixture(scope="module", params=[("fsdp2", 1), ("fsdp2", 2), ("deepspeed", 1), ("deepspeed", 2)],
-                ids=["fsdp2-world1", "fsdp2-world2", "deepspeed-world1", "deepspeed-world2"])
+@pytest.fixture(scope="module", params=LAYOUTS, ids=LAYOUT_IDS)
 def results(request, tmp_path_factory):
-    backend, world = request.param
-    if backend == "deepspeed":
-        pytest.importorskip("deepspeed")
-    out = tmp_path_factory.mktemp(f"rl-{backend}-{world}") / "results.json"
-    return backend, world, run_cases(backend, world, out, ds_env() if backend == "deepspeed" else None, script=SCRIPT)
+    return layout_results(request, tmp_path_factory, SCRIPT, "rl")
 
 
 def test_every_policy_and_value_loss_matches_the_one_pass_reference(results):

@@ -12,7 +12,6 @@ Face's own eager forward of each sequence alone.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import random

@@ -102,7 +102,7 @@ def test_window_and_softcap_reach_the_packed_attention(seqs, tmp_path):
     model, report = loaded("mistral", tmp_path)
     assert report.packed and max(LENGTHS) > WINDOW
     original = packing.window_mask
-    packing.window_mask = lambda width, window, device=None: None
+    packing.window_mask = lambda width, window, device=None, chunk=None: None
     try:
         with pytest.raises(PackingCheckError):
             check_packing(model, VOCAB, 64, padding_free=True, policy="error", tol=1e-4)

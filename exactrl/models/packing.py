@@ -45,10 +45,13 @@ class PackingUnsupported(RuntimeError):
 
 
 def eager_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
-                    is_causal: bool | None = None, softcap: float | None = None, **kwargs):
+                    is_causal: bool | None = None, softcap: float | None = None, s_aux: torch.Tensor | None = None,
+                    **kwargs):
     """Attention written out (Hugging Face's eager path, for any decoder): scores, softcap,
-    mask, fp32 softmax, dropout. ``attention_mask``: boolean (True = attend), additive float,
-    or None (causal when there are several queries). Returns [B, Q, H, D] and the weights."""
+    mask, fp32 softmax (over the keys and, with ``s_aux``, one sink logit per head that takes
+    probability mass and contributes no value: gpt-oss), dropout. ``attention_mask``: boolean
+    (True = attend), additive float, or None (causal when there are several queries). Returns
+    [B, Q, H, D] and the weights."""
     n_rep = query.shape[1] // key.shape[1]  # grouped- or multi-query attention
     if n_rep > 1:
         key, value = key.repeat_interleave(n_rep, 1), value.repeat_interleave(n_rep, 1)
@@ -64,15 +67,84 @@ def eager_attention(module, query, key, value, attention_mask, dropout: float = 
             scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
         else:
             scores = scores + attention_mask[..., :kv_len]
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    at_least_fp32 = torch.promote_types(scores.dtype, torch.float32)  # a float64 model keeps float64
+    if s_aux is not None:
+        sinks = s_aux.reshape(1, -1, 1, 1).to(scores.dtype).expand(*scores.shape[:-1], 1)
+        weights = torch.softmax(torch.cat([scores, sinks], -1), dim=-1, dtype=at_least_fp32)[..., :-1].to(query.dtype)
+    else:
+        weights = torch.softmax(scores, dim=-1, dtype=at_least_fp32).to(query.dtype)
     weights = torch.nn.functional.dropout(weights, p=dropout, training=dropout > 0)
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 
-def _kernel(module, softcap):
-    """SDPA unless the model asked for eager or the layer softcaps its logits (SDPA cannot)."""
-    eager = softcap is not None or module.config._attn_implementation == KERNELS["eager"]
+def _kernel(module, kwargs):
+    """SDPA unless the model asked for eager or the layer needs what SDPA cannot do: logit
+    softcapping (Gemma2) or attention sinks (gpt-oss)."""
+    eager = (kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None
+             or module.config._attn_implementation == KERNELS["eager"])
     return eager_attention if eager else sdpa_attention_forward
+
+
+def _layer_type(module) -> str | None:
+    types = getattr(module.config, "layer_types", None)
+    idx = getattr(module, "layer_idx", None)
+    return types[idx] if types is not None and idx is not None and idx < len(types) else None
+
+
+def _chunk(module) -> int | None:
+    """The attention chunk of a chunked-attention layer (Llama 4: a query sees only the keys of
+    its own chunk of ``attention_chunk_size`` positions)."""
+    size = getattr(module.config, "attention_chunk_size", None)
+    return size if size and _layer_type(module) == "chunked_attention" else None
+
+
+def _window(module, sliding_window) -> int | None:
+    """The layer's sliding window: as the layer passes it, else from its layer type."""
+    if sliding_window is None and _layer_type(module) == "sliding_attention":
+        sliding_window = getattr(module.config, "sliding_window", None)
+    return sliding_window
+
+
+def _index_mask(attention_mask, indices: torch.Tensor, kv_len: int):
+    """DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): each query attends only to the keys its
+    indexer picked ([B, Q, topk]), within what ``attention_mask`` allows -- as Hugging Face's
+    eager/SDPA path of the model builds it."""
+    picked = torch.zeros(*indices.shape[:2], kv_len, dtype=torch.bool, device=indices.device)
+    picked = picked.scatter(-1, indices.long(), True).unsqueeze(1)  # [B, 1, Q, K]
+    if attention_mask is None:
+        return picked
+    if attention_mask.dtype == torch.bool:
+        return attention_mask & picked
+    return attention_mask.masked_fill(~picked, torch.finfo(attention_mask.dtype).min)
+
+
+def _nope_temperature(module, query, attention_mask, cu_seq_lens):
+    """Llama 4's NoPE layers scale queries by a temperature of the query's position (arXiv
+    2501.19399), which Hugging Face computes from the position in the *row*: in a packed row or
+    behind left padding that is not the position in the sequence. Rescale to the sequence's
+    position: in a packed row it restarts at each sequence; behind a mask it is the number of
+    keys the query sees, less one (these are full-attention layers)."""
+    if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
+        return query
+    q_len, device = query.shape[2], query.device
+    row = torch.arange(q_len, device=device)
+    if cu_seq_lens is not None:
+        starts = torch.zeros(q_len, dtype=torch.long, device=device)
+        starts[cu_seq_lens[1:-1].long()] = cu_seq_lens[1:-1].long() - cu_seq_lens[:-2].long()
+        true = (row - starts.cumsum(0))[None]  # [1, Q]
+        applied = row[None]
+    elif attention_mask is not None:
+        seen = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+        true = seen[:, 0].sum(-1).long() - 1  # [B, Q]
+        applied = row[None] + (attention_mask.shape[-1] - q_len)  # the cache's past length, as HF adds it
+    else:
+        return query
+    def scale(p):
+        return torch.log1p(torch.floor((p.float() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
+    factor = scale(true) / scale(applied)
+    if bool((factor == 1).all()):
+        return query
+    return (query * factor[:, None, :, None].to(query.dtype)).to(query.dtype)
 
 
 # Packed calls seen since the counter was last read: a packed forward that made none never
@@ -83,22 +155,30 @@ packed_kernels: Counter[str] = Counter()
 
 
 def varlen_attention(module, query, key, value, attention_mask, *, cu_seq_lens_q=None, max_length_q=None,
-                     sliding_window=None, softcap=None, **kwargs):
+                     sliding_window=None, softcap=None, indices=None, **kwargs):
     """Attention, or per-sequence causal attention on a packed row when ``cu_seq_lens_q`` (the
-    cumulative sequence lengths, as flash-attention's varlen kernels take them) is given."""
-    kernel = _kernel(module, softcap)
+    cumulative sequence lengths, as flash-attention's varlen kernels take them) is given. Applies
+    what the layer's own attention applies: its sliding window or attention chunk, logit softcap,
+    attention sinks (``s_aux``), sparse-attention indices, and Llama 4's NoPE temperature."""
     if softcap is not None:
         kwargs["softcap"] = softcap
-    if cu_seq_lens_q is None:  # the mask Hugging Face built already holds any sliding window
+    kernel = _kernel(module, kwargs)
+    query = _nope_temperature(module, query, attention_mask, cu_seq_lens_q)
+    if cu_seq_lens_q is None:  # the mask Hugging Face built already holds any window or chunk
+        if indices is not None:
+            attention_mask = _index_mask(attention_mask, indices, key.shape[2])
         return kernel(module, query, key, value, attention_mask, **kwargs)
+    if indices is not None:
+        raise PackingUnsupported("sparse-attention indices picked over a packed row cross its sequences")
     global packed_calls
     packed_calls += 1
-    fast = _flash_fn(module, query, key, value)
+    window, chunk = _window(module, sliding_window), _chunk(module)
+    fast = _flash_fn(module, query, key, value) if chunk is None and kwargs.get("s_aux") is None else None
     if fast is not None:
         packed_kernels["flash_attn varlen"] += 1
         out = flash.flash_varlen_attention(
             *fast, query, key, value, cu_seq_lens_q, kwargs.get("cu_seq_lens_k", cu_seq_lens_q), max_length_q,
-            kwargs.get("max_length_k", max_length_q), sliding_window, softcap, kwargs.get("dropout", 0.0), kwargs.get("scaling"))
+            kwargs.get("max_length_k", max_length_q), window, softcap, kwargs.get("dropout", 0.0), kwargs.get("scaling"))
         return out, None
     packed_kernels["eager varlen" if kernel is eager_attention else "sdpa varlen"] += 1
     width = int(max_length_q)
@@ -107,7 +187,7 @@ def varlen_attention(module, query, key, value, attention_mask, *, cu_seq_lens_q
     # (its backward is index_add) rather than advanced indexing (index_put with accumulate):
     # that gather and its inverse were a third of the attention time of a GRPO micro-batch.
     q, k, v = (t[0].index_select(1, gather).unflatten(1, (-1, width)).transpose(0, 1) for t in (query, key, value))
-    mask = window_mask(width, sliding_window, query.device)
+    mask = window_mask(width, window, query.device, chunk)
     out, _ = kernel(module, q, k, v, mask, is_causal=mask is None, **kwargs)  # [S, Lmax, H, D]
     return out.flatten(0, 1).index_select(0, keep).unsqueeze(0), None  # [1, N, H, D]
 
@@ -128,15 +208,23 @@ def use_flash(model, on: bool) -> None:
         module.exactrl_flash = on
 
 
-def window_mask(width: int, window: int | None, device=None) -> torch.Tensor | None:
+def window_mask(width: int, window: int | None, device=None, chunk: int | None = None) -> torch.Tensor | None:
     """Causal mask [width, width] that also hides keys ``window`` or more positions back
-    (Hugging Face's sliding_window_overlay: key j is seen from query i when i - window < j <= i);
-    None when no window is narrower than the block (plain causal attention)."""
-    if window is None or window >= width:
+    (Hugging Face's sliding_window_overlay: key j is seen from query i when i - window < j <= i)
+    and keys of another ``chunk`` (chunked_overlay: i // chunk == j // chunk); None when neither
+    is narrower than the block (plain causal attention)."""
+    window = window if window is not None and window < width else None
+    chunk = chunk if chunk is not None and chunk < width else None
+    if window is None and chunk is None:
         return None
     i = torch.arange(width, device=device)
     back = i[:, None] - i[None, :]
-    return (back >= 0) & (back < window)
+    mask = back >= 0
+    if window is not None:
+        mask &= back < window
+    if chunk is not None:
+        mask &= (i[:, None] // chunk) == (i[None, :] // chunk)
+    return mask
 
 
 def _gather_index(cu: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,11 +260,18 @@ def disable(model) -> None:
     _hf_model(model).exactrl_packing = False
 
 
+# Train-mode noise that a setting switches off, as dropout's rate does: multiplicative jitter on
+# MoE routers' inputs (Mixtral and MiniMax: jitter_noise; Phi-3.5-MoE: input_jitter_noise; Switch).
+NOISE_RATES = ("jitter_noise", "input_jitter_noise")
+
+
 def disable_dropout(model: torch.nn.Module) -> int:
     """Set every dropout probability in ``model`` to 0, as RL and preference trainers do (TRL's
     disable_dropout): a policy in train mode must compute the log-probs the generator (eval
     mode) sampled with, and a verified step needs a deterministic forward. Covers nn.Dropout
-    modules and the float rates attention layers pass to their kernel (``attention_dropout``).
+    modules, the float rates layers pass to their kernels (``attention_dropout``, ``layerdrop``)
+    and the routers' train-mode input jitter (NOISE_RATES). Randomness no setting turns off
+    (Phi-3.5-MoE's sampled routing) is what exactrl/checks/determinism.py finds.
     Returns how many rates were non-zero."""
     changed = 0
     for module in model.modules():
@@ -184,7 +279,8 @@ def disable_dropout(model: torch.nn.Module) -> int:
             changed += module.p > 0
             module.p = 0.0
         for name, value in vars(module).items():
-            if "dropout" in name and isinstance(value, float) and not isinstance(value, bool):
+            rate = "dropout" in name or "layerdrop" in name or name in NOISE_RATES
+            if rate and isinstance(value, float) and not isinstance(value, bool):
                 changed += value > 0
                 setattr(module, name, 0.0)
     return changed

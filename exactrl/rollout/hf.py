@@ -7,11 +7,17 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import inspect
+
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers import DynamicCache, GenerationConfig
+from transformers.cache_utils import (Cache, DummyLayer, DynamicIndexedLayer, DynamicLayer, DynamicSlidingWindowLayer,
+                                      LinearAttentionAndFullAttentionLayer,
+                                      LinearAttentionAndSlidingWindowAttentionLayer, LinearAttentionCacheLayerMixin,
+                                      LinearAttentionLayer)
 
 from exactrl.device import device_of
+from exactrl.models import packing
 from exactrl.rollout.generator import SamplingParams, WeightSyncError
 
 
@@ -27,9 +33,10 @@ class Generation:
 
 
 class _PreallocatedLayer(DynamicLayer):
-    """A KV-cache layer that writes each step into buffers sized for the whole generation.
+    """A key/value layer that writes each step into buffers sized for the whole generation.
     Hugging Face's DynamicLayer concatenates the cache every step: on CPU that copy was 55%
-    of the time to sample 128 x 48 tokens from the 26M-parameter bench model."""
+    of the time to sample 128 x 48 tokens from the 26M-parameter bench model. Keys and values
+    keep their own shapes (MLA caches its latent as keys and the rope part as values)."""
 
     def __init__(self, capacity: int):
         super().__init__()
@@ -38,8 +45,8 @@ class _PreallocatedLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-            b, h, _, d = key_states.shape
-            self._k, self._v = (key_states.new_empty(b, h, self.capacity, d) for _ in range(2))
+            self._k, self._v = (t.new_empty(*t.shape[:2], self.capacity, t.shape[-1])
+                                for t in (key_states, value_states))
         end = self.length + key_states.shape[-2]
         if end > self.capacity:
             raise RuntimeError(f"KV cache of {self.capacity} positions overflowed at {end}")
@@ -61,10 +68,62 @@ class _PreallocatedLayer(DynamicLayer):
         self.keys, self.values = self._k[:, :, : self.length], self._v[:, :, : self.length]
 
 
-def preallocated_cache(model, capacity: int) -> DynamicCache:
-    cache = DynamicCache()
-    cache.layers = [_PreallocatedLayer(capacity) for _ in range(model.config.get_text_config(decoder=True).num_hidden_layers)]
-    return cache
+# The cache layers the loop can shrink to the live rows: Hugging Face's key/value layers (plain,
+# sliding-window or chunked, with DSA's index keys), linear-attention / SSM / short-conv states,
+# hybrids of both, and layers that hold nothing. Any other layer type (a model's own cache class)
+# hands the model to ``generate``.
+_KV_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, DynamicIndexedLayer)
+_STATE_LAYERS = (LinearAttentionLayer, LinearAttentionAndFullAttentionLayer,
+                 LinearAttentionAndSlidingWindowAttentionLayer)
+_KNOWN_LAYERS = (*_KV_LAYERS, *_STATE_LAYERS, DummyLayer)
+
+
+def base_model(model):
+    """The Hugging Face model inside an engine's or peft's wrapper."""
+    hf = packing._hf_model(model)
+    get = getattr(hf, "get_base_model", None)
+    return get() if callable(get) else hf
+
+
+def decode_cache(model, capacity: int) -> tuple[str, Cache] | None:
+    """The cache ``generate`` builds for ``model`` -- from its config, so every layer gets its
+    kind of state (key/value, sliding, linear-attention, SSM, conv) -- with the plain key/value
+    layers pre-allocated for ``capacity`` positions, and the name of the model's cache argument
+    (Mamba models take ``cache_params``). None when the model brings its own cache class or a
+    layer type the loop does not know: the caller uses ``generate``."""
+    hf = base_model(model)
+    if not hf._supports_default_dynamic_cache():
+        return None
+    cache = DynamicCache(config=hf.config.get_text_config(decoder=True))
+    if not cache.layers or any(type(layer) not in _KNOWN_LAYERS for layer in cache.layers):
+        return None
+    cache.layers = [_PreallocatedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    # generate's own rule for the argument's name (GenerationMixin._prepare_cache_for_generation)
+    return ("cache_params" if "mamba" in type(hf).__name__.lower() else "past_key_values"), cache
+
+
+def _keep_rows(cache: Cache, keep: torch.Tensor) -> None:
+    """Shrink every layer of ``cache`` to the rows ``keep``."""
+    for layer in cache.layers:
+        if isinstance(layer, LinearAttentionCacheLayerMixin):  # conv and recurrent states (a hybrid's KV: below)
+            LinearAttentionCacheLayerMixin.reorder_cache(layer, keep)
+        if isinstance(layer, _KV_LAYERS):
+            layer.batch_select_indices(keep)
+
+
+def use_generate(model, reason: str | None) -> None:
+    """From now on ``model`` decodes through Hugging Face's ``generate`` (``reason``: why, for
+    the record), or through the loop again (None)."""
+    base_model(model).exactrl_generate = reason
+
+
+def decodes_with_generate(model) -> str | None:
+    """Why ``model`` decodes through ``generate`` (None: through the loop): the generation
+    self-check chose it, or the model brings a cache the loop does not know."""
+    reason = getattr(base_model(model), "exactrl_generate", None)
+    if reason is None and decode_cache(model, 1) is None:
+        reason = f"{type(base_model(model)).__name__} brings a cache of its own"
+    return reason
 
 
 def _draw(logits: torch.Tensor, greedy: bool, temperature: float, top_p: float) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -91,6 +150,10 @@ def _any_live(live: torch.Tensor, synced: bool) -> bool:
     return bool(flag)
 
 
+def _takes(fn, name: str) -> bool:
+    return name in inspect.signature(fn).parameters
+
+
 @torch.no_grad()
 def sample(model, input_ids: torch.Tensor, attention: torch.Tensor, *, max_new_tokens: int, eos: int, pad: int,
            greedy: bool = False, temperature: float = 1.0, top_p: float = 1.0, synced: bool = False,
@@ -102,15 +165,35 @@ def sample(model, input_ids: torch.Tensor, attention: torch.Tensor, *, max_new_t
     tokens [rows, max_new_tokens] (``pad`` after a row's EOS) and, sampled, the log-prob of
     each token at ``temperature`` (0 after EOS).
 
+    Each step's inputs come from the model's own ``prepare_inputs_for_generation``, as in
+    ``generate`` (Mamba's decode steps drop the mask, hybrid models pick their masks). A model
+    whose cache the loop does not know, or that the generation self-check handed to ``generate``
+    (exactrl/checks/generation.py), is decoded by ``generate`` itself.
+
     ``synced`` (parameters sharded over ranks): every rank runs as many forwards, stepping
     at least one row until no rank has a live one."""
+    hf = base_model(model)
+    made = None if getattr(hf, "exactrl_generate", None) else decode_cache(model, input_ids.shape[1] + max_new_tokens)
+    if made is None:
+        return sample_with_generate(model, input_ids, attention, max_new_tokens=max_new_tokens, eos=eos, pad=pad,
+                                    greedy=greedy, temperature=temperature, top_p=top_p, synced=synced)
+    cache_name, cache = made
+    with_positions = _takes(hf.forward, "position_ids")
+    keep_one = _takes(hf.forward, "logits_to_keep")
+
+    def forward(ids: torch.Tensor, mask: torch.Tensor, first: bool):
+        extra = {"position_ids": (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]} if with_positions else {}
+        inputs = hf.prepare_inputs_for_generation(ids, attention_mask=mask, use_cache=True, is_first_iteration=first,
+                                                  **{cache_name: cache}, **extra)
+        if first and keep_one:
+            inputs["logits_to_keep"] = 1
+        return model(**inputs)
+
     rows, device = input_ids.shape[0], input_ids.device  # the model's device: the loop never leaves it
     tokens = torch.full((rows, max_new_tokens), pad, dtype=torch.long, device=device)
     logprobs = None if greedy else torch.zeros(rows, max_new_tokens, device=device)
-    cache = preallocated_cache(model, input_ids.shape[1] + max_new_tokens)
     mask = attention
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    out = forward(input_ids, mask, True)
     row = torch.arange(rows, device=device)  # the original row of each batch row
     live = torch.ones(rows, dtype=torch.bool, device=device)
     for t in range(max_new_tokens):
@@ -125,10 +208,43 @@ def sample(model, input_ids: torch.Tensor, attention: torch.Tensor, *, max_new_t
         if (~live).sum() >= max(1.0, compact_at * len(live)):
             keep = live.nonzero()[:, 0] if live.any() else torch.zeros(1, dtype=torch.long, device=device)
             row, live, token, mask = row[keep], live[keep], token[keep], mask[keep]
-            cache.batch_select_indices(keep)
+            _keep_rows(cache, keep)
         mask = torch.cat([mask, mask.new_ones(len(mask), 1)], 1)
-        out = model(input_ids=token[:, None], attention_mask=mask, position_ids=mask.sum(-1, keepdim=True) - 1,
-                    past_key_values=cache, use_cache=True)
+        out = forward(token[:, None], mask, False)
+    return tokens, logprobs
+
+
+@torch.no_grad()
+def sample_with_generate(model, input_ids: torch.Tensor, attention: torch.Tensor, *, max_new_tokens: int,
+                         eos: int | None, pad: int, greedy: bool = False, temperature: float = 1.0, top_p: float = 1.0,
+                         synced: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``sample``'s contract through Hugging Face's ``generate``: the same draws (temperature,
+    top-p, one multinomial per row; nothing of the model's generation_config.json), and the
+    log-prob of each sampled token at ``temperature`` from the raw logits it returns."""
+    config = GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=0, do_sample=not greedy,
+                              temperature=temperature if not greedy else None, top_p=top_p if not greedy else None,
+                              top_k=0, num_beams=1, pad_token_id=pad, eos_token_id=eos, output_logits=not greedy,
+                              return_dict_in_generate=True, use_cache=True)
+    # generate fills what the config leaves at its defaults from the model's generation_config.json
+    # (a repetition penalty, top-k, ...): none of it may shape the draws the log-probs describe.
+    hf, own = base_model(model), base_model(model).generation_config
+    hf.generation_config = GenerationConfig()
+    try:
+        out = model.generate(input_ids=input_ids, attention_mask=attention, generation_config=config,
+                             synced_gpus=synced)
+    finally:
+        hf.generation_config = own
+    new = out.sequences[:, input_ids.shape[1]:]
+    tokens = torch.full((len(input_ids), max_new_tokens), pad, dtype=torch.long, device=input_ids.device)
+    tokens[:, : new.shape[1]] = new
+    if greedy:
+        return tokens, None
+    logits = torch.stack(out.logits, 1).float() / temperature  # [rows, steps, vocab]
+    logp = torch.log_softmax(logits, -1).gather(-1, new[..., None])[..., 0]
+    stops = (new == eos).long() if eos is not None else torch.zeros_like(new)
+    ended = stops.cumsum(1) - stops  # > 0 after a row's EOS
+    logprobs = torch.zeros(tokens.shape, device=input_ids.device)
+    logprobs[:, : new.shape[1]] = logp.masked_fill(ended > 0, 0.0)
     return tokens, logprobs
 
 

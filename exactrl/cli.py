@@ -53,11 +53,17 @@ def _fail(status: str, label: str, message: str, code: int):
 
 def _run(kind: str, config: Optional[Path], overrides: Optional[list[str]], fn) -> None:
     """Exit codes: 0 success, 2 a problem in the config, data, model, checkpoint, output_dir or
-    disk, 1 the final evaluation failed (the model is saved), 3 stopped by the canary, 4 a non-finite loss, gradient or weight, 130/143 SIGINT/SIGTERM.
+    disk, 1 the final evaluation failed (the model is saved), 3 stopped by a verification check
+    (the canary; the packing, generation or determinism self-check; the on-policy ratio; a weight
+    sync), 4 a non-finite loss, gradient or weight, 130/143 SIGINT/SIGTERM.
     Every run directory's status.json records the same end."""
     from exactrl.run.context import EvaluationError
     from exactrl.checks.canary import CanaryError
+    from exactrl.checks.determinism import DeterminismError
+    from exactrl.checks.generation import GenerationCheckError
+    from exactrl.checks.on_policy import OnPolicyCheckError
     from exactrl.checks.packing import PackingCheckError
+    from exactrl.rollout.generator import WeightSyncError
     from exactrl.data.jsonl import DataError
     from exactrl.distributed.checkpoint import CheckpointError
     from exactrl.distributed.engine import NonFiniteError
@@ -77,8 +83,10 @@ def _run(kind: str, config: Optional[Path], overrides: Optional[list[str]], fn) 
         fn(cfg)
         set_status("success")
         shutdown()
-    except (ConfigError, DataError, ModelLoadError, RewardError, CheckpointError, PackingCheckError) as e:
+    except (ConfigError, DataError, ModelLoadError, RewardError, CheckpointError) as e:
         raise _fail("error", "error", str(e), 2) from None
+    except (PackingCheckError, GenerationCheckError, DeterminismError, OnPolicyCheckError, WeightSyncError) as e:
+        raise _fail("check", "stopped by a self-check", str(e), 3) from None
     except EvaluationError as e:  # the model is saved; the run still failed
         raise _fail("error", "error", str(e), 1) from None
     except CanaryError as e:  # the step was not applied; checkpoints written so far are intact

@@ -19,7 +19,7 @@ from pathlib import Path
 from exactrl.config.loader import ConfigError, dump_config
 
 STATUS = "status.json"
-FAILED_STATES = ("error", "interrupted", "canary", "nonfinite")
+FAILED_STATES = ("error", "interrupted", "canary", "check", "nonfinite")
 # What a run leaves before its first saved or logged result; nothing in them is lost by reuse.
 SCAFFOLD = {STATUS, "config.yaml", ".config.yaml.tmp", "manifest.json", "metrics.jsonl", f".{STATUS}.tmp"}
 

@@ -52,7 +52,7 @@ def exactrl(args, cwd, cache, **kw):
 def one_line_error(proc, code: int) -> str:
     assert proc.returncode == code, (proc.returncode, proc.stderr[-2000:])
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith(("error:", "stopped:", "terminated:"))]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith(("error:", "stopped:", "stopped by", "terminated:"))]
     assert len(lines) == 1, proc.stderr[-2000:]
     return lines[0]
 

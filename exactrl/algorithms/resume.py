@@ -17,7 +17,8 @@ from exactrl.distributed.checkpoint import CheckpointError, check_resumable
 # how checks react, and how a step is split into micro-batches (the gradient is the same).
 MAY_CHANGE = ("output_dir", "train.max_steps", "train.epochs", "train.save_every", "train.log_every",
               "train.eval_every", "train.resume_from", "train.resume_allow_changes", "train.save_total_limit",
-              "train.nonfinite", "train.micro_batch_size", "train.packing_check", "data.eval", "data.eval_size", "eval.", "audit.",
+              "train.nonfinite", "train.micro_batch_size", "train.packing_check", "train.packing_check_tol",
+              "train.generation_check", "train.generation_check_tol", "data.eval", "data.eval_size", "eval.", "audit.",
               "log.", "reward.timeout", "reward.retries", "distributed.nproc_per_node", "model.lora.merge_on_save")
 
 

@@ -35,6 +35,7 @@ from exactrl.algorithms.sft import resolve
 from exactrl.algorithms.common import check_data_size, check_world, seed_everything
 from exactrl.algorithms.registry import ALGORITHMS, check_algorithm_config
 from exactrl.algorithms.resume import check_resume
+from exactrl.checks.on_policy import OnPolicyCheckError, check_on_policy
 from exactrl.config.schema import RLConfig
 from exactrl.data.batch import Sample, collate
 from exactrl.data.batching import StepSampler, pad_right
@@ -57,10 +58,11 @@ from exactrl.run.context import RunContext
 from exactrl.run.evaluation import eval_data, load_eval_set
 from exactrl.tasks.builtin import BuiltinSpec
 from exactrl.workers.critic import Critic
-from exactrl.workers.load import load_model
+from exactrl.workers.load import check_generator, load_model
 from exactrl.workers.worker import Worker
 
-__all__ = ["RolloutError", "Sample", "collect_dynamic_rollout", "collect_rollout", "overlong_penalty", "train_rl"]
+__all__ = ["OnPolicyCheckError", "RolloutError", "Sample", "check_on_policy", "collect_dynamic_rollout", "collect_rollout",
+           "overlong_penalty", "train_rl"]
 
 
 @dataclass
@@ -81,10 +83,6 @@ class AdaptiveKL:
             error = min(max(kl / self.target - 1.0, -0.2), 0.2)
             self.coef *= 1.0 + error * len(samples) / self.horizon
         return kl
-
-
-class OnPolicyCheckError(RuntimeError):
-    """The policy ratio was not 1 at the first update after a rollout."""
 
 
 @dataclass
@@ -153,24 +151,6 @@ def policy_micro_batch_loss(model, engine, samples: list[Sample], normalizer, cf
             ratio = torch.exp(logp.detach() - b["gen_logprobs"])
         m["ratio_dev"] = ((ratio - 1).abs() * mask).max().item()
     return aggregate(tok_loss, mask, normalizer), canary_share(mask, normalizer), m
-
-
-def check_on_policy(deviation: float, cfg: RLConfig, rollout: int, against_generator: bool = False) -> None:
-    """The first update after a rollout must see ratio 1: against old log-probs from the same
-    forward code (``algo.ratio_tol``), or, when a one-update rollout skips that pass, against
-    the log-probs the generator sampled with (``algo.gen_ratio_tol``: KV-cached single-token
-    decoding sums in another order; 2.4e-4 was seen 15 steps into examples/grpo_tiny.yaml,
-    while a generator with stale or wrong weights is off by far more)."""
-    key = "gen_ratio_tol" if against_generator else "ratio_tol"
-    tol = getattr(cfg.algo, key)
-    if cfg.algo.ratio_check == "off" or deviation <= tol:
-        return
-    what = "the generator's log-probs are" if against_generator else "the old log-probs are"
-    msg = (f"on-policy check failed at rollout {rollout}: max |ratio - 1| = {deviation:.3g} > algo.{key}={tol} "
-           f"at the first update after the rollout; {what} stale or computed differently from the loss's")
-    if cfg.algo.ratio_check == "error":
-        raise OnPolicyCheckError(msg)
-    warnings.warn(msg, stacklevel=2)
 
 
 def fragile_settings(cfg: RLConfig) -> list[str]:
@@ -277,7 +257,8 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     critic = Critic.load(cfg, model_path, steps, pad, ctx.run_dir, phase, longest) if alg.critic else None
     # Several ranks holding shards of the parameters must run every forward together
     # (generate's synced_gpus keeps a rank whose responses have all ended stepping with the others).
-    generator = HFEngine(model, tok, cfg.rollout.batch_size, synced=engine.world_size > 1 and engine.shards_parameters)
+    generator = HFEngine(model, tok, cfg.rollout.batch_size, synced=engine.synced_decoding)
+    check_generator(cfg, model, tok, ctx.run_dir, phase, sampled=True, synced=generator.synced)
 
     sampler = StepSampler(len(prompts), prompts_per_rollout, t.seed)
     group_rng = random.Random(f"{t.seed}-minibatches")

@@ -35,7 +35,7 @@ from exactrl.run.context import RunContext
 from exactrl.run.evaluation import eval_data, load_eval_set
 from exactrl.tasks import builtin
 from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin
-from exactrl.workers.load import load_model
+from exactrl.workers.load import check_generator, load_model
 from exactrl.workers.worker import Worker
 
 
@@ -76,6 +76,8 @@ def train_sft(cfg: SFTConfig, run_dir: Path | None = None, spec: BuiltinSpec = B
     ctx = RunContext(cfg, "sft", phase, run_dir, {"train": train_path, "eval": eval_path}, tok, eval_set)
     model = load_model(cfg, model_path, ctx.run_dir, phase, "policy", cfg.data.max_length, checkpoint=t.resume_from)
     policy = Worker("policy", model, build_engine(model, cfg, steps), pad_id=tok.pad_token_id, packed=t.padding_free)
+    if eval_set is not None:  # evaluations decode greedily: checked before training, not after it
+        check_generator(cfg, model, tok, ctx.run_dir, phase, sampled=False, synced=policy.engine.synced_decoding)
     start = resume(t.resume_from, policy.engine)["step"] if t.resume_from else 0
     sampler = StepSampler(len(examples), t.global_batch_size, t.seed)
     norm_len = t.loss_agg_norm or cfg.data.max_length

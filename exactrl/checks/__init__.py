@@ -1,2 +1,10 @@
 """Runtime verification that runs inside every training command (see DESIGN.md, "Verification
-built in"): the canary (canary.py) and the packing self-check (packing.py)."""
+built in"): the canary (canary.py, every step), the on-policy ratio (on_policy.py, every
+rollout) and the start-up self-checks: determinism (determinism.py), packing (packing.py) and
+generation (generation.py)."""
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as one line for a check's report: its type and the first line of its message."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__

@@ -3,11 +3,22 @@ different lengths packed into one row (the padding-free path, exactrl/models/pac
 right-padded batch, and each alone through Hugging Face's own eager attention; the path the
 run will use must agree with the sequences alone.
 
-It is what catches the architecture nobody tested: a sliding window or logit softcap the
-packed attention does not apply, a model whose attention never calls the registered function
-(Falcon and Bloom compute ALiBi attention themselves, so a packed row would attend across its
-sequences), dropout left on. Sequences run past the model's narrowest sliding window when the
-run's sequences can. Costs a few forwards of at most a few dozen tokens.
+It is what catches the architecture nobody tested: a sliding window, attention chunk, logit
+softcap, attention sink or sparse-attention index the packed attention does not apply, a model
+whose attention never calls the registered function (Falcon and Bloom compute ALiBi attention
+themselves; linear-attention and SSM layers carry state along the row), dropout left on. The
+probe sequences run past every length-shaped setting of the model's config (sliding windows,
+attention chunks, NoPE temperature steps, sparse-attention top-k, convolution widths) when the
+run's sequences can; a config with a length-shaped setting the check does not know gets no
+packing (it cannot vouch for a mechanism it does not exercise). The forwards run in the mode
+training uses (train mode with dropout off; eval mode for a frozen model, or where the training
+forward is random, exactrl/checks/determinism.py). Anything that goes wrong inside a forward is
+a "no" for that path, with the exception's one-line reason.
+
+Where a path disagrees it falls back, one rung at a time: packed rows, right-padded batches
+through exactrl's kernel, right-padded batches through the model's own Hugging Face attention
+(sdpa, else eager). Costs a few forwards of at most a few dozen tokens (more where a setting
+asks for longer probes).
 
 These run in fp32. flash-attention's kernel (exactrl/models/flash.py) only runs in half
 precision, so for a bf16 run the packed row runs once more under the run's autocast: when that
@@ -20,10 +31,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
+from exactrl.checks import one_line
 from exactrl.device import device_of
 from exactrl.models import packing
 
@@ -42,31 +54,120 @@ class PackingReport:
     seconds: float
     packed: bool  # whether the run trains on packed rows
     notice: str | None = None  # why packing (or flash-attention) was turned off
-    kernel: str | None = None  # the packed path's attention: "flash_attn varlen", "sdpa varlen", "eager varlen"; None: not run
+    kernel: str | None = None  # the packed attention: "flash_attn varlen", "sdpa varlen", "eager varlen"; None: not run
     flash_error: float | None = None  # flash vs packed SDPA under the run's autocast, same scale; None: flash not used
+    attention: str = "exactrl"  # padded forwards' attention: exactrl's kernel or the model's own ("hf sdpa", "hf eager")
+    mode: str = "train"  # the mode the forwards ran in: train (as training runs them) or eval
+    settings: dict = field(default_factory=dict)  # the config's length-shaped settings the probes were made to pass
+    reasons: dict = field(default_factory=dict)  # why a path was refused: {"packed": ..., "padded": ...}
+    without_flash: str | None = None  # the packed kernels with flash-attention turned off (bf16 runs that engaged it)
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-def narrowest_window(config) -> int | None:
-    """The smallest sliding window any layer of ``config`` uses, if any."""
-    config = config.get_text_config(decoder=True)
+# Config settings that shape attention by length or position. The probes pass each (by a few
+# tokens, when the run's sequences can reach it), so whatever the setting does shows in the check.
+PROBED = {
+    "sliding_window": "sliding-window attention (on the layers whose type says so)",
+    "attention_chunk_size": "chunked attention (Llama 4)",
+    "floor_scale": "NoPE attention temperature, a step every floor_scale positions (Llama 4)",
+    "index_topk": "sparse attention: keys per query (DeepSeek-V3.2 DSA)",
+    "conv_kernel": "short convolution width", "conv_L_cache": "short convolution width (LFM2)",
+    "linear_conv_kernel_dim": "linear-attention convolution width", "mamba_d_conv": "Mamba convolution width",
+    "short_conv_kernel_size": "short convolution width (Kimi)", "block_size": "lightning attention block (MiniMax-01)",
+}
+# Length-like names that shape no attention: limits, tilings of an exact algorithm, layer counts.
+NOT_MECHANISMS = {
+    "max_position_embeddings", "original_max_position_embeddings", "max_window_layers", "chunk_size",
+    "mamba_chunk_size",
+    "sliding_window_pattern", "no_rope_layer_interval", "interleave_moe_layer_step", "attn_layer_period",
+    "attn_layer_offset", "expert_layer_period", "expert_layer_offset", "num_kv_shared_layers", "first_k_dense_replace",
+    "moe_layer_freq", "moe_layer_start_index", "moe_layer_end_index", "decoder_sparse_step", "full_attn_interval",
+    "max_window_size", "n_positions", "max_seq_len", "max_length", "model_max_length", "num_logits_to_keep",
+    "time_step_limit",
+}
+# Rotary embeddings whose frequencies follow the longest position in the *batch* (Hugging Face's
+# dynamic_rope_update): past their original length a short sequence batched with a long one gets
+# other frequencies than alone, packed or padded alike.
+BATCH_ROPE = {"longrope": "LongRoPE switches to its long factors",
+              "dynamic": "dynamic NTK scaling rescales its frequencies"}
+LENGTH_WORDS = ("window", "chunk", "block_size", "floor", "topk", "top_k_tokens", "span", "conv", "seq_len", "length")
+
+
+def _layer_windows(config) -> list[int]:
+    """The sliding windows any layer of ``config`` applies."""
     window = getattr(config, "sliding_window", None)
     types = getattr(config, "layer_types", None)
-    if types is not None and not any("sliding" in t for t in types):
-        return None
-    if getattr(config, "use_sliding_window", True) is False:
-        return None
-    return window if isinstance(window, int) and window > 0 else None
+    if not isinstance(window, int) or window <= 0 or getattr(config, "use_sliding_window", True) is False:
+        return []
+    if types is not None and not any("sliding" in str(t) for t in types):
+        return []
+    return [window]
+
+
+def length_settings(config) -> tuple[dict[str, int], list[str]]:
+    """The length-shaped settings of ``config`` the probes must pass (name -> value), and the
+    names of length-like integer settings the check does not know."""
+    config = config.get_text_config(decoder=True)
+    known, unknown = {}, []
+    for name, value in config.to_dict().items():
+        name = name.lstrip("_")
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 1:
+            continue
+        if name == "sliding_window":
+            if _layer_windows(config):
+                known[name] = value
+        elif name == "attention_chunk_size":
+            if any(t == "chunked_attention" for t in getattr(config, "layer_types", None) or []):
+                known[name] = value
+        elif name == "floor_scale":
+            if getattr(config, "attn_temperature_tuning", False):
+                known[name] = value
+        elif name in PROBED:
+            known[name] = value
+        elif name not in NOT_MECHANISMS and any(w in name for w in LENGTH_WORDS):
+            unknown.append(f"{name}={value}")
+    return known, unknown
+
+
+def batch_rope_limit(config) -> tuple[int, str] | None:
+    """(length, what) when the model's rotary embedding depends on the batch's longest position
+    past ``length`` (BATCH_ROPE); None otherwise."""
+    config = config.get_text_config(decoder=True)
+    params = getattr(config, "rope_parameters", None) or {}
+    for p in [params, *(v for v in params.values() if isinstance(v, dict))]:
+        kind = p.get("rope_type", p.get("type"))
+        if kind in BATCH_ROPE:
+            limit = p.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", 0)
+            return int(limit or config.max_position_embeddings), BATCH_ROPE[kind]
+    return None
 
 
 def probe_lengths(config, longest: int) -> list[int]:
-    """Three lengths, the longest past the narrowest sliding window when ``longest`` (the run's
+    """Three lengths, the longest past every length-shaped setting when ``longest`` (the run's
     longest sequence) is; a long one follows a short one, so leakage between them shows."""
-    window = narrowest_window(config)
-    top = max(2, min(longest, 24 if window is None else max(24, window + 4)))
+    reach = max([24] + [v + 4 for v in length_settings(config)[0].values()])
+    top = max(2, min(longest, reach))
     return [max(2, top // 2 + 1), top, min(3, top)]
+
+
+def probe_sequences(config, vocab_size: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    """Random token sequences of ``lengths`` without the config's special tokens: a pad token
+    has a zero embedding in many models, which real sequences never carry inside them (and on
+    which DeepSeek-V3.2's indexer scores every key alike, so its top-k would be a tie)."""
+    config = config.get_text_config(decoder=True)
+    special = {getattr(config, k, None) for k in ("pad_token_id", "bos_token_id", "eos_token_id")}
+    special = {t for s in special for t in (s if isinstance(s, list) else [s]) if isinstance(t, int)}
+    allowed = torch.tensor([t for t in range(vocab_size) if t not in special])
+    g = torch.Generator().manual_seed(seed)
+    return [allowed[torch.randint(0, len(allowed), (n,), generator=g)].tolist() for n in lengths]
+
+
+def narrowest_window(config) -> int | None:
+    """The smallest sliding window any layer of ``config`` uses, if any."""
+    windows = _layer_windows(config.get_text_config(decoder=True))
+    return min(windows) if windows else None
 
 
 def _outputs(model, **inputs) -> torch.Tensor:
@@ -109,57 +210,143 @@ def _error(rows: list[torch.Tensor], refs: list[torch.Tensor]) -> float:
 BF16_TOL = 5e-2
 
 
+def _attempt(fn):
+    """(fn(), None), or (None, the exception's one-line reason): a path that raises is a "no"."""
+    try:
+        return fn(), None
+    except Exception as e:  # noqa: BLE001 -- any failure of a forward is this path's answer
+        return None, one_line(e)
+
+
+def _padded(model, seqs, lengths, refs) -> float:
+    padded = _outputs(model, **packing.model_batch(model, seqs, 0, packed=False).inputs)
+    return _error([padded[i, :n] for i, n in enumerate(lengths)], refs)
+
+
+def _own_attention(model) -> str | None:
+    """Hand ``model`` to its own Hugging Face attention (sdpa where it has it, else eager);
+    returns the name, or None when it has neither."""
+    hf = packing._hf_model(model)
+    for name in ("sdpa", "eager"):
+        try:
+            hf.set_attn_implementation(name)
+            return name
+        except (ValueError, ImportError):
+            continue
+    return None
+
+
 @torch.no_grad()
 def check_packing(model, vocab_size: int, longest: int, padding_free: bool, policy: str, tol: float,
-                  what: str = "the model", autocast: Callable[[], AbstractContextManager] | None = None) -> PackingReport:
+                  what: str = "the model", autocast: Callable[[], AbstractContextManager] | None = None,
+                  train_mode: bool | None = None) -> PackingReport:
     """Run the check on ``model`` (a Hugging Face model loaded by exactrl.models.loading, not yet
-    wrapped by an engine). ``policy``: 'fallback' turns packing off for the model (padded
-    batches) when only the packed path disagrees, or flash-attention off when only it does;
-    'error' stops. ``autocast``: the run's (bf16), under which flash-attention may engage.
-    Raises PackingCheckError."""
+    wrapped by an engine), in ``train_mode`` (default: the mode it was loaded in, the one its
+    training or reference forwards run in). ``policy``: 'fallback' moves the model down the
+    rungs (packed rows, padded through exactrl's kernel, padded through the model's own
+    attention) until one agrees with the sequences alone, or turns flash-attention off when
+    only it disagrees; 'error' stops where the requested path disagrees. ``autocast``: the
+    run's (bf16), under which flash-attention may engage. Raises PackingCheckError."""
     t0 = time.perf_counter()
     hf = packing._hf_model(model)
+    settings, unknown = length_settings(hf.config)
     lengths = probe_lengths(hf.config, longest)
-    g = torch.Generator().manual_seed(0)
-    seqs = [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in lengths]
+    seqs = probe_sequences(hf.config, vocab_size, lengths)
+    where = f"{what} ({type(hf).__name__}; sequences of {', '.join(map(str, lengths))} tokens)"
+    limit = batch_rope_limit(hf.config)
+    if limit is not None and longest > limit[0]:
+        raise PackingCheckError(f"{what} ({type(hf).__name__}): past {limit[0]} positions {limit[1]} by the longest "
+                                f"sequence of a batch, so no batch of sequences up to this run's {longest} tokens "
+                                f"computes what each sequence computes alone; keep prompt + response within {limit[0]} "
+                                "tokens (data.max_length, rollout.max_new_tokens)")
     was_training = model.training
-    model.eval()  # dropout is the run's choice; the check is about which tokens attend to which
+    model.train(was_training if train_mode is None else train_mode)
+    report = PackingReport(lengths, None, None, 0, 0.0, False, mode="train" if model.training else "eval",
+                           settings=settings)
     try:
-        refs = _alone(model, seqs)
-        padded = _outputs(model, **packing.model_batch(model, seqs, 0, packed=False).inputs)
-        padded_error = _error([padded[i, :n] for i, n in enumerate(lengths)], refs)
-        packed_error, calls, kernel, flash_error, without_flash = None, 0, None, None, None
-        if padding_free and packing.can_pack(model):
-            rows, calls, kernel = _packed(model, seqs, lengths)
-            packed_error = _error(rows, refs)
-            if autocast is not None and "flash" not in kernel:
-                kernel, flash_error, without_flash = _check_flash(model, seqs, lengths, autocast) or (kernel, None, kernel)
+        refs, why = _attempt(lambda: _alone(model, seqs))
+        if refs is None:
+            raise PackingCheckError(f"packing self-check failed for {where}: each sequence alone through the model's "
+                                    f"own eager attention fails: {why}")
+        report.padded_error, why = _attempt(lambda: _padded(model, seqs, lengths, refs))
+        if report.padded_error is None or report.padded_error > tol:
+            report.reasons["padded"] = (f"a right-padded forward through exactrl's attention fails ({why})" if why else
+                                        f"right-padded batches through exactrl's attention differ from each sequence "
+                                        f"alone by {report.padded_error:.3g}")
+            _hand_to_own_attention(model, seqs, lengths, refs, report, policy, tol, where)
+        elif padding_free and packing.can_pack(model):
+            _try_packed(model, seqs, lengths, refs, report, unknown, tol, autocast)
     finally:
         model.train(was_training)
-    report = PackingReport(lengths, packed_error, padded_error, calls, time.perf_counter() - t0, packed_error is not None,
-                           kernel=kernel, flash_error=flash_error)
-    where = f"{what} ({type(hf).__name__}; sequences of {', '.join(map(str, lengths))} tokens)"
-    if padding_free and packed_error is not None and (packed_error > tol or calls == 0):
-        why = (f"its attention never called exactrl's packed attention (the model computes attention itself, "
-               f"e.g. ALiBi in Falcon and Bloom), so each sequence of a row would attend to the ones before it"
-               if calls == 0 else f"packed rows differ from each sequence alone by {packed_error:.3g} (train.packing_check_tol={tol:g})")
-        if policy == "error" or padded_error > tol:
-            raise PackingCheckError(f"packing self-check failed for {where}: {why}; set train.padding_free=false"
-                                    + ("" if padded_error <= tol else f" -- but padded batches differ too ({padded_error:.3g})"))
+    report.seconds = time.perf_counter() - t0
+    if not report.packed:
         packing.disable(model)
-        report.packed = False
-        report.notice = f"packing self-check: {where}: {why}; training on right-padded batches instead (train.padding_free ignored)"
-    elif padded_error > tol and not report.packed:
-        raise PackingCheckError(f"packing self-check failed for {where}: right-padded batches differ from each sequence "
-                                f"alone by {padded_error:.3g} (train.packing_check_tol={tol:g})")
-    elif flash_error is not None and flash_error > BF16_TOL:
-        why = f"flash-attention's packed rows differ from the packed SDPA path in bf16 by {flash_error:.3g} (allowed {BF16_TOL:g})"
-        if policy == "error":
-            raise PackingCheckError(f"packing self-check failed for {where}: {why}; uninstall flash-attn or set train.padding_free=false")
-        packing.use_flash(model, False)
-        report.kernel = without_flash
-        report.notice = f"packing self-check: {where}: {why}; packed rows run {without_flash} instead"
+    _decide(model, report, padding_free, policy, where)
     return report
+
+
+def _try_packed(model, seqs, lengths, refs, report: PackingReport, unknown: list[str], tol: float, autocast) -> None:
+    """The packed rung: sets report.packed, or says in report.reasons why not."""
+    if unknown:
+        report.reasons["packed"] = (f"the config has length-shaped settings the check does not know how to exercise "
+                                    f"({', '.join(unknown)})")
+        return
+    out, why = _attempt(lambda: _packed(model, seqs, lengths))
+    if out is None:
+        report.reasons["packed"] = f"a packed forward fails ({why})"
+        return
+    rows, report.packed_attention_calls, report.kernel = out
+    report.packed_error = _error(rows, refs)
+    if report.packed_attention_calls == 0:
+        report.reasons["packed"] = ("its attention never called exactrl's packed attention (the model computes attention "
+                                    "or carries state itself, e.g. ALiBi in Falcon and Bloom, linear attention and SSM "
+                                    "layers), so each sequence of a row would see the ones before it")
+    elif report.packed_error > tol:
+        report.reasons["packed"] = (f"packed rows differ from each sequence alone by {report.packed_error:.3g} "
+                                    f"(train.packing_check_tol={tol:g})")
+    else:
+        report.packed = True
+        if autocast is not None and "flash" not in report.kernel:
+            flash = _check_flash(model, seqs, lengths, autocast)
+            if flash is not None:
+                report.kernel, report.flash_error, report.without_flash = flash
+
+
+def _hand_to_own_attention(model, seqs, lengths, refs, report: PackingReport, policy: str, tol: float,
+                           where: str) -> None:
+    """The last rung, where exactrl's attention is wrong on padded batches too: the model's own
+    Hugging Face attention, which must then agree (else PackingCheckError)."""
+    if policy == "error":
+        raise PackingCheckError(f"packing self-check failed for {where}: {report.reasons['padded']} "
+                                f"(train.packing_check_tol={tol:g}); train.packing_check=fallback hands the model to "
+                                "its own attention on padded batches")
+    own = _own_attention(model)
+    error, why = (None, "it has neither") if own is None else _attempt(lambda: _padded(model, seqs, lengths, refs))
+    if error is None or error > tol:
+        result = f"too: {why}" if why else f"they differ by {error:.3g}"
+        raise PackingCheckError(f"packing self-check failed for {where}: {report.reasons['padded']}, and through the "
+                                f"model's own {own or 'sdpa/eager'} attention {result} (train.packing_check_tol={tol:g})")
+    report.padded_error, report.attention = error, f"hf {own}"
+
+
+def _decide(model, report: PackingReport, padding_free: bool, policy: str, where: str) -> None:
+    """The notice for the path the model steps down to, or (policy 'error') the stop."""
+    why = report.reasons.get("padded") or (report.reasons.get("packed") if padding_free else None)
+    if why is not None:
+        if policy == "error":
+            raise PackingCheckError(f"packing self-check failed for {where}: {why}; set train.padding_free=false")
+        own = " through the model's own attention" if report.attention != "exactrl" else ""
+        report.notice = (f"packing self-check: {where}: {why}; training on right-padded batches{own} instead "
+                         "(train.padding_free ignored)")
+    elif report.flash_error is not None and report.flash_error > BF16_TOL:
+        why = (f"flash-attention's packed rows differ from the packed SDPA path in bf16 by {report.flash_error:.3g} "
+               f"(allowed {BF16_TOL:g})")
+        if policy == "error":
+            raise PackingCheckError(f"packing self-check failed for {where}: {why}; uninstall flash-attn or set "
+                                    "train.padding_free=false")
+        packing.use_flash(model, False)
+        report.kernel = report.without_flash
+        report.notice = f"packing self-check: {where}: {why}; packed rows run {report.without_flash} instead"
 
 
 def _check_flash(model, seqs, lengths, autocast) -> tuple[str, float, str] | None:

@@ -67,6 +67,11 @@ class SingleEngine:
         self._micro_seen = 0
         self._samples_seen = 0
 
+    @property
+    def synced_decoding(self) -> bool:
+        """Whether decoding must keep every rank stepping (parameters sharded over several ranks)."""
+        return self.world_size > 1 and self.shards_parameters
+
     @classmethod
     def from_config(cls, model: torch.nn.Module, cfg, total_steps: int, device: torch.device) -> SingleEngine:
         return cls(model, cfg.model, cfg.train, cfg.optim, cfg.audit, total_steps, device=device)

@@ -1,4 +1,7 @@
-"""Loading a worker's model: as cfg.model says, then the packing self-check on that very model."""
+"""Loading a worker's model: as cfg.model says, then the start-up self-checks on that very model:
+is its training forward deterministic (exactrl/checks/determinism.py), which path computes what
+the model computes on each sequence alone (exactrl/checks/packing.py), and, once the generator
+exists, does it decode what the model computes (exactrl/checks/generation.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +11,9 @@ from pathlib import Path
 import torch
 
 from exactrl.audit.manifest import record_check
-from exactrl.checks.packing import check_packing
+from exactrl.checks.determinism import DeterminismError, check_determinism, random_forward_message
+from exactrl.checks.generation import check_generation
+from exactrl.checks.packing import check_packing, probe_lengths
 from exactrl.device import place, process_device
 from exactrl.distributed.launch import is_main
 from exactrl.models.loading import load_causal_lm
@@ -29,15 +34,48 @@ def load_model(cfg, path, run_dir: Path, phase: str, role: str, longest: int, tr
     if lora:  # before the self-check: it checks the model that trains
         model = apply_lora(model, m.lora, checkpoint)
     device = process_device()
-    place(model, device)  # the self-check runs the kernels training will use
+    place(model, device)  # the self-checks run the kernels training will use
     t = cfg.train
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    train_mode = None
+    if trainable:
+        det = check_determinism(model, vocab, probe_lengths(model.config, longest)[:2])
+        if is_main():
+            record_check(run_dir, f"determinism/{phase}/{role}", det.as_dict())
+        if not det.deterministic:
+            message = random_forward_message(det, f"the {role} model ({type(model).__name__})")
+            if hasattr(cfg, "algo") and role == "policy":
+                raise DeterminismError(f"{message}; rl needs the training forward to compute the log-probs the "
+                                       "generator sampled with, so this model can be trained with exactrl sft only")
+            train_mode = False  # sft trains with it, as with dropout; the packing check compares in eval mode
+            if is_main():
+                warnings.warn(f"{message}; training with it, and comparing packed and padded forwards in eval mode",
+                              UserWarning, stacklevel=2)
     if t.packing_check != "off":
         # Under bf16 autocast, as the engine runs the forwards: where flash-attention can take them.
         autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if m.dtype == "bf16" else None
-        report = check_packing(model, model.config.get_text_config(decoder=True).vocab_size, longest, t.padding_free,
-                               t.packing_check, t.packing_check_tol, what=f"the {role} model", autocast=autocast)
+        report = check_packing(model, vocab, longest, t.padding_free, t.packing_check, t.packing_check_tol,
+                               what=f"the {role} model", autocast=autocast, train_mode=train_mode)
         if is_main():
             record_check(run_dir, f"packing/{phase}/{role}", report.as_dict())
             if report.notice:
                 warnings.warn(report.notice, UserWarning, stacklevel=2)
     return model
+
+
+def check_generator(cfg, model, tokenizer, run_dir: Path, phase: str, *, sampled: bool, synced: bool = False) -> None:
+    """The generation self-check on the policy ``model`` (every rank, together), recorded in the
+    manifest; ``sampled``: also the sampled log-probs against the training forward (rl)."""
+    t = cfg.train
+    if t.generation_check == "off":
+        return
+    rollout = getattr(cfg, "rollout", None)
+    sampling = dict(temperature=rollout.temperature, top_p=rollout.top_p, max_new_tokens=rollout.max_new_tokens) if rollout \
+        else dict(max_new_tokens=cfg.eval.max_new_tokens)
+    report = check_generation(model, model.config.get_text_config(decoder=True).vocab_size, eos=tokenizer.eos_token_id,
+                              pad=tokenizer.pad_token_id, policy=t.generation_check, tol=t.generation_check_tol,
+                              sampled=sampled, synced=synced, what="the policy model", **sampling)
+    if is_main():
+        record_check(run_dir, f"generation/{phase}/policy", report.as_dict())
+        if report.notice:
+            warnings.warn(report.notice, UserWarning, stacklevel=2)

@@ -1,7 +1,7 @@
 """exactrl and Hugging Face TRL side by side on the same model, data and settings (issue 7).
 
 usage: .venv/bin/python benchmarks/bench.py [--config {bench,quick}] [--reps N] [--threads T]
-                                            [--only sft,grpo,mfu,canary,audit]
+                                            [--only sft,grpo,mfu,canary,decode,audit]
 (`make bench` sets up TRL in .venv-bench, so its pins never touch exactrl's, and runs this.)
 
 What is compared, so anyone can rerun it:
@@ -21,10 +21,12 @@ What is compared, so anyone can rerun it:
   min-max spread are reported;
 * mfu: SFT model FLOPs per second over the fp32 GEMM peak measured here (benchmarks/mfu.py);
 * canary: exactrl's single engine, SFT steps with the canary on vs off, paired
-  (benchmarks/canary_overhead.py); audit: the wall time of `exactrl audit stack`.
+  (benchmarks/canary_overhead.py); decode: exactrl's decode loop against Hugging Face's
+  ``generate``, the same model, prompts and draws (benchmarks/decode_speed.py); audit: the wall
+  time of `exactrl audit stack`.
 Prints ``RATIO sft_tokens_per_s exactrl/trl``, ``RATIO grpo_steps_per_s exactrl/trl`` and
 ``RATIO peak_rss trl/exactrl`` (higher is better for exactrl; RSS: each system's larger median
-peak RSS of its SFT and GRPO runs), ``MFU sft ...``, ``canary overhead ...`` and ``audit stack
+peak RSS of its SFT and GRPO runs), ``MFU sft ...``, ``canary overhead ...``, ``RATIO decode_tokens_per_s loop/generate`` and ``audit stack
 wall = X s``, and writes everything to a markdown file under benchmarks/results/.
 """
 
@@ -43,7 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
 BENCH_PY = ROOT / ".venv-bench" / "bin" / "python"
-PARTS = ("sft", "grpo", "mfu", "canary", "audit")
+PARTS = ("sft", "grpo", "mfu", "canary", "decode", "audit")
 CONFIGS = {
     "bench": dict(model=dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
                              intermediate_size=1408), rows=512, batch=16,
@@ -179,6 +181,12 @@ def canary_part(say: Report, config: str, model_dir: Path, data: Path, batch: in
         f"canary overhead (single engine, {config} model) = {100 * (q[1] - 1):.1f}%")
 
 
+def decode_part(say: Report, model_dir: Path, rl_data: Path, g: dict, reps: int) -> None:
+    from decode_speed import describe, measure
+
+    say("", *describe(measure(model_dir, rl_data, g["prompts"], g["group"], g["max_new"], reps)))
+
+
 def audit_part(say: Report) -> None:
     t0 = time.perf_counter()
     proc = subprocess.run([str(Path(sys.executable).with_name("exactrl")), "audit", "stack"], capture_output=True, text=True, cwd=ROOT)
@@ -256,6 +264,8 @@ def main() -> None:
             mfu_part(say, sft, model_dir, sft_data, cfg["batch"], t)
         if "canary" in parts:
             canary_part(say, args.config, model_dir, sft_data, cfg["batch"], cfg["canary_pairs"])
+        if "decode" in parts:
+            decode_part(say, model_dir, rl_data, g, args.reps)
     if "audit" in parts:
         audit_part(say)
     say("", f"1-min load average at the end {os.getloadavg()[0]:.1f}")

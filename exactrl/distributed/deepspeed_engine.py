@@ -105,6 +105,8 @@ class DeepSpeedEngine(SingleEngine):
         self.merge_on_save = model_cfg.lora.merge_on_save
         self.adapters_only = lora.is_peft(model)  # LoRA: checkpoints hold the adapters, not the frozen base
         self.canary = Canary(audit.canary, audit.canary_tol, self.describe) if audit.canary != "off" else None
+        if self.canary is not None:  # in the model's dtype: ZeRO-3 flattens all parameters into buffers of one dtype
+            self.canary.module.to(next(model.parameters()).dtype)
         self.wrapped = wrapped = _WithCanary(model, self.canary.param if self.canary else None)
         self.config = ds_config(cfg, self.world_size)
         self.stage = self.config["zero_optimization"]["stage"]

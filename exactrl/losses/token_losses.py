@@ -12,12 +12,13 @@ import torch.nn.functional as F
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0, chunk: int = 0) -> torch.Tensor:
     """log p(x[t+1] | x[..t]) for every position, at ``temperature`` (logits are divided by it,
-    matching how the rollout engine sampled). Computed in fp32 whatever the forward dtype.
+    matching how the rollout engine sampled). Computed in fp32 at least: half-precision logits
+    are upcast, float64 ones (the equivalence tests' models) are not rounded down.
     ``chunk`` > 0: at most that many positions at a time (see ``_by_chunks``)."""
     targets = input_ids[:, 1:]
 
     def nll(rows: torch.Tensor, rows_targets: torch.Tensor) -> torch.Tensor:
-        rows = rows.float()
+        rows = rows.to(at_least_fp32(rows.dtype))
         if temperature != 1.0:
             rows = rows / temperature
         # cross_entropy fuses log-softmax and gather without keeping a [N, V] log-prob tensor.
@@ -30,10 +31,14 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0, chunk: int = 0
     """Entropy of the next-token distribution at each target position (for metrics)."""
 
     def entropy(rows: torch.Tensor) -> torch.Tensor:
-        logp = (rows.float() / temperature).log_softmax(-1)
+        logp = (rows.to(at_least_fp32(rows.dtype)) / temperature).log_softmax(-1)
         return -(logp.exp() * logp).sum(-1)
 
     return _by_chunks(entropy, logits[:, :-1], chunk).view(logits.shape[0], -1)
+
+
+def at_least_fp32(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
 
 
 def _by_chunks(fn, logits: torch.Tensor, chunk: int, targets: torch.Tensor | None = None) -> torch.Tensor:

@@ -26,6 +26,7 @@ from exactrl.distributed.engine import build_engine
 from exactrl.distributed.step_plan import StepPlan
 from exactrl.losses import aggregate, canary_share, masked_mean
 from exactrl.losses.policy import value_loss
+from exactrl.losses.token_losses import at_least_fp32
 from exactrl.models.loading import load_value_model
 from exactrl.workers.load import load_model
 from exactrl.workers.worker import Worker
@@ -34,7 +35,7 @@ from exactrl.workers.worker import Worker
 def token_values(output_logits: torch.Tensor) -> torch.Tensor:
     """[B, L, 1] head outputs -> [B, L-1] values V(s_t) aligned with next-token targets
     (position t scores the prefix that the action at target t is taken from)."""
-    return output_logits[:, :-1, 0].float()
+    return output_logits[:, :-1, 0].to(at_least_fp32(output_logits.dtype))
 
 
 class Critic(Worker):

@@ -8,6 +8,10 @@ sft_micro_batch_loss, the backend's engine) from the same initial model, then th
 parameters are compared on rank 0 with an independent single-process reference: one
 padded forward per step over the whole global batch, the loss written out by its
 definition, plain torch SGD or AdamW. One process group serves every case.
+
+Both sides train a float64 model wherever the layout allows it (``precision``): the comparison
+then measures the layout's accumulation, not fp32 rounding, whose summation order differs
+between CPUs (AVX2 and AVX-512 kernels) and which two SGD steps can amplify past 1e-5.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import types
 from pathlib import Path
 
 import torch
@@ -25,6 +30,7 @@ from exactrl.checks.canary import CanaryError
 from exactrl.config import SFTConfig, load_config
 from exactrl.data.encode import encode_sft
 from exactrl.data.jsonl import Row
+from exactrl.distributed.deepspeed_engine import ds_config
 from exactrl.distributed.engine import build_engine
 from exactrl.distributed.launch import shutdown
 from exactrl.distributed.step_plan import plan_step
@@ -38,8 +44,36 @@ COMPLETIONS = ["1", "#### 15", worked_solution(Problem(347, 285)), "ab", worked_
 NORM_LEN = 64.0
 
 
+def precision(cfg) -> str:
+    """What the layout of ``cfg`` computes its update in; each has its bound (distributed_harness.TOL)."""
+    if cfg.distributed.backend != "deepspeed":
+        return "float64"
+    # ZeRO-0 all-reduces gradients only in its accelerator's dtypes (fp32, bf16, fp16). ZeRO 1-3 accumulate a float64
+    # model's gradients in float64, then step fp32 master copies of the weights (DeepSpeed's stage_1_and_2.py and
+    # stage3.py), rounding each update once, in the same way on every CPU.
+    return "float32" if ds_config(cfg, 1)["zero_optimization"]["stage"] == 0 else "fp32 master weights"
+
+
+def dtype_of(cfg) -> torch.dtype:
+    return torch.float32 if precision(cfg) == "float32" else torch.float64
+
+
+def _rms_norm(self, x):
+    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+def in_dtype(model, dtype: torch.dtype):
+    """``model`` in ``dtype``. In float64 its RMSNorms compute in float64 too: Hugging Face's computes in fp32 whatever
+    its input (to upcast half precision), which would round every normalised activation and its gradient to fp32."""
+    if dtype == torch.float64:
+        for m in model.modules():
+            if type(m).__name__.endswith("RMSNorm"):
+                m.forward = types.MethodType(_rms_norm, m)
+    return model.to(dtype)
+
+
 def definition_loss(logits, ids, mask, mode):
-    nll = -torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+    nll = -torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
     seq = (nll * mask).sum(1)
     n = mask.sum(1)
     return {"token-mean": seq.sum() / mask.sum(), "seq-mean-token-mean": (seq / n).mean(),
@@ -53,7 +87,7 @@ def reference(model, steps, tok, mode, optim, eps=1e-8, lr=None):
         width = max(len(e.input_ids) for e in exs)
         ids = torch.tensor([e.input_ids + [tok.pad_token_id] * (width - len(e.input_ids)) for e in exs])
         attn = torch.tensor([[1] * len(e.input_ids) + [0] * (width - len(e.input_ids)) for e in exs])
-        mask = torch.tensor([e.loss_mask + [0] * (width - len(e.loss_mask)) for e in exs])[:, 1:].float()
+        mask = torch.tensor([e.loss_mask + [0] * (width - len(e.loss_mask)) for e in exs])[:, 1:].to(model.dtype)
         opt.zero_grad()
         definition_loss(model(input_ids=ids, attention_mask=attn).logits, ids, mask, mode).backward()
         opt.step()
@@ -83,6 +117,13 @@ def exactrl_run(model, steps, tok, cfg, fault=None):
     return full_state(engine, model)
 
 
+def relative_error(got: dict, ref: dict, init: dict) -> float:
+    """|got - ref| / |ref - init| over all parameters as one vector: the error relative to the update."""
+    num = sum(((got[k].double() - ref[k].double()).norm() ** 2).item() for k in ref)
+    den = sum(((ref[k].double() - init[k].double()).norm() ** 2).item() for k in ref)
+    return (num / den) ** 0.5
+
+
 def full_state(engine, model) -> dict:
     if engine.backend == "fsdp2":
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -109,8 +150,8 @@ def cases(backend: str, world: int) -> list[dict]:
     (and 8 at world size 1) from a batch of 8, K = 3 from a batch of 6."""
     micros = [m for m in (4, 2, 1) if 8 % (m * world) == 0] if world == 2 else [8, 4, 2, 1]
     k3 = dict(mode="token-mean", micro=2 // world, optim="sgd", batch=6)
-    # AdamW at torch's default eps and at eps=1e-6, where Adam's per-element division stays
-    # well conditioned for this model's smallest gradient elements (see tests/test_fsdp2.py).
+    # AdamW at torch's default eps and at eps=1e-6: Adam divides each gradient element by its own
+    # magnitude, which magnifies rounding on the smallest elements (see tests/test_fsdp2.py).
     adamw = [dict(mode="token-mean", micro=2, optim="adamw", eps=eps) for eps in (1e-8, 1e-6)]
     if backend == "fsdp2":
         out = [dict(mode=m, micro=mi, optim="sgd", extra=[]) for m in MODES for mi in micros]
@@ -141,7 +182,8 @@ def main(backend: str, world: int, out_path: str) -> None:
     tok = build_tokenizer()
     rows = [Row(f"t:{i}", {"prompt": f"{i}+{i}=", "completion": c}) for i, c in enumerate(COMPLETIONS)]
     exs = encode_sft(rows, tok, 256)
-    fresh = lambda: build_tiny_model(len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, seed=3, **SMALL)  # noqa: E731
+    fresh = lambda dtype: in_dtype(  # noqa: E731
+        build_tiny_model(len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, seed=3, **SMALL), dtype)
     # EXACTRL_TEST_DEVICE=cuda: the backend runs on GPUs over NCCL (tests/test_gpu.py); the reference stays on the CPU.
     layout = [f"distributed.backend={backend}", f"distributed.nproc_per_node={world}",
               f"distributed.device={os.environ.get('EXACTRL_TEST_DEVICE', 'auto')}"]
@@ -156,19 +198,19 @@ def main(backend: str, world: int, out_path: str) -> None:
                                             f"train.micro_batch_size={case['micro']}", "train.max_grad_norm=0", f"optim.name={case['optim']}",
                                             f"optim.lr={0.5 if case['optim'] == 'sgd' else 1e-2}", "optim.scheduler=constant",
                                             f"optim.eps={case.get('eps', 1e-8)}"])
-        got = exactrl_run(fresh(), steps, tok, cfg)
+        dtype = dtype_of(cfg)
+        got = exactrl_run(fresh(dtype), steps, tok, cfg)
         if dist.get_rank() == 0:
-            ref, init = reference(fresh(), steps, tok, case["mode"], case["optim"], case.get("eps", 1e-8)), fresh().state_dict()
-            num = sum(((got[k] - ref[k]).norm() ** 2).item() for k in ref)
-            den = sum(((ref[k] - init[k]).norm() ** 2).item() for k in ref)
+            ref = reference(fresh(dtype), steps, tok, case["mode"], case["optim"], case.get("eps", 1e-8))
             results.append({**{k: v for k, v in case.items() if k != "extra"}, "config": " ".join(case["extra"]),
-                            "K": n // (case["micro"] * world), "rel_err": (num / den) ** 0.5})
+                            "K": n // (case["micro"] * world), "precision": precision(cfg),
+                            "rel_err": relative_error(got, ref, fresh(dtype).state_dict())})
     faults = []
     for extra in fault_layouts(backend):
         for fault in FAULTS:
             cfg = load_config(SFTConfig, None, [*layout, *extra, "train.global_batch_size=8", "train.micro_batch_size=2", "optim.name=sgd"])
             try:
-                exactrl_run(fresh(), [exs, exs], tok, cfg, fault=fault)
+                exactrl_run(fresh(dtype_of(cfg)), [exs, exs], tok, cfg, fault=fault)
                 message = "not raised"
             except CanaryError as e:
                 message = str(e)

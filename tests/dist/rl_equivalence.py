@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from equivalence import SMALL, full_state
+from equivalence import SMALL, dtype_of, full_state, in_dtype, precision, relative_error
 from transformers import LlamaForTokenClassification
 
 from exactrl.algorithms.rl import Sample, attach_advantages, collect_rollout, policy_micro_batch_loss, step_plan
@@ -46,18 +46,19 @@ from exactrl.tasks.tokenizer import build_tokenizer
 LR, NORM_LEN = 0.5, 12.0
 
 
-def fresh_policy(tok, seed=3):
-    return build_tiny_model(len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, seed=seed, **SMALL)
+def fresh_policy(tok, seed=3, dtype=torch.float32):
+    model = build_tiny_model(len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, seed=seed, **SMALL)
+    return in_dtype(model, dtype)
 
 
-def fresh_critic(tok):
+def fresh_critic(tok, dtype=torch.float32):
     policy = fresh_policy(tok)
     config = copy.deepcopy(policy.config)
     config.num_labels, config.classifier_dropout = 1, 0.0
     torch.manual_seed(5)
     critic = LlamaForTokenClassification(config)
     critic.model.load_state_dict(policy.model.state_dict())
-    return critic
+    return in_dtype(critic, dtype)
 
 
 def padded(samples, pad_id):
@@ -128,7 +129,7 @@ def aggregate_by_definition(per_token: list[torch.Tensor], mode: str) -> torch.T
 def reference_policy_loss(model, samples, tok, case):
     ids, attn = padded(samples, tok.pad_token_id)
     logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
-    logp_all = torch.log_softmax(logits.float(), -1)
+    logp_all = torch.log_softmax(logits, -1)
     lo, hi = case.get("clip", (0.2, 0.2))
     per_token = []
     for b, (s, sl) in enumerate(zip(samples, spans(samples))):
@@ -147,7 +148,7 @@ def reference_policy_loss(model, samples, tok, case):
             d = s.ref_logprobs[sl] - lp
             tok_loss = tok_loss + case["kl"] * (torch.exp(d) - d - 1)
         if case.get("entropy"):
-            p = torch.softmax(logits[b, sl].float(), -1)
+            p = torch.softmax(logits[b, sl], -1)
             tok_loss = tok_loss - case["entropy"] * -(p * torch.log(p)).sum(-1)
         per_token.append(tok_loss)
     return aggregate_by_definition(per_token, case["mode"])
@@ -167,19 +168,20 @@ def reference_value_loss(model, samples, tok, case):
     return aggregate_by_definition(per_token, case["mode"])
 
 
-def reference(case, samples, tok) -> tuple[dict, dict]:
-    """Parameters after two SGD steps on the loss by definition, and the initial ones."""
+def reference(case, samples, tok, dtype) -> tuple[dict, dict]:
+    """Parameters after two SGD steps on the loss by definition, and the initial ones, in ``dtype``."""
     critic = case["loss"] == "value"
-    model = fresh_critic(tok) if critic else fresh_policy(tok)
+    fresh = (lambda: fresh_critic(tok, dtype)) if critic else (lambda: fresh_policy(tok, dtype=dtype))  # noqa: E731
+    model = fresh()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for _ in range(2):
         opt.zero_grad()
         (reference_value_loss if critic else reference_policy_loss)(model, samples, tok, case).backward()
         opt.step()
-    return {k: v.detach() for k, v in model.state_dict().items()}, (fresh_critic(tok) if critic else fresh_policy(tok)).state_dict()
+    return {k: v.detach() for k, v in model.state_dict().items()}, fresh().state_dict()
 
 
-def exactrl_run(case, samples, tok, layout) -> dict:
+def case_config(case, layout) -> RLConfig:
     algo = {"ppo": "grpo", "gspo": "gspo", "reinforce": "reinforce_pp", "value": "ppo"}[case["loss"]]
     lo, hi = case.get("clip", (0.2, 0.2))
     overrides = [*layout, f"distributed.nproc_per_node={dist.get_world_size() if dist.is_initialized() else 1}",
@@ -191,14 +193,18 @@ def exactrl_run(case, samples, tok, layout) -> dict:
                  f"critic.value_clip={case.get('value_clip') or 'null'}"]
     if case["loss"] == "reinforce":
         overrides.append("algo.policy_loss=reinforce")
-    cfg = load_config(RLConfig, None, overrides)
+    return load_config(RLConfig, None, overrides)
+
+
+def exactrl_run(case, samples, tok, layout) -> dict:
+    cfg = case_config(case, layout)
     if case["loss"] == "value":
-        model = fresh_critic(tok)
+        model = fresh_critic(tok, dtype_of(cfg))
         critic = Critic(cfg, model, 2, tok.pad_token_id)
         for _ in range(2):
             critic.step(samples, step_plan(samples, cfg, critic.engine))
         return full_state(critic.engine, model)
-    model = fresh_policy(tok)
+    model = fresh_policy(tok, dtype=dtype_of(cfg))
     engine = build_engine(model, cfg, total_steps=2)
     for _ in range(2):
         plan = step_plan(samples, cfg, engine)
@@ -315,11 +321,11 @@ def main(backend: str, world: int, out_path: str) -> None:
         rollout = sequence_advantages(samples) if case["loss"] == "gspo" else samples
         got = exactrl_run(case, rollout, tok, case["layout"])
         if not dist.is_initialized() or dist.get_rank() == 0:
-            ref, init = reference(case, rollout, tok)
-            num = sum(((got[k] - ref[k]).norm() ** 2).item() for k in ref)
-            den = sum(((ref[k] - init[k]).norm() ** 2).item() for k in ref)
+            cfg = case_config(case, case["layout"])
+            ref, init = reference(case, rollout, tok, dtype_of(cfg))
             results.append({**{k: v for k, v in case.items() if k != "layout"}, "config": " ".join(case["layout"]),
-                            "K": 8 // (case["micro"] * world), "rel_err": (num / den) ** 0.5})
+                            "K": 8 // (case["micro"] * world), "precision": precision(cfg),
+                            "rel_err": relative_error(got, ref, init)})
     sharing = rollout_sharing()
     synced = synced_generation(backend, tok) if world == 2 else None
     if not dist.is_initialized() or dist.get_rank() == 0:

@@ -133,6 +133,7 @@ def measure(name: str, tmp: Path) -> dict:
 
 def cli(name: str, tmp: Path) -> dict:
     """exactrl sft and rl, two steps each, as test_arch_matrix.cli_two_steps runs them."""
+    import test_arch_matrix
     from archs import save
     from test_arch_matrix import write_data
 
@@ -143,7 +144,8 @@ def cli(name: str, tmp: Path) -> dict:
     common = [f"model.path={model_dir}", f"data.train={data}", "data.eval=null", "train.max_steps=2", "train.log_every=1",
               "train.micro_batch_size=4", "train.global_batch_size=8"]
     runs = {"sft": ["sft", *common, f"output_dir={tmp / 'sft'}"],
-            "rl": ["rl", *common, "algo.group_size=4", "rollout.max_new_tokens=12", "algo.gen_ratio_tol=1e-4",
+            "rl": ["rl", *common, "algo.group_size=4", "rollout.max_new_tokens=12",
+                   f"algo.gen_ratio_tol={getattr(test_arch_matrix, 'GEN_RATIO_TOL', {}).get(name, 1e-4)}",
                    "reward.fn=exactrl.tasks.arithmetic:reward", f"output_dir={tmp / 'rl'}"]}
     out = {}
     env = {**os.environ, "OMP_NUM_THREADS": "1", "EXACTRL_CACHE": str(tmp / "cache")}

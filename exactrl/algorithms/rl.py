@@ -258,7 +258,6 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     # Several ranks holding shards of the parameters must run every forward together
     # (generate's synced_gpus keeps a rank whose responses have all ended stepping with the others).
     generator = HFEngine(model, tok, cfg.rollout.batch_size, synced=engine.synced_decoding)
-    check_generator(cfg, model, tok, ctx.run_dir, phase, sampled=True, synced=generator.synced)
 
     sampler = StepSampler(len(prompts), prompts_per_rollout, t.seed)
     group_rng = random.Random(f"{t.seed}-minibatches")
@@ -271,6 +270,9 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
         first_rollout = position["rollout"] + 1
         group_rng.setstate(position["group_rng"])
         kl_control.coef = position.get("kl_coef", kl_control.coef)
+    # After the resume: FSDP2 leaves a forward-only call's root parameters unsharded, which a
+    # sharded optimizer state cannot be loaded against.
+    check_generator(cfg, model, tok, ctx.run_dir, phase, sampled=True, synced=generator.synced)
 
     gen_tokens, t0, step = 0, time.perf_counter(), first_rollout * steps_per_rollout
     ctx.start(steps, step)

@@ -76,9 +76,10 @@ def train_sft(cfg: SFTConfig, run_dir: Path | None = None, spec: BuiltinSpec = B
     ctx = RunContext(cfg, "sft", phase, run_dir, {"train": train_path, "eval": eval_path}, tok, eval_set)
     model = load_model(cfg, model_path, ctx.run_dir, phase, "policy", cfg.data.max_length, checkpoint=t.resume_from)
     policy = Worker("policy", model, build_engine(model, cfg, steps), pad_id=tok.pad_token_id, packed=t.padding_free)
-    if eval_set is not None:  # evaluations decode greedily: checked before training, not after it
-        check_generator(cfg, model, tok, ctx.run_dir, phase, sampled=False, synced=policy.engine.synced_decoding)
     start = resume(t.resume_from, policy.engine)["step"] if t.resume_from else 0
+    if eval_set is not None:  # evaluations decode greedily: checked before training, not after it (and after the
+        # resume: FSDP2 leaves a forward-only call's root parameters unsharded, against which no state loads)
+        check_generator(cfg, model, tok, ctx.run_dir, phase, sampled=False, synced=policy.engine.synced_decoding)
     sampler = StepSampler(len(examples), t.global_batch_size, t.seed)
     norm_len = t.loss_agg_norm or cfg.data.max_length
 

@@ -73,20 +73,21 @@ def _prompts(vocab_size: int, pad: int, eos: int, device) -> tuple[torch.Tensor,
 
 
 def _greedy_mismatch(model, input_ids, attention, new: int, pad: int, eos: int, synced: bool) -> str | None:
-    """The loop against generate, greedy, both stopping at a token generate picks early in one
-    row (so rows finish at different steps and the loop shrinks its batch and cache)."""
+    """The loop against generate, greedy. The loop stops at a token generate picked early in one
+    row (so rows finish at different steps and the loop shrinks its batch and cache); each row
+    is compared up to that token or generate's EOS, whichever comes first (greedy rows are
+    independent of when the others stop)."""
     with _eval(model):
-        first, _ = sample_with_generate(model, input_ids, attention, max_new_tokens=new, eos=eos, pad=pad, greedy=True,
-                                        synced=synced)
-        row = max(first.tolist(), key=lambda r: r.index(eos) if eos in r else new)
-        stop = row[min(2, new - 1)]
-        ref, _ = sample_with_generate(model, input_ids, attention, max_new_tokens=new, eos=stop, pad=pad, greedy=True,
+        ref, _ = sample_with_generate(model, input_ids, attention, max_new_tokens=new, eos=eos, pad=pad, greedy=True,
                                       synced=synced)
+        ref = ref.tolist()
+        stop = max(ref, key=lambda r: r.index(eos) if eos in r else new)[min(2, new - 1)]
         got, _ = sample(model, input_ids, attention, max_new_tokens=new, eos=stop, pad=pad, greedy=True, synced=synced)
-    for r, (want, have) in enumerate(zip(ref.tolist(), got.tolist())):
-        for t, (w, h) in enumerate(zip(want, have)):
-            if w != h:
-                return f"row {r}, token {t}: {h} instead of generate's {w}"
+    for r, (want, have) in enumerate(zip(ref, got.tolist())):
+        end = min([want.index(t) + 1 for t in (stop, eos) if t in want] + [new])
+        for t in range(end):
+            if have[t] != want[t]:
+                return f"row {r}, token {t}: {have[t]} instead of generate's {want[t]}"
     return None
 
 

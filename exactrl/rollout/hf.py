@@ -223,7 +223,7 @@ def sample_with_generate(model, input_ids: torch.Tensor, attention: torch.Tensor
     log-prob of each sampled token at ``temperature`` from the raw logits it returns."""
     config = GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=0, do_sample=not greedy,
                               temperature=temperature if not greedy else None, top_p=top_p if not greedy else None,
-                              top_k=0, num_beams=1, pad_token_id=pad, eos_token_id=eos, output_logits=not greedy,
+                              top_k=None if greedy else 0, num_beams=1, pad_token_id=pad, eos_token_id=eos, output_logits=not greedy,
                               return_dict_in_generate=True, use_cache=True)
     # generate fills what the config leaves at its defaults from the model's generation_config.json
     # (a repetition penalty, top-k, ...): none of it may shape the draws the log-probs describe.

@@ -32,7 +32,7 @@ def measure(model_dir, rl_data, prompts: int, group: int, max_new: int, reps: in
     width = max(map(len, ids))
     input_ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in ids])
     attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ids])
-    kw = dict(max_new_tokens=max_new, eos=tok.eos_token_id, pad=tok.pad_token_id)
+    kw = {"max_new_tokens": max_new, "eos": tok.eos_token_id, "pad": tok.pad_token_id}
     fns = {"loop": sample, "generate": sample_with_generate}
     out: dict = {name: {"sampled": [], "greedy": []} for name in fns}
     tokens = {}
@@ -53,8 +53,8 @@ def measure(model_dir, rl_data, prompts: int, group: int, max_new: int, reps: in
 
 
 def describe(r: dict) -> list[str]:
-    lines = [f"decode: {r['rows']} rows, <= {r['max_new']} new tokens, left-padded, the same seed on both sides; "
-             f"greedy tokens identical on both sides: {r['same_tokens']}",
+    lines = [(f"decode: {r['rows']} rows, <= {r['max_new']} new tokens, left-padded, the same seed on both sides; "
+              f"greedy tokens identical on both sides: {r['same_tokens']}"),
              "| decoder | sampled tokens/s | greedy tokens/s |", "|---|---|---|"]
     for name, modes in r["rates"].items():
         cells = [f"{statistics.median(v):,.0f} (min {min(v):,.0f}, max {max(v):,.0f})" for v in modes.values()]

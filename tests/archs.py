@@ -20,11 +20,12 @@ VOCAB, WINDOW = 103, 8  # the built-in character tokenizer's vocabulary
 CORE = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
             max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
 LLAMA_LIKE = dict(CORE, num_key_value_heads=2)
-MOE = dict(num_experts_per_tok=2, moe_intermediate_size=16)
-GDN = dict(head_dim=8, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
-           layer_types=["linear_attention", "full_attention"])
-MLA = dict(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=6)  # keys 12 wide, values 6
-MAMBA2 = dict(mamba_n_heads=4, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=WINDOW)
+MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 16}
+GDN = {"head_dim": 8, "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_num_key_heads": 2,
+       "linear_num_value_heads": 4, "layer_types": ["linear_attention", "full_attention"]}
+MLA = {"q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 8,
+       "v_head_dim": 6}  # keys 12 wide, values 6
+MAMBA2 = {"mamba_n_heads": 4, "mamba_d_state": 8, "mamba_n_groups": 1, "mamba_chunk_size": WINDOW}
 INDEX_TOPK, CHUNK = 4, 6  # DeepSeek-V3.2's keys per query, Llama 4's attention chunk
 GPT2_LIKE = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128, pad_token_id=0, bos_token_id=1,
                  eos_token_id=2)
@@ -95,8 +96,9 @@ ARCHS: dict[str, tuple[str, dict]] = {
                                        layer_types=["conv", "full_attention", "conv"])),
     # Lightning (linear) attention in blocks of 8 after a softmax attention layer; a cache class of its own.
     "minimax": ("MiniMaxConfig", dict(LLAMA_LIKE, head_dim=8, num_local_experts=4, block_size=WINDOW)),
-    "mamba2": ("Mamba2Config", dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16, state_size=8,
-                                    n_groups=1, chunk_size=WINDOW, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    "mamba2": ("Mamba2Config", {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "num_heads": 4, "head_dim": 16,
+                                "state_size": 8, "n_groups": 1, "chunk_size": WINDOW, "pad_token_id": 0, "bos_token_id": 1,
+                                "eos_token_id": 2}),
     # Chunked attention (chunks of 6) on the RoPE layers; the NoPE layers scale queries by a temperature
     # that steps every floor_scale=4 positions.
     "llama4": ("Llama4TextConfig", dict(LLAMA_LIKE, head_dim=8, num_hidden_layers=4, no_rope_layer_interval=2,

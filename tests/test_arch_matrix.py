@@ -215,7 +215,8 @@ def cli_two_steps(name, tmp_path):
     if "rl" in phases:
         gen = checks["generation/rl/policy"]
         assert gen["decoder"] == ("generate" if name in OWN_CACHE else "exactrl loop") and gen["logprob_error"] < 1e-3, gen
-        steps = [json.loads(line) for line in open(tmp_path / "rl" / "metrics.jsonl") if '"ratio_dev_first"' in line]
+        lines = (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()
+        steps = [json.loads(line) for line in lines if '"ratio_dev_first"' in line]
         assert len(steps) == 2 and all(s["ratio_dev_first"] < GEN_RATIO_TOL.get(name, 1e-4) for s in steps), steps
         assert (tmp_path / "rl" / "final" / "model.safetensors").is_file()
 

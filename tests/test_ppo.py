@@ -19,8 +19,8 @@ from exactrl.models.loading import load_value_model
 from exactrl.tasks.tiny_model import save_tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent / "dist"))
-import rl_equivalence as R  # noqa: E402
-from distributed_harness import TOL  # noqa: E402
+import rl_equivalence as R
+from distributed_harness import TOL
 
 
 def test_value_model_new_head_is_deterministic_and_a_saved_critic_keeps_its_head(tmp_path, tokenizer, small_overrides):

@@ -33,7 +33,6 @@ from exactrl.models import packing
 from exactrl.models.loading import load_causal_lm
 from exactrl.rollout import hf
 
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -98,7 +97,7 @@ def test_generate_returns_the_log_probs_the_loop_samples_with(tmp_path):
     model = loaded("qwen3", tmp_path).eval()
     model.generation_config.top_k, model.generation_config.repetition_penalty = 5, 1.5
     ids = torch.tensor([[0, 0, 1, 5, 9], [1, 7, 3, 8, 4]])
-    kw = dict(max_new_tokens=8, eos=2, pad=0, temperature=0.7, top_p=0.9)
+    kw = {"max_new_tokens": 8, "eos": 2, "pad": 0, "temperature": 0.7, "top_p": 0.9}
     torch.manual_seed(0)
     a, la = hf.sample(model, ids, (ids != 0).long(), compact_at=2.0, **kw)
     torch.manual_seed(0)

@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from exactrl.device import device_of
 from exactrl.checks.packing import probe_sequences
+from exactrl.device import device_of
 from exactrl.models import packing
 
 
@@ -45,6 +45,10 @@ def _tensors(out) -> list[torch.Tensor]:
     if isinstance(out, (tuple, list)):
         return [t for item in out for t in _tensors(item)]
     return []
+
+
+def _differ(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> bool:
+    return len(xs) != len(ys) or any(x.shape != y.shape or not torch.equal(x, y) for x, y in zip(xs, ys))
 
 
 def _traced_forward(model, inputs) -> tuple[torch.Tensor, list[tuple[str, list[torch.Tensor]]]]:
@@ -149,9 +153,7 @@ def check_determinism(model, vocab_size: int, lengths: list[int]) -> Determinism
             with torch.no_grad():
                 _, first = _traced_forward(model, inputs)
                 _, second = _traced_forward(model, inputs)
-            differs = lambda xs, ys: len(xs) != len(ys) or any(  # noqa: E731
-                x.shape != y.shape or not torch.equal(x, y) for x, y in zip(xs, ys))
-            source = next((name for (name, xs), (_, ys) in zip(first, second) if differs(xs, ys)), "an unknown module")
+            source = next((name for (name, xs), (_, ys) in zip(first, second) if _differ(xs, ys)), "an unknown module")
             modules = dict(model.named_modules())
             if source in modules:
                 source = f"{source} ({type(modules[source]).__name__})"

@@ -164,12 +164,6 @@ def probe_sequences(config, vocab_size: int, lengths: list[int], seed: int = 0) 
     return [allowed[torch.randint(0, len(allowed), (n,), generator=g)].tolist() for n in lengths]
 
 
-def narrowest_window(config) -> int | None:
-    """The smallest sliding window any layer of ``config`` uses, if any."""
-    windows = _layer_windows(config.get_text_config(decoder=True))
-    return min(windows) if windows else None
-
-
 def _outputs(model, **inputs) -> torch.Tensor:
     return model(**inputs).logits.float()
 

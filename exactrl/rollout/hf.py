@@ -4,10 +4,9 @@ exactrl/rollout/generator.py."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 from dataclasses import dataclass
-
-import inspect
 
 import torch
 from transformers import DynamicCache, GenerationConfig

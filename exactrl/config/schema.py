@@ -6,7 +6,8 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from collections.abc import Callable
+from typing import Annotated, Literal, NamedTuple
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
@@ -56,7 +57,7 @@ class DataConfig(Section):
 class TrainConfig(Section):
     global_batch_size: int = Field(64, gt=0, description="Samples per optimizer step, all ranks together.")
     micro_batch_size: int = Field(16, gt=0, description="Samples per rank per forward/backward.")
-    max_steps: int = Field(0, ge=0, description="Optimizer steps; 0 = derive from train.epochs.")
+    max_steps: int = Field(0, ge=0, description="Optimizer steps; 0 = derive from train.epochs. rl: a multiple of algo.ppo_epochs x algo.mini_batches (whole rollouts).")
     epochs: float = Field(1.0, gt=0, description="Passes over the training data when max_steps is 0.")
     max_grad_norm: float = Field(1.0, ge=0, description="Clip the full accumulated gradient to this norm (0 = off).")
     padding_free: bool = Field(True, description="Pack each micro-batch's sequences into one row for the training forwards (no compute on padding; attention stays within each sequence). false = right-padded batches.")
@@ -207,6 +208,33 @@ RENAMED = {"algo.lam": "algo.gae.lam", "algo.whiten_advantages": "algo.gae.white
            "algo.max_refill_rounds": "algo.dapo.max_refill_rounds"}
 
 
+# Names TRL, peft and OpenRLHF users type, -> exactrl's key (from the command's root) and, where
+# the meaning differs, how to translate: the loader suggests them before any spelling match.
+ALIASES = {
+    "learning_rate": ("optim.lr", ""), "lr_scheduler_type": ("optim.scheduler", ""),
+    "adam_beta1": ("optim.betas", " (both: optim.betas=[0.9,0.999])"), "adam_beta2": ("optim.betas", " (both: optim.betas=[0.9,0.999])"),
+    "adam_epsilon": ("optim.eps", ""),
+    "r": ("model.lora.rank", ""), "lora_r": ("model.lora.rank", ""), "lora_rank": ("model.lora.rank", ""),
+    "lora_alpha": ("model.lora.alpha", ""), "lora_dropout": ("model.lora.dropout", ""),
+    "target_modules": ("model.lora.target_modules", ""), "lora_target_modules": ("model.lora.target_modules", ""),
+    "model_name_or_path": ("model.path", ""), "pretrain": ("model.path", ""),
+    "bf16": ("model.dtype", " (model.dtype=bf16)"),
+    "max_seq_length": ("data.max_length", ""),
+    "per_device_train_batch_size": ("train.micro_batch_size", ""), "micro_train_batch_size": ("train.micro_batch_size", ""),
+    "train_batch_size": ("train.global_batch_size", " (samples per optimizer step, all ranks together)"),
+    "gradient_accumulation_steps": ("train.global_batch_size", (" exactrl derives the accumulation steps: set "
+                                    "train.global_batch_size = train.micro_batch_size x accumulation steps x ranks")),
+    "num_train_epochs": ("train.epochs", ""), "max_epochs": ("train.epochs", ""),
+    "max_grad_norm": ("train.max_grad_norm", ""), "logging_steps": ("train.log_every", ""),
+    "save_steps": ("train.save_every", ""), "eval_steps": ("train.eval_every", ""),
+    "beta": ("algo.kl_coef", " (the KL weight TRL calls beta)"), "init_kl_coef": ("algo.kl_coef", ""),
+    "num_generations": ("algo.group_size", ""), "n_samples_per_prompt": ("algo.group_size", ""),
+    "num_iterations": ("algo.ppo_epochs", ""), "epsilon": ("algo.clip_eps", ""), "eps_clip": ("algo.clip_eps", ""),
+    "epsilon_high": ("algo.clip_eps_high", ""),
+    "max_completion_length": ("rollout.max_new_tokens", ""), "generate_max_len": ("rollout.max_new_tokens", ""),
+}
+
+
 class AlgoConfig(Section):
     name: Literal[RL_ALGOS] = Field("grpo", description="RL algorithm: " + ", ".join(RL_ALGOS) + " (see `exactrl rl --help`).")
     group_size: int = Field(8, ge=1, description="Responses sampled per prompt (>= 2 for the group-baseline algorithms).")
@@ -271,6 +299,11 @@ class RLConfig(CommonConfig):
     @model_validator(mode="after")
     def _checkpoints_at_rollout_ends(self):
         per_rollout = self.algo.ppo_epochs * self.algo.mini_batches
+        if self.train.max_steps % per_rollout:
+            whole = -(-self.train.max_steps // per_rollout) * per_rollout
+            raise ValueError(f"train.max_steps={self.train.max_steps} must be a multiple of algo.ppo_epochs x algo.mini_batches = "
+                             f"{per_rollout}: each rollout feeds that many optimizer steps and a run trains whole rollouts "
+                             f"(set train.max_steps={whole}, or 0 to derive it from train.epochs)")
         if self.train.save_every % per_rollout:
             raise ValueError(f"train.save_every={self.train.save_every} must be a multiple of algo.ppo_epochs x algo.mini_batches = "
                              f"{per_rollout}: checkpoints are taken between rollouts, so a resumed run needs no half-used rollout")
@@ -300,8 +333,6 @@ class RLConfig(CommonConfig):
     @model_validator(mode="after")
     def _algorithm_needs(self):
         a = self.algo
-        if a.kl_target is not None and a.kl_coef <= 0:
-            raise ValueError("algo.kl_target needs a starting algo.kl_coef > 0 (the adaptive controller scales it)")
         if a.name in GROUP_ALGOS and a.group_size < 2:
             raise ValueError(f"algo.name={a.name} compares responses to the same prompt: algo.group_size must be >= 2 "
                              f"(given {a.group_size}); reinforce_pp works with 1")
@@ -324,6 +355,89 @@ def check_rl_layout(cfg: "RLConfig", world: int) -> None:
     if prompts % world:
         raise ValueError(f"a rollout of {prompts} prompts (train.global_batch_size x algo.mini_batches / algo.group_size) "
                          f"does not spread evenly over {world} ranks; each rank samples whole groups for an equal share")
+
+
+# Which algorithms use which settings (algorithms/registry.py declares the same; tests check they agree).
+CRITIC_ALGOS = ("ppo",)  # train a critic (critic.*) and estimate advantages with GAE (algo.gae.*)
+STD_ALGOS = ("grpo", "gspo", "dapo")  # the grpo estimator: group-centred rewards / group std
+DISCOUNT_ALGOS = ("ppo", "reinforce_pp", "reinforce_pp_baseline")  # returns to go, discounted by algo.gamma
+
+
+class UsedWhen(NamedTuple):
+    """A key (or 'section.') that only some runs use: ``used(config)`` says whether this one does,
+    ``why_not`` (formatted with c=the config) why it does not, and ``fix`` what would use it."""
+
+    key: str
+    used: Callable[[CommonConfig], bool]
+    why_not: str
+    fix: str
+
+
+# No setting that silently does nothing (DESIGN.md): a key below set to other than the command's
+# default in a run that cannot use it is refused (config/loader.py, check_used). A new key whose
+# effect depends on another joins with one row; rows whose key a command lacks are skipped.
+USED_WHEN = [
+    UsedWhen("model.lora.", lambda c: c.model.lora.rank > 0, "LoRA is off (model.lora.rank=0)", "set model.lora.rank > 0"),
+    UsedWhen("critic.", lambda c: c.algo.name in CRITIC_ALGOS, "only ppo trains a critic (algo.name={c.algo.name})",
+             "set algo.name=ppo"),
+    UsedWhen("algo.gae.", lambda c: c.algo.name in CRITIC_ALGOS, "only ppo estimates advantages with GAE "
+             "(algo.name={c.algo.name})", "set algo.name=ppo"),
+    UsedWhen("algo.dapo.", lambda c: c.algo.name == "dapo", "dynamic sampling is dapo's (algo.name={c.algo.name})",
+             "set algo.name=dapo"),
+    UsedWhen("algo.std_normalize", lambda c: c.algo.name in STD_ALGOS, "algo.name={c.algo.name} does not divide by the "
+             "group std (only " + ", ".join(STD_ALGOS) + " do)", "use one of those"),
+    UsedWhen("algo.gamma", lambda c: c.algo.name in DISCOUNT_ALGOS, "algo.name={c.algo.name} does not discount returns "
+             "(only " + ", ".join(DISCOUNT_ALGOS) + " do)", "use one of those"),
+    UsedWhen("algo.kl_target", lambda c: c.algo.kl_coef > 0, "there is no KL term (algo.kl_coef=0)",
+             "set a starting algo.kl_coef > 0 (the adaptive controller scales it)"),
+    UsedWhen("algo.kl_in_reward", lambda c: c.algo.kl_coef > 0, "there is no KL term (algo.kl_coef=0)",
+             "set algo.kl_coef > 0"),
+    UsedWhen("algo.kl_estimator", lambda c: c.algo.kl_coef > 0, "there is no KL term (algo.kl_coef=0)",
+             "set algo.kl_coef > 0"),
+    UsedWhen("algo.kl_estimator", lambda c: not c.algo.kl_in_reward, "the KL in the reward is k1 per token "
+             "(algo.kl_in_reward=true)", "set algo.kl_in_reward=false"),
+    UsedWhen("algo.kl_horizon", lambda c: c.algo.kl_target is not None, "the KL coefficient is fixed (algo.kl_target "
+             "unset)", "set algo.kl_target"),
+    UsedWhen("algo.overlong_penalty", lambda c: c.algo.overlong_buffer > 0, "the overlong penalty is off "
+             "(algo.overlong_buffer=0)", "set algo.overlong_buffer > 0"),
+    UsedWhen("algo.clip_eps", lambda c: c.algo.policy_loss != "reinforce", "algo.policy_loss=reinforce does not clip",
+             "use another algo.policy_loss"),
+    UsedWhen("algo.clip_eps_high", lambda c: c.algo.policy_loss != "reinforce", "algo.policy_loss=reinforce does "
+             "not clip", "use another algo.policy_loss"),
+    UsedWhen("algo.ratio_tol", lambda c: c.algo.ratio_check != "off", "the on-policy check is off "
+             "(algo.ratio_check=off)", "set algo.ratio_check=error or warn"),
+    UsedWhen("reward.fn", lambda c: c.reward.url is None, "reward.url replaces it", "list the URL in reward.fn instead"),
+    UsedWhen("deepspeed.", lambda c: c.distributed.backend == "deepspeed", "the train engine is not DeepSpeed "
+             "(distributed.backend={c.distributed.backend})", "set distributed.backend=deepspeed"),
+    UsedWhen("distributed.fsdp_cpu_offload", lambda c: c.distributed.backend == "fsdp2", "the train engine is not "
+             "FSDP2 (distributed.backend={c.distributed.backend}; DeepSpeed has deepspeed.offload_*)",
+             "set distributed.backend=fsdp2"),
+    UsedWhen("train.loss_agg_norm", lambda c: c.train.loss_agg == "seq-mean-token-sum-norm", "only "
+             "train.loss_agg=seq-mean-token-sum-norm has a constant normaliser (train.loss_agg={c.train.loss_agg})",
+             "set that train.loss_agg"),
+    UsedWhen("train.packing_check_tol", lambda c: c.train.packing_check != "off", "the packing self-check is off "
+             "(train.packing_check=off)", "turn it on"),
+    UsedWhen("train.generation_check_tol", lambda c: c.train.generation_check != "off", "the generation self-check "
+             "is off (train.generation_check=off)", "turn it on"),
+    UsedWhen("train.save_total_limit", lambda c: c.train.save_every > 0, "no checkpoints are taken "
+             "(train.save_every=0)", "set train.save_every"),
+    UsedWhen("audit.canary_tol", lambda c: c.audit.canary != "off", "the canary is off (audit.canary=off)",
+             "turn it on"),
+    *(row for section in ("optim.", "critic.optim.") for row in (
+        UsedWhen(section + "momentum", lambda c, s=section: _optim(c, s).name == "sgd",
+                 f"{section}name=adamw has no momentum setting (its betas are {section}betas)", f"set {section}name=sgd"),
+        UsedWhen(section + "betas", lambda c, s=section: _optim(c, s).name == "adamw",
+                 f"{section}name=sgd has no betas (its momentum is {section}momentum)", f"set {section}name=adamw"),
+        UsedWhen(section + "eps", lambda c, s=section: _optim(c, s).name == "adamw", f"{section}name=sgd has no eps",
+                 f"set {section}name=adamw"),
+        UsedWhen(section + "min_lr_ratio", lambda c, s=section: _optim(c, s).scheduler != "constant",
+                 f"the learning rate is constant ({section}scheduler=constant)", f"set {section}scheduler=linear or cosine"),
+    )),
+]
+
+
+def _optim(cfg: CommonConfig, section: str) -> OptimConfig:
+    return cfg.critic.optim if section == "critic.optim." else cfg.optim
 
 
 class TaskConfig(Section):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Literal, NamedTuple
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 # YAML 1.1 reads a bare `off` as false; accept it as the word the user meant.
 CheckPolicy = Annotated[Literal["error", "warn", "off"], BeforeValidator(lambda v: "off" if v is False else v)]
@@ -25,8 +25,15 @@ class LoraConfig(Section):
     rank: int = Field(0, ge=0, description="LoRA rank r (peft): train low-rank adapters B A (r x in, out x r) on the target layers and freeze the base weights; 0 = off (full fine-tuning).")
     alpha: float = Field(16.0, gt=0, description="LoRA scaling numerator: a target layer computes W x + (alpha / rank) B A x.")
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input (sft only: RL needs a deterministic forward, as model.disable_dropout).")
-    target_modules: str | list[str] = Field("all-linear", description="Layers that get adapters: 'all-linear' (every linear layer but the output head, as QLoRA found all are needed to match full fine-tuning) or a list of module-name suffixes, e.g. [q_proj,v_proj]; the output head (lm_head) cannot be one.")
+    target_modules: str | list[str] = Field("all-linear", description="Layers that get adapters: 'all-linear' (every linear layer but the output head, as QLoRA found all are needed to match full fine-tuning) or module-name suffixes, e.g. [q_proj,v_proj] (one name alone, q_proj, is a list of one); the output head (lm_head) cannot be one.")
     merge_on_save: bool = Field(False, description="Also write final/merged/: the base model with the adapters merged in, loadable by from_pretrained without peft.")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _one_name_is_a_list(cls, v):
+        # peft reads a string as a regex over full module names ('q_proj' matches nothing);
+        # one name typed on the command line (model.lora.target_modules=q_proj) means a suffix.
+        return [v] if isinstance(v, str) and v != "all-linear" else v
 
     @model_validator(mode="after")
     def _targets_given(self):
@@ -72,7 +79,7 @@ class TrainConfig(Section):
     eval_every: int = Field(0, ge=0, description="Steps between evaluations (0 = only at the end).")
     save_every: int = Field(0, ge=0, description="Steps between checkpoints (0 = only the final model).")
     resume_from: str | None = Field(None, description="A checkpoint-N directory to continue from (model, optimizer, scheduler, RNG, data position).")
-    resume_allow_changes: list[str] = Field([], description="Keys that may differ from the resumed checkpoint's run config (e.g. [train.global_batch_size]); others refuse the resume, as exact continuation needs the same data and layout. Always free: how long to run, logging/saving/eval cadence, output_dir, eval data, audit.*, log.*, train.micro_batch_size.")
+    resume_allow_changes: list[str] = Field([], description="Keys that may differ from the resumed checkpoint's run config (e.g. [train.global_batch_size]); others refuse the resume, as exact continuation needs the same data and layout. Always free: how long to run, logging/saving/eval cadence, output_dir, eval data, audit.*, log.*, train.micro_batch_size. Never allowed: model.path, model.lora.rank, model.lora.target_modules, critic.path (the checkpoint's tensors depend on them).")
     save_total_limit: int | None = Field(None, gt=0, description="Keep only the latest N checkpoints (an older one is deleted after the new one is complete); unset = keep all.")
     gradient_checkpointing: bool = Field(False, description="Recompute each decoder layer's activations during backward instead of storing them (Hugging Face's gradient_checkpointing_enable, non-reentrant): less memory, about one more forward per step; gradients unchanged.")
     logprob_chunk_size: int = Field(0, ge=0, description="Tokens per chunk when turning logits into log-probs and entropies: the fp32 log-softmax over the vocabulary is computed chunk by chunk, never for the whole micro-batch at once (log-softmax is per token, so the values and gradients are bit-identical). 0 = one chunk.")

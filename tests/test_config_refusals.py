@@ -76,6 +76,14 @@ def test_a_setting_the_run_cannot_use_is_refused(cls, overrides, message):
     assert message in error_of(cls, overrides=overrides)
 
 
+def test_a_setting_the_run_cannot_use_is_blamed_on_its_source(tmp_path):
+    p = tmp_path / "cfg.yaml"
+    p.write_text("model:\n  path: builtin\n  lora:\n    merge_on_save: true\n")
+    assert error_of(SFTConfig, p).startswith(f"{p}:4: model.lora.merge_on_save=true has no effect: LoRA is off")
+    assert error_of(SFTConfig, p, ["model.lora.merge_on_save=false", "model.lora.alpha=8"]).startswith(
+        "override 'model.lora.alpha=8': model.lora.alpha=8.0 has no effect")
+
+
 def test_settings_in_use_or_at_their_defaults_pass(tmp_path):
     load_config(SFTConfig, None, ["model.lora.rank=4", "model.lora.target_modules=[q_proj]", "model.lora.alpha=32"])
     load_config(SFTConfig, None, ["model.lora.alpha=16"])  # the default: harmless

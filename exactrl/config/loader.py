@@ -176,7 +176,7 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
         cfg = cls.model_validate(merged)
     except ValidationError as e:
         raise ConfigError(_explain(e, origins, keys)) from None
-    check_used(cfg, cls(), keys)
+    check_used(cfg, cls(), keys, origins)
     return cfg
 
 
@@ -301,10 +301,12 @@ def _show(value: Any) -> str:
     return yaml.safe_dump(value, default_flow_style=True).removesuffix("\n...\n").strip()
 
 
-def check_used(cfg: BaseModel, defaults: BaseModel, keys: list[str] | None = None, prefix: str = "") -> None:
+def check_used(cfg: BaseModel, defaults: BaseModel, keys: list[str] | None = None, origins: dict[str, str] | None = None,
+               prefix: str = "") -> None:
     """Refuse a key set to other than the command's default (``defaults``; a resolved config.yaml
-    holds every key, those at their defaults pass) that this run cannot use (schema.USED_WHEN).
-    The demo's phases, each a whole command's config, are checked against their own defaults."""
+    holds every key, those at their defaults pass) that this run cannot use (schema.USED_WHEN),
+    naming where it was set (``origins``, as load_config records them). The demo's phases, each
+    a whole command's config, are checked against their own defaults."""
     keys = keys if keys is not None else valid_keys(type(cfg))
     if isinstance(cfg, CommonConfig):
         now, default = _flat(cfg.model_dump(mode="json")), _flat(defaults.model_dump(mode="json"))
@@ -312,11 +314,12 @@ def check_used(cfg: BaseModel, defaults: BaseModel, keys: list[str] | None = Non
         for key in (k for k in now if now[k] != default.get(k)):
             for row in USED_WHEN:
                 if (key.startswith(row.key) if row.key.endswith(".") else key == row.key) and not row.used(cfg):
-                    raise ConfigError(_full_keys(f"{key}={_show(now[key])} has no effect: {row.why_not.format(c=cfg)}; "
-                                                 f"{row.fix} or remove it", loc, keys))
+                    where = _origin(prefix + key, origins or {})
+                    raise ConfigError((f"{where}: " if where else "") + _full_keys(
+                        f"{key}={_show(now[key])} has no effect: {row.why_not.format(c=cfg)}; {row.fix} or remove it", loc, keys))
     for name in type(cfg).model_fields:
         if isinstance(getattr(cfg, name), CommonConfig):
-            check_used(getattr(cfg, name), getattr(defaults, name), keys, f"{prefix}{name}.")
+            check_used(getattr(cfg, name), getattr(defaults, name), keys, origins, f"{prefix}{name}.")
 
 
 def dump_config(cfg: BaseModel, path: str | Path) -> None:

@@ -131,7 +131,8 @@ def test_a_sections_check_names_its_keys_once():
     (SFTConfig, "per_device_train_batch_size", "train.micro_batch_size"), (SFTConfig, "num_train_epochs", "train.epochs"),
     (SFTConfig, "max_grad_norm", "train.max_grad_norm"), (RLConfig, "beta", "algo.kl_coef"),
     (RLConfig, "num_generations", "algo.group_size"), (RLConfig, "max_completion_length", "rollout.max_new_tokens"),
-    (DemoConfig, "rl.model.lora.r", "rl.model.lora.rank"),
+    (DemoConfig, "rl.model.lora.r", "rl.model.lora.rank"), (DemoConfig, "rl.lora_alpha", "rl.model.lora.alpha"),
+    (RLConfig, "epsilon", "algo.clip_eps"), (RLConfig, "optim.epsilon", "optim.eps"),  # in a real section, stay there
 ])
 def test_names_from_trl_peft_and_openrlhf_get_a_did_you_mean(cls, typed, meant):
     assert f"unknown key '{typed}'; did you mean '{meant}'?" in error_of(cls, overrides=[f"{typed}=1"])

@@ -54,6 +54,9 @@ def _suggest(key: str, keys: list[str]) -> str:
         # 'rl.model.lora.r' -> 'rl.model.lora.rank'; the demo's top-level 'lora_alpha' -> 'sft.model.lora.alpha'
         found = [c for i in range(len(sections) + 1) if (c := ".".join([*sections[:i], target])) in keys]
         found += [k for k in keys if k.endswith("." + target)]
+        section = ".".join(sections)
+        if any(k.startswith(section + ".") for k in keys):  # a real section ('optim.epsilon'): stay in it
+            found = [c for c in found if c.startswith(section + ".")]
         if found:
             return f"; did you mean '{found[0]}'?{how}"
     candidates = sorted(set(keys) | {k.rsplit(".", 1)[0] for k in keys if "." in k})

@@ -155,3 +155,14 @@ def test_rl_max_steps_must_be_whole_rollouts():
     load_config(RLConfig, None, ["train.max_steps=4", "algo.ppo_epochs=2", "algo.mini_batches=2",
                                  "train.global_batch_size=16", "train.micro_batch_size=8"])
     load_config(RLConfig, None, ["algo.ppo_epochs=2", "train.epochs=0.5"])  # max_steps=0: derived in whole rollouts
+
+
+def test_the_tables_name_real_keys():
+    """A row of USED_WHEN or ALIASES with a misspelt key would never act."""
+    from exactrl.config.loader import valid_keys
+    from exactrl.config.schema import ALIASES, USED_WHEN
+
+    keys = set(valid_keys(SFTConfig)) | set(valid_keys(RLConfig))
+    sections = {k.rsplit(".", i)[0] + "." for k in keys for i in range(1, k.count(".") + 1)}
+    assert not [row.key for row in USED_WHEN if row.key not in keys | sections]
+    assert not [target for target, _ in ALIASES.values() if target not in keys]

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -180,3 +182,27 @@ def test_a_tracker_that_cannot_start_is_a_one_line_error(tmp_path, monkeypatch):
         train_sft(cfg, spec=BuiltinSpec(n_sft=64, n_rl=8, n_eval=8))
     assert "\n" not in str(e.value)
     assert not (tmp_path / "run" / "final").exists()
+
+
+@pytest.mark.parametrize("command, overrides, key, fmt", [
+    ("sft", ["data.eval=null", "train.max_steps=3"], "loss", "{:.4f}"),
+    ("rl", ["data.eval=null", "train.max_steps=2", "algo.group_size=4", "rollout.max_new_tokens=8",
+            "reward.fn=reward_fixtures:varied"], "reward_mean", "{:.3f}"),
+])
+def test_each_progress_line_off_a_terminal_carries_its_own_steps_figures(tmp_path, monkeypatch, command, overrides,
+                                                                         key, fmt):
+    from typer.testing import CliRunner
+
+    import exactrl.progress
+    from exactrl.cli import app
+
+    monkeypatch.setenv("EXACTRL_CACHE", str(tmp_path / "cache"))
+    # A line per step (the period is normally 30 s), so every step's line is compared, not only the last.
+    monkeypatch.setattr(exactrl.progress, "PlainProgress", partial(exactrl.progress.PlainProgress, every_s=0))
+    run = tmp_path / "run"
+    result = CliRunner().invoke(app, [command, *SMALL, *overrides, f"output_dir={run}"])  # stderr: not a terminal
+    assert result.exit_code == 0, result.output
+    shown = dict(re.findall(rf"^{command}: step (\d+)/\d+ .*, \w+=(\S+)$", result.output, re.MULTILINE))
+    want = {str(r["step"]): fmt.format(r[key]) for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if key in r}
+    assert len(want) == int(overrides[1].split("=")[1]) and shown == want

@@ -76,8 +76,10 @@ class RunContext:
         """After completed step ``step``: the bar, then the periodic evaluation and checkpoint.
         ``workers``: name -> worker saved in a checkpoint, the policy under "policy" (None: absent);
         ``position``: what a resumed run needs to continue exactly (step, RNG states...)."""
+        # The figures first: update() is what prints a line (off a terminal, or past tqdm's mininterval), and a
+        # line printed before set_postfix would carry the previous step's loss/reward.
+        self.bar.set_postfix(**postfix, refresh=False)
         self.bar.update(1)
-        self.bar.set_postfix(**postfix)
         policy = workers["policy"]
         if self.eval_set and should(self.cfg.train.eval_every, step, self.steps):
             self.evaluate(step, policy.model, say=self.bar.write)

@@ -50,6 +50,10 @@ def use_device(setting: str = "auto") -> torch.device:
         raise DeviceError(f"distributed.device={setting} gives {device}, but this process already runs on {_process_device}")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    else:
+        # accelerate imports DeepSpeed in every save_pretrained when it is installed, whatever the backend; told
+        # the answer, DeepSpeed skips its accelerator probe and its "Setting accelerator to CPU" line.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     _process_device = device
     return device
 

@@ -132,14 +132,14 @@ class EvalConfig(Section):
 
 
 class WandbConfig(Section):
-    project: str | None = Field(None, description="Weights & Biases project to log to (pip install exactrl[wandb]); unset = no W&B.")
-    entity: str | None = Field(None, description="W&B team or user; unset = your default entity.")
-    name: str | None = Field(None, description="W&B run name; unset = <run directory name>-<command>.")
-    mode: Literal["online", "offline"] = Field("online", description="offline: write the W&B run only under <run>/wandb/ (upload later with `wandb sync`); online also sends it.")
+    project: str | None = Field(None, description="Weights & Biases project to log to (pip install exactrl[wandb]); unset = no W&B (WANDB_PROJECT alone does not switch it on).")
+    entity: str | None = Field(None, description="W&B team or user; unset = W&B's own choice (WANDB_ENTITY, else your default entity).")
+    name: str | None = Field(None, description="W&B run name; unset = WANDB_NAME, else <run directory name>-<command>.")
+    mode: Literal["online", "offline"] | None = Field(None, description="offline: write the W&B run only under <run>/wandb/ (upload later with `wandb sync`); online also sends it; unset = W&B's own choice (WANDB_MODE, else online).")
 
 
 class MlflowConfig(Section):
-    uri: str | None = Field(None, description="MLflow tracking URI to log to (pip install exactrl[mlflow]): http://host:5000, or file:///abs/path/mlruns for a local store; unset = no MLflow.")
+    uri: str | None = Field(None, description="MLflow tracking URI to log to (pip install exactrl[mlflow]): http://host:5000 (checked to answer within a few seconds before the run starts), or file:///abs/path/mlruns for a local store; unset = no MLflow.")
     experiment: str = Field("exactrl", description="MLflow experiment (created if missing).")
 
 
@@ -147,6 +147,20 @@ class LogConfig(Section):
     tensorboard: bool = Field(False, description="Also write the metrics.jsonl scalars as TensorBoard events under <run>/tensorboard/ (pip install exactrl[tensorboard]).")
     wandb: WandbConfig = WandbConfig()
     mlflow: MlflowConfig = MlflowConfig()
+
+
+def check_log(log: LogConfig) -> None:
+    """A tracker's settings given while the key that switches it on is not: they would do nothing, silently."""
+    w, m = log.wandb, log.mlflow
+    # mode=online passes: every run's config.yaml held it while it was the default, and a replay of one must load.
+    given = {"entity": w.entity, "name": w.name, "mode": None if w.mode == "online" else w.mode}
+    unused = [(f"wandb.{k}", v, "wandb.project") for k, v in given.items() if w.project is None and v is not None]
+    if m.uri is None and m.experiment != MlflowConfig().experiment:
+        unused.append(("mlflow.experiment", m.experiment, "mlflow.uri"))
+    if unused:
+        key, value, switch = unused[0]
+        raise ValueError(f"log.{key}={value} has no effect without log.{switch}, which switches the tracker on: "
+                         f"set log.{switch} too, or unset log.{key}")
 
 
 class CommonConfig(Section):
@@ -164,6 +178,11 @@ class CommonConfig(Section):
     @model_validator(mode="after")
     def _batch_sizes_divide(self):
         check_layout(self, self.distributed.nproc_per_node)
+        return self
+
+    @model_validator(mode="after")
+    def _trackers_switched_on(self):
+        check_log(self.log)
         return self
 
 

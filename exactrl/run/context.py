@@ -36,7 +36,7 @@ class EvaluationError(RuntimeError):
 def open_run(cfg, command: str, run_dir: Path | None, data_files: dict) -> tuple[Path, MetricsLog]:
     """Create (or reuse, for a demo phase) the run directory; write config and manifest; open the
     metric sinks (metrics.jsonl and the trackers log.* asks for, exactrl/tracking.py)."""
-    require_trackers(cfg.log)
+    require_trackers(cfg.log, reach_servers=is_main())
     if not is_main():
         path = run_dir or Path(broadcast_str(""))
         return path, MetricsLog(None)

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections import defaultdict
 from functools import partial
 from pathlib import Path
@@ -314,3 +315,24 @@ def test_a_run_config_written_before_mode_defaulted_to_unset_still_loads(tmp_pat
     old = tmp_path / "config.yaml"
     old.write_text(yaml.safe_dump({"log": {"wandb": {"project": None, "mode": "online"}}}))
     assert load_config(SFTConfig, old, []).log.wandb.mode == "online"
+
+
+def test_only_the_deprecations_deepspeed_causes_are_hidden():
+    """torch's own FutureWarnings for the collectives DeepSpeed calls (one per rank in every multi-rank DeepSpeed run)
+    are hidden once a DeepSpeed engine starts; any other FutureWarning still shows."""
+    import torch
+    import torch.distributed as dist
+
+    from exactrl.distributed.deepspeed_engine import hide_deprecations_deepspeed_causes
+
+    def shown() -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            hide_deprecations_deepspeed_causes()
+            for collective in (dist.all_gather_into_tensor, dist.reduce_scatter_tensor):
+                with pytest.raises(ValueError):  # warned, then refused: no process group here
+                    collective(torch.zeros(2), torch.zeros(2))
+            warnings.warn("something else is deprecated", FutureWarning, stacklevel=1)
+        return [str(w.message) for w in caught]
+
+    assert shown() == ["something else is deprecated"]

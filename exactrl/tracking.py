@@ -12,6 +12,7 @@ import importlib
 import json
 import os
 import shutil
+import ssl
 import sys
 import time
 import urllib.error
@@ -66,6 +67,8 @@ def reach_mlflow(uri: str, timeout_s: float = REACH_TIMEOUT_S) -> None:
         # 404 or 5xx: not an MLflow server, or a gateway that cannot reach one (MLflow would retry it for minutes)
         problem = f"answered HTTP {e.code} {e.reason}: not an MLflow tracking server, or a proxy that cannot reach one"
     except (OSError, ValueError) as e:  # refused, unknown host, timed out, malformed address
+        if isinstance(getattr(e, "reason", e), ssl.SSLCertVerificationError):
+            return  # it answered in TLS; which certificates to trust MLflow decides (MLFLOW_TRACKING_INSECURE_TLS...)
         reason = " ".join(str(getattr(e, "reason", e)).split())
         problem = f"could not be reached ({reason}; waited at most {timeout_s:g} s)"
     raise ConfigError(f"log.mlflow.uri={uri}: {url} {problem}; start the server or fix the address, "

@@ -13,7 +13,9 @@ import http.server
 import json
 import os
 import re
+import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -265,7 +267,7 @@ def server():
     that accepts connections and never answers."""
     opened = []
 
-    def start(status):
+    def start(status, cert: tuple[Path, Path] | None = None):
         if status is None:
             sock = socket.socket()
             sock.bind(("127.0.0.1", 0))
@@ -283,9 +285,13 @@ def server():
                 pass
 
         httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        if cert:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(*cert)
+            httpd.socket = context.wrap_socket(httpd.socket, server_side=True)
         threading.Thread(target=httpd.serve_forever, daemon=True).start()
         opened.append(httpd)
-        return f"http://127.0.0.1:{httpd.server_address[1]}/"
+        return f"{'https' if cert else 'http'}://127.0.0.1:{httpd.server_address[1]}/"
 
     yield start
     for thing in opened:
@@ -336,3 +342,14 @@ def test_only_the_deprecations_deepspeed_causes_are_hidden():
         return [str(w.message) for w in caught]
 
     assert shown() == ["something else is deprecated"]
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="makes its certificate with openssl")
+def test_an_https_mlflow_server_with_a_certificate_python_does_not_trust_is_left_to_mlflow(server, tmp_path):
+    """A self-signed server that MLflow is told to trust (MLFLOW_TRACKING_INSECURE_TLS...) answered: not refused."""
+    from exactrl.tracking import reach_mlflow
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    reach_mlflow(server(200, cert=(cert, key)), timeout_s=2)

@@ -149,20 +149,6 @@ class LogConfig(Section):
     mlflow: MlflowConfig = MlflowConfig()
 
 
-def check_log(log: LogConfig) -> None:
-    """A tracker's settings given while the key that switches it on is not: they would do nothing, silently."""
-    w, m = log.wandb, log.mlflow
-    # mode=online passes: every run's config.yaml held it while it was the default, and a replay of one must load.
-    given = {"entity": w.entity, "name": w.name, "mode": None if w.mode == "online" else w.mode}
-    unused = [(f"wandb.{k}", v, "wandb.project") for k, v in given.items() if w.project is None and v is not None]
-    if m.uri is None and m.experiment != MlflowConfig().experiment:
-        unused.append(("mlflow.experiment", m.experiment, "mlflow.uri"))
-    if unused:
-        key, value, switch = unused[0]
-        raise ValueError(f"log.{key}={value} has no effect without log.{switch}, which switches the tracker on: "
-                         f"set log.{switch} too, or unset log.{key}")
-
-
 class CommonConfig(Section):
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
@@ -178,11 +164,6 @@ class CommonConfig(Section):
     @model_validator(mode="after")
     def _batch_sizes_divide(self):
         check_layout(self, self.distributed.nproc_per_node)
-        return self
-
-    @model_validator(mode="after")
-    def _trackers_switched_on(self):
-        check_log(self.log)
         return self
 
 
@@ -456,6 +437,13 @@ USED_WHEN = [
              "(train.save_every=0)", "set train.save_every"),
     UsedWhen("audit.canary_tol", lambda c: c.audit.canary != "off", "the canary is off (audit.canary=off)",
              "turn it on"),
+    *(UsedWhen(f"log.wandb.{key}", lambda c: c.log.wandb.project is not None, "W&B is off (log.wandb.project unset)",
+               "set log.wandb.project") for key in ("entity", "name")),
+    # mode=online passes: every run's config.yaml held it while it was the default, and a replay of one must load.
+    UsedWhen("log.wandb.mode", lambda c: c.log.wandb.project is not None or c.log.wandb.mode == "online",
+             "W&B is off (log.wandb.project unset)", "set log.wandb.project"),
+    UsedWhen("log.mlflow.experiment", lambda c: c.log.mlflow.uri is not None, "MLflow is off (log.mlflow.uri unset)",
+             "set log.mlflow.uri"),
     *(row for section in ("optim.", "critic.optim.") for row in (
         UsedWhen(section + "momentum", lambda c, s=section: _optim(c, s).name == "sgd",
                  f"{section}name=adamw has no momentum setting (its betas are {section}betas)", f"set {section}name=sgd"),

@@ -183,9 +183,17 @@ class SFTConfig(CommonConfig):
 class RolloutConfig(Section):
     engine: Literal["hf"] = Field("hf", description="Generation engine: 'hf' (the Hugging Face model's own forward in a KV-cached decode loop).")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature; log-probs are computed at the same temperature.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: draw among the most likely tokens whose probabilities add up to top_p (after temperature and top_k); 1 = off. Like top_k it shapes the draws, not the log-probs: the generator's, the trainer's and the on-policy check's are all log p of the token under the temperature-scaled distribution over the whole vocabulary, before any cut (as TRL, OpenRLHF and verl compute them).")
+    top_k: int = Field(0, ge=0, description="Top-k sampling: draw among the k most likely tokens (after temperature, before top_p, as Hugging Face and vLLM apply them); 0 = off. Log-probs as for top_p: before the cut.")
+    stop: list[str] = Field([], description="Stop strings: a response ends with the token that completes one of them (also when split over tokens); the string stays in the response (its tokens, and the text the reward sees, as vLLM's include_stop_str_in_output=true in OpenRLHF), and nothing after it is generated, masked in or trained on. Also ends rl's evaluation answers.")
     max_new_tokens: int = Field(48, gt=0, description="Response length limit.")
     batch_size: int = Field(256, gt=0, description="Sequences decoded together.")
+
+    @model_validator(mode="after")
+    def _stops_are_text(self):
+        if "" in self.stop:
+            raise ValueError("rollout.stop: an empty stop string would end every response at once; give non-empty strings")
+        return self
 
 
 RL_ALGOS = ("ppo", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo")

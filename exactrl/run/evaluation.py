@@ -49,14 +49,14 @@ def wilson_interval(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
 
 
 def evaluate_accuracy(model, tokenizer, prompts: list[Prompt], reward: Reward, *, batch_size: int, max_new_tokens: int,
-                      greedy: bool = True, temperature: float = 1.0, top_p: float = 1.0, timeout: float = DEFAULT_TIMEOUT,
-                      fallback: float | None = None) -> Accuracy:
+                      greedy: bool = True, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                      stop: tuple[str, ...] = (), timeout: float = DEFAULT_TIMEOUT, fallback: float | None = None) -> Accuracy:
     """Share of prompts whose (greedy or sampled) answer gets full reward (>= 1) from ``reward``,
     scored ``batch_size`` answers per call, each call under the run's reward.timeout and reward.fallback."""
     t0 = time.perf_counter()
     gens = HFEngine(model, tokenizer, batch_size).generate(
-        [p.input_ids for p in prompts], greedy=greedy, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens
-    )
+        [p.input_ids for p in prompts], greedy=greedy, temperature=temperature, top_p=top_p, top_k=top_k, stop=stop,
+        max_new_tokens=max_new_tokens)
     rewards, failures = [], []
     for i in range(0, len(prompts), batch_size):
         chunk, answered = prompts[i : i + batch_size], gens[i : i + batch_size]
@@ -123,8 +123,9 @@ def load_eval_set(cfg, tokenizer, eval_path: str | None, reward: Reward | None =
 
 
 def greedy_accuracy(cfg, model, tokenizer, eval_set: EvalSet) -> Accuracy:
-    """Greedy accuracy on ``eval_set`` as the run's eval.* and reward.* say."""
-    r = getattr(cfg, "reward", None)
+    """Greedy accuracy on ``eval_set`` as the run's eval.* and reward.* say (rl: answers end at rollout.stop too)."""
+    r, rollout = getattr(cfg, "reward", None), getattr(cfg, "rollout", None)
     return evaluate_accuracy(model, tokenizer, eval_set.prompts, eval_set.reward, batch_size=cfg.eval.batch_size,
-                             max_new_tokens=cfg.eval.max_new_tokens, timeout=r.timeout if r else DEFAULT_TIMEOUT,
+                             max_new_tokens=cfg.eval.max_new_tokens, stop=tuple(rollout.stop) if rollout else (),
+                             timeout=r.timeout if r else DEFAULT_TIMEOUT,
                              fallback=r.fallback if r else None)

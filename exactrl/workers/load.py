@@ -70,8 +70,8 @@ def check_generator(cfg, model, tokenizer, run_dir: Path, phase: str, *, sampled
     if t.generation_check == "off":
         return
     rollout = getattr(cfg, "rollout", None)
-    sampling = ({"temperature": rollout.temperature, "top_p": rollout.top_p, "max_new_tokens": rollout.max_new_tokens}
-                if rollout else {"max_new_tokens": cfg.eval.max_new_tokens})
+    sampling = ({"temperature": rollout.temperature, "top_p": rollout.top_p, "top_k": rollout.top_k,
+                 "max_new_tokens": rollout.max_new_tokens} if rollout else {"max_new_tokens": cfg.eval.max_new_tokens})
     report = check_generation(model, model.config.get_text_config(decoder=True).vocab_size, eos=tokenizer.eos_token_id,
                               pad=tokenizer.pad_token_id, policy=t.generation_check, tol=t.generation_check_tol,
                               sampled=sampled, synced=synced, what="the policy model", **sampling)

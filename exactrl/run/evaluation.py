@@ -11,8 +11,7 @@ import math
 import time
 from dataclasses import dataclass
 
-from exactrl.data.encode import Prompt, encode_prompts
-from exactrl.data.jsonl import read_jsonl
+from exactrl.data.encode import Prompt, load_prompts
 from exactrl.distributed.launch import is_main
 from exactrl.rewards import DEFAULT_TIMEOUT, Reward, Rewards, require_answers, score
 from exactrl.rollout.hf import HFEngine
@@ -110,7 +109,9 @@ def load_eval_set(cfg, tokenizer, eval_path: str | None, reward: Reward | None =
     Without ``reward`` (sft), the eval reward gets a process of its own."""
     if not eval_path:
         return None
-    prompts = encode_prompts(read_jsonl(eval_path)[: cfg.data.eval_size], tokenizer, cfg.data.max_length)
+    prompts, note = load_prompts(eval_path, tokenizer, cfg.data, first=cfg.data.eval_size)
+    if note and is_main():
+        print(note)
     owned = None if reward is not None else Rewards(eval_reward_spec(cfg))
     reward = reward or owned.eval
     try:

@@ -224,7 +224,7 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     a, t, alg = cfg.algo, cfg.train, check_algorithm_config(cfg.algo)
     model_path = model_path or resolve(cfg.model.path, "model", spec)
     train_path, eval_path = resolve(cfg.data.train, "rl_train", spec), resolve(eval_data(cfg), "eval", spec)
-    tok = load_tokenizer(model_path)
+    tok = load_tokenizer(model_path, cfg.model.trust_remote_code)
     prompts, note = load_prompts(train_path, tok, cfg.data)
     if note and is_main():
         print(note)

@@ -65,7 +65,7 @@ def train_sft(cfg: SFTConfig, run_dir: Path | None = None, spec: BuiltinSpec = B
     t = cfg.train
     model_path = resolve(cfg.model.path, "model", spec)
     train_path, eval_path = resolve(cfg.data.train, "sft_train", spec), resolve(eval_data(cfg), "eval", spec)
-    tok = load_tokenizer(model_path)
+    tok = load_tokenizer(model_path, cfg.model.trust_remote_code)
     # All data is read and checked before the model loads: a bad row fails in seconds.
     examples, note = load_sft(train_path, tok, cfg.data)
     if note and is_main():

@@ -42,6 +42,7 @@ class ModelConfig(Section):
     path: str = Field("builtin", description="Local Hugging Face model directory (from_pretrained), or 'builtin'.")
     dtype: Literal["fp32", "bf16"] = Field("fp32", description="Compute dtype. bf16: forward passes under bf16 autocast on the engine's device (matmuls and attention in bf16); fp32 stay the master weights, their gradients and every gradient reduction (FSDP2, DeepSpeed), the optimizer state and step, log-softmax, log-probs, entropies and values (the bf16 logits are cast to fp32 first), the loss aggregation and the canary. The usual setting on GPUs; fp32 on CPU.")
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="Attention kernel of every forward, packed or padded: sdpa (PyTorch's fused kernel; layers with attention-logit softcapping, e.g. Gemma2, run eager) or eager (scores, softmax and weighted sum written out: Hugging Face's reference path).")
+    trust_remote_code: bool = Field(False, description="Let from_pretrained run the model directory's own Python code (an auto_map in its config.json or tokenizer_config.json) for the model, tokenizer, reference and critic. false: such a directory is refused in one line; transformers never asks on the terminal.")
     disable_dropout: bool = Field(True, description="Set every dropout rate of the model to 0 (TRL's disable_dropout): the policy's log-probs must equal the generator's (eval mode) and a verified step needs a deterministic forward. false keeps the model config's dropout (sft only).")
     lora: LoraConfig = LoraConfig()
 

@@ -4,6 +4,7 @@ exactly what the same rows in JSONL give, with file:row errors."""
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import sys
@@ -16,9 +17,10 @@ from test_cli_failures import TINY, exactrl, one_line_error
 
 from exactrl.audit.manifest import file_sha256
 from exactrl.data.batching import collate_sft
-from exactrl.data.encode import encode_prompts, encode_sft, load_prompts, load_sft
+from exactrl.data.encode import encode_prompts, encode_sft, load_prompts, load_sft, use_chat_template
 from exactrl.data.files import read_rows
 from exactrl.data.jsonl import DataError, Row
+from exactrl.models.loading import load_tokenizer
 from exactrl.tasks.tiny_model import save_tiny_model
 from exactrl.tasks.tokenizer import save_tokenizer
 
@@ -82,6 +84,54 @@ def test_the_cli_refuses_or_drops_long_prompts(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     assert f"note: dropped 1 of 9 rows of '{p}' longer than data.max_length=256 or data.max_prompt_length=16" in run.stderr
     assert (tmp_path / "b" / "final").is_dir()
+
+
+# ---------------------------------------------------------------- data.chat_template
+
+TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system turns') }}{% endif %}"
+            "[{{ m['role'] }}]{{ m['content'] }}{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+            "{% if add_generation_prompt %}[assistant]{% endif %}")
+
+
+@pytest.mark.parametrize("as_file", [True, False])
+def test_a_chat_template_override_renders_chat_rows(tmp_path, tokenizer, as_file):
+    tok = copy.deepcopy(tokenizer)
+    (tmp_path / "chat.jinja").write_text(TEMPLATE)
+    use_chat_template(tok, str(tmp_path / "chat.jinja") if as_file else TEMPLATE)
+    (sft,) = encode_sft([Row("x:1", SFT_ROWS[2])], tok, 64)
+    assert tok.decode(sft.input_ids) == "[user]9+9=[assistant]18<eos>"
+    assert tok.decode([t for t, m in zip(sft.input_ids, sft.loss_mask) if m]) == "18<eos>"
+    (rl,) = encode_prompts([Row("x:1", {"prompt": [{"role": "user", "content": "1+1="}]})], tok, 64)
+    assert rl.text == "[user]1+1=[assistant]"
+    assert encode_prompts([Row("x:1", {"prompt": "1+1="})], tok, 64)[0].text == "1+1="  # plain prompts stay plain
+
+
+def test_a_chat_template_that_fails_names_the_row_and_the_template(tmp_path, tokenizer):
+    tok = copy.deepcopy(tokenizer)
+    (tmp_path / "chat.jinja").write_text(TEMPLATE)
+    use_chat_template(tok, str(tmp_path / "chat.jinja"))
+    system = {"messages": [{"role": "system", "content": "be brief"}, *SFT_ROWS[2]["messages"]]}
+    with pytest.raises(DataError, match=rf"^x:2: the chat template \({tmp_path}/chat.jinja\) fails on this row: "
+                                        "no system turns$"):
+        encode_sft([Row("x:1", SFT_ROWS[2]), Row("x:2", system)], tok, 64)
+    (tmp_path / "bad.jinja").write_text("{% for m in messages %}\n{{ m['content'] }\n{% endfor %}")
+    use_chat_template(tok, str(tmp_path / "bad.jinja"))
+    with pytest.raises(DataError, match=rf"^x:1: the chat template \({tmp_path}/bad.jinja:2\) fails on this row: "
+                                        "unexpected '}'$"):
+        encode_sft([Row("x:1", SFT_ROWS[2])], tok, 64)
+    with pytest.raises(DataError, match="data.chat_template=missing.jinja: no such file, and not a Jinja template"):
+        use_chat_template(tok, "missing.jinja")
+
+
+def test_the_cli_trains_with_the_template_and_saves_it(tmp_path):
+    save_tiny_model(tmp_path / "model", save_tokenizer(tmp_path / "model"), **SMALL)
+    (tmp_path / "chat.jinja").write_text(TEMPLATE)
+    p = write_jsonl(tmp_path / "chat.jsonl", [SFT_ROWS[2]] * 8)
+    run = exactrl(["sft", *TINY, f"model.path={tmp_path / 'model'}", f"data.train={p}", "train.max_steps=1",
+                   f"data.chat_template={tmp_path / 'chat.jinja'}", f"output_dir={tmp_path / 'run'}"],
+                  tmp_path, tmp_path / "cache")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert load_tokenizer(tmp_path / "run" / "final").chat_template == TEMPLATE
 
 
 # ---------------------------------------------------------------- Parquet, Arrow, save_to_disk

@@ -54,6 +54,7 @@ class DataConfig(Section):
     max_prompt_length: int | None = Field(None, gt=0, description="Longest prompt in tokens (rl and eval prompts; sft: the tokens before the first one learnt); a longer row is an error naming its file:row and length, or dropped (data.over_length), never truncated. Unset = only data.max_length limits.")
     over_length: Literal["error", "drop"] = Field("error", description="A row past data.max_length or data.max_prompt_length: 'error' stops the run naming the row and its length; 'drop' leaves it out and says how many rows of which file were dropped.")
     eval_size: int = Field(2000, gt=0, description="How many eval rows to use (the first N).")
+    chat_template: str | None = Field(None, description="A Jinja chat template, as a file path or the template text itself, used instead of the tokenizer's own for {messages} rows and chat-formatted prompts (rl and eval); the run's saved tokenizer keeps it. A row it fails to render is an error naming the row and the template. Unset = the tokenizer's.")
 
 
 class TrainConfig(Section):

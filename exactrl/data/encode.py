@@ -14,6 +14,9 @@ naming file:row and its length, or (data.over_length=drop) left out and counted.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+
+from jinja2 import TemplateError, TemplateSyntaxError
 
 from exactrl.data.files import read_rows
 from exactrl.data.jsonl import DataError, Row, require_str
@@ -62,10 +65,35 @@ def _check_messages(row: Row, messages) -> list[dict]:
     return messages
 
 
+def use_chat_template(tokenizer, template: str) -> None:
+    """Render chat rows with ``template`` (data.chat_template: the Jinja text itself, or a file
+    holding it) instead of the tokenizer's own; the run's saved tokenizer keeps it."""
+    if "{{" in template or "{%" in template:
+        text, origin = template, "data.chat_template"
+    else:
+        p = Path(template)
+        if not p.is_file():
+            raise DataError(f"data.chat_template={template}: no such file, and not a Jinja template (no {{{{ or {{%)")
+        try:
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise DataError(f"data.chat_template={template}: not UTF-8 text") from None
+        origin = str(p)
+    tokenizer.chat_template = text
+    tokenizer.exactrl_template_origin = origin  # named in render errors
+
+
 def _render(tokenizer, messages: list[dict], row: Row, add_generation_prompt: bool = False) -> str:
     if not getattr(tokenizer, "chat_template", None):
-        raise DataError(f"{row.source}: 'messages' rows need a tokenizer with a chat template; this one has none")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        raise DataError(f"{row.source}: 'messages' rows need a chat template; the tokenizer has none: set "
+                        "data.chat_template to a Jinja file")
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except TemplateError as e:  # a syntax error, an undefined name, the template's own raise_exception
+        origin = getattr(tokenizer, "exactrl_template_origin", "the tokenizer's chat template")
+        if isinstance(e, TemplateSyntaxError) and e.lineno:
+            origin = f"{origin}:{e.lineno}"
+        raise DataError(f"{row.source}: the chat template ({origin}) fails on this row: {e.message or e}") from None
 
 
 def _encode_messages(row: Row, tokenizer) -> tuple[list[int], list[int]]:

@@ -205,8 +205,10 @@ def test_stop_strings_end_the_response_at_the_token_that_completes_them(tokenize
     assert g.text == "a>xy</" and not g.finished
 
 
-def test_an_empty_stop_string_is_refused():
+def test_stop_strings_in_the_config():
     from exactrl.config import ConfigError, RLConfig, load_config
 
+    assert load_config(RLConfig, None, ["rollout.stop=</a>"]).rollout.stop == ["</a>"]  # the natural CLI form
+    assert load_config(RLConfig, None, ["rollout.stop=[</a>, '###']"]).rollout.stop == ["</a>", "###"]
     with pytest.raises(ConfigError, match="rollout.stop: an empty stop string"):
         load_config(RLConfig, None, ["rollout.stop=['</a>', '']"])

@@ -214,6 +214,9 @@ def _dropped_note(dropped: list[str], total: int, path, data) -> str | None:
         return None
     limits = f"data.max_length={data.max_length}" + (f" or data.max_prompt_length={data.max_prompt_length}"
                                                       if data.max_prompt_length is not None else "")
+    if len(dropped) == total:
+        raise OverLength(f"every row of '{path}' ({total}) is longer than {limits} tokens, so data.over_length=drop "
+                         "left none; raise the limit")
     return (f"note: dropped {len(dropped)} of {total} rows of '{path}' longer than {limits} tokens "
             f"(data.over_length=drop; the first: {dropped[0]})")
 

@@ -69,8 +69,8 @@ def test_drop_leaves_out_over_length_rows_and_counts_them(tmp_path, tokenizer):
     p = write_jsonl(tmp_path / "rl.jsonl", [{"prompt": t} for t in ("1+1=", "123+4567=", "7=", "123+4567=")])
     prompts, note = load_prompts(p, tokenizer, data(max_length=8, over_length="drop"), first=3)
     assert [x.source for x in prompts] == [f"{p}:1", f"{p}:3"] and note.startswith("note: dropped 1 of 3 rows")
-    with pytest.raises(DataError, match=rf"every row of '{p}' \(4\) is longer than data.max_length=4 tokens"):
-        load_prompts(p, tokenizer, data(max_length=4, over_length="drop"))
+    with pytest.raises(DataError, match=rf"every row of '{p}' \(4\) is longer than data.max_length=2 tokens"):
+        load_prompts(p, tokenizer, data(max_length=2, over_length="drop"))
 
 
 def test_the_cli_refuses_or_drops_long_prompts(tmp_path):

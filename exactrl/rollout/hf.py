@@ -196,11 +196,11 @@ def sample(model, input_ids: torch.Tensor, attention: torch.Tensor, *, max_new_t
            stop: StopStrings | None = None, synced: bool = False,
            compact_at: float = 0.125) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A lean decode loop over left-padded prompts: one prefill, then one single-token forward
-    per step into a cache written in place. Rows that emitted EOS (or completed a ``stop``
-    string) leave the batch (and the cache) once they are at least ``compact_at`` of it, so late steps run only live rows;
-    until then they feed ``pad`` as generate does, and their draws are discarded. Returns
-    tokens [rows, max_new_tokens] (``pad`` after a row's EOS) and, sampled, the log-prob of
-    each token at ``temperature`` (0 after EOS; see ``_draw``).
+    per step into a cache written in place. Rows that emitted EOS or completed a ``stop``
+    string leave the batch (and the cache) once they are at least ``compact_at`` of it, so late
+    steps run only live rows; until then they feed ``pad`` as generate does, and their draws are
+    discarded. Returns tokens [rows, max_new_tokens] (``pad`` after a row's end) and, sampled,
+    the log-prob of each token at ``temperature`` (0 after the end; see ``_draw``).
 
     Each step's inputs come from the model's own ``prepare_inputs_for_generation``, as in
     ``generate`` (Mamba's decode steps drop the mask, hybrid models pick their masks). A model

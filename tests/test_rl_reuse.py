@@ -11,7 +11,8 @@ import pytest
 import torch
 from test_rl import response_advantages, rl_cfg
 
-from exactrl.algorithms.rl import OnPolicyCheckError, train_rl, Sample, check_on_policy, policy_micro_batch_loss, reuses_first_forward
+from exactrl.algorithms.rl import (OnPolicyCheckError, Sample, check_on_policy, policy_micro_batch_loss,
+                                   reuses_first_forward, train_rl)
 from exactrl.distributed.engine import build_engine
 from exactrl.distributed.step_plan import plan_step
 from exactrl.config import RLConfig, load_config

@@ -125,7 +125,8 @@ def _max_over_ranks(value: float, device) -> float:
 
 @torch.no_grad()
 def check_generation(model, vocab_size: int, *, eos: int, pad: int, policy: str, tol: float, temperature: float = 1.0,
-                     top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 16, sampled: bool = True, synced: bool = False,
+                     top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 16, sampled: bool = True,
+                     synced: bool = False,
                      what: str = "the model") -> GenerationReport:
     """Run the check on ``model`` (the generator's model, in the mode training leaves it).
     ``sampled``: also compare sampled log-probs (rl); greedy only for sft's evaluations.

@@ -196,7 +196,8 @@ class RolloutConfig(Section):
     @model_validator(mode="after")
     def _stops_are_text(self):
         if "" in self.stop:
-            raise ValueError("rollout.stop: an empty stop string would end every response at once; give non-empty strings")
+            raise ValueError("rollout.stop: an empty stop string would end every response at once; "
+                             "give non-empty strings")
         return self
 
 

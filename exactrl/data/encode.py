@@ -176,8 +176,8 @@ def encode_sft(rows: list[Row], tokenizer, max_length: int, max_prompt_length: i
             raise OverLength(f"{row.source}: {len(ids)} tokens exceed data.max_length={max_length}; {FIX}")
         prompt = mask.index(1)  # the tokens before the first one learnt
         if max_prompt_length is not None and prompt > max_prompt_length:
-            raise OverLength(f"{row.source}: prompt of {prompt} tokens exceeds data.max_prompt_length={max_prompt_length}; "
-                             f"{FIX}")
+            raise OverLength(f"{row.source}: prompt of {prompt} tokens exceeds "
+                             f"data.max_prompt_length={max_prompt_length}; {FIX}")
         return SFTExample(ids, mask, row.source)
 
     return _keep(rows, encode, over_length, dropped)
@@ -199,8 +199,8 @@ def encode_prompts(rows: list[Row], tokenizer, max_length: int, max_prompt_lengt
             raise DataError(f"{row.source}: 'answer' must be a string or number, got {type(answer).__name__}")
         ids = _ids(tokenizer, text, first=True)
         if len(ids) >= max_length:
-            raise OverLength(f"{row.source}: prompt of {len(ids)} tokens leaves no room under data.max_length={max_length}; "
-                             f"{FIX}")
+            raise OverLength(f"{row.source}: prompt of {len(ids)} tokens leaves no room under "
+                             f"data.max_length={max_length}; {FIX}")
         if max_prompt_length is not None and len(ids) > max_prompt_length:
             raise OverLength(f"{row.source}: prompt of {len(ids)} tokens exceeds data.max_prompt_length="
                              f"{max_prompt_length}; {FIX}")

@@ -22,8 +22,8 @@ def _load_error(what: str, p: Path, e: Exception, trust_remote_code: bool) -> Mo
     refuse at once instead of asking on the terminal, and the refusal names the key to set."""
     if not trust_remote_code and "trust_remote_code" in str(e):
         code = sorted(f.name for f in p.glob("*.py"))
-        return ModelLoadError(f"'{p}' holds its own model code ({', '.join(code) or 'auto_map'}), which loading it runs: "
-                              "set model.trust_remote_code=true if you trust that code")
+        return ModelLoadError(f"'{p}' holds its own model code ({', '.join(code) or 'auto_map'}), which loading it "
+                              "runs: set model.trust_remote_code=true if you trust that code")
     return ModelLoadError(f"cannot load {what} '{p}': {' '.join(str(e).split())}")
 
 

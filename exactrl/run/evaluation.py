@@ -49,7 +49,8 @@ def wilson_interval(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
 
 def evaluate_accuracy(model, tokenizer, prompts: list[Prompt], reward: Reward, *, batch_size: int, max_new_tokens: int,
                       greedy: bool = True, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                      stop: tuple[str, ...] = (), timeout: float = DEFAULT_TIMEOUT, fallback: float | None = None) -> Accuracy:
+                      stop: tuple[str, ...] = (), timeout: float = DEFAULT_TIMEOUT,
+                      fallback: float | None = None) -> Accuracy:
     """Share of prompts whose (greedy or sampled) answer gets full reward (>= 1) from ``reward``,
     scored ``batch_size`` answers per call, each call under the run's reward.timeout and reward.fallback."""
     t0 = time.perf_counter()

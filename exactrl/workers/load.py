@@ -30,8 +30,8 @@ def load_model(cfg, path, run_dir: Path, phase: str, role: str, longest: int, tr
     m = cfg.model
     lora = m.lora.rank > 0 and role == "policy"
     path = checkpoint if checkpoint and not lora else path
-    model = (loader or load_causal_lm)(path, trainable=trainable, attn=m.attn_implementation, dropout=not m.disable_dropout,
-                                       trust_remote_code=m.trust_remote_code)
+    model = (loader or load_causal_lm)(path, trainable=trainable, attn=m.attn_implementation,
+                                       dropout=not m.disable_dropout, trust_remote_code=m.trust_remote_code)
     if lora:  # before the self-check: it checks the model that trains
         model = apply_lora(model, m.lora, checkpoint)
     device = process_device()

@@ -185,10 +185,13 @@ def test_unreadable_files_are_one_line_errors(tmp_path):
         read_rows(tmp_path / "dir")
     with pytest.raises(DataError, match="does not exist"):
         read_rows(tmp_path / "missing.parquet")
-    pytest.importorskip("pyarrow")
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
     (tmp_path / "junk.parquet").write_text("not parquet")
     with pytest.raises(DataError, match="cannot read .*junk.parquet' as Parquet"):
         read_rows(tmp_path / "junk.parquet")
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), tmp_path / "empty.parquet")
+    with pytest.raises(DataError, match="empty.parquet' has no rows"):
+        read_rows(tmp_path / "empty.parquet")
 
 
 def test_without_pyarrow_the_error_says_what_to_install(tmp_path, monkeypatch):

@@ -28,13 +28,9 @@ def read_rows(path: str | Path) -> list[Row]:
     return read_jsonl(p)
 
 
-def _rows(p: Path, records: list) -> list[Row]:
+def _rows(p: Path, records: list[dict]) -> list[Row]:
     """Rows named ``file:row i`` (0-based, as dataset[i] and pandas number them)."""
-    rows = []
-    for i, record in enumerate(records):
-        if not isinstance(record, dict):
-            raise DataError(f"{p}:row {i}: each row must be a record of named columns, got {type(record).__name__}")
-        rows.append(Row(f"{p}:row {i}", {k: v for k, v in record.items() if v is not None}))
+    rows = [Row(f"{p}:row {i}", {k: v for k, v in record.items() if v is not None}) for i, record in enumerate(records)]
     if not rows:
         raise DataError(f"data file '{p}' has no rows")
     return rows

@@ -5,32 +5,37 @@ on-policy check against the generator, and which configurations reuse the forwar
 from __future__ import annotations
 
 import contextlib
+import json
 
 import pytest
 import torch
 from test_rl import response_advantages, rl_cfg
 
-from exactrl.algorithms.rl import OnPolicyCheckError, Sample, check_on_policy, policy_micro_batch_loss, reuses_first_forward
+from exactrl.algorithms.rl import (OnPolicyCheckError, Sample, check_on_policy, policy_micro_batch_loss,
+                                   reuses_first_forward, train_rl)
 from exactrl.distributed.engine import build_engine
 from exactrl.distributed.step_plan import plan_step
+from exactrl.config import RLConfig, load_config
 from exactrl.rollout.hf import HFEngine
+from exactrl.tasks.builtin import BuiltinSpec
 from rl_helpers import attach_logprobs, consecutive
 
 
-def generated_samples(tokenizer, model, temperature=0.7, top_p=1.0):
+def generated_samples(tokenizer, model, temperature=0.7, top_p=1.0, top_k=0):
     prompts = [tokenizer(t)["input_ids"] for t in ("1+2=", "345+678=", "9=", "12+34=")]
     torch.manual_seed(0)
-    gens = HFEngine(model, tokenizer, batch_size=8).generate(prompts, n=2, temperature=temperature, top_p=top_p, max_new_tokens=16)
+    gens = HFEngine(model, tokenizer, batch_size=8).generate(prompts, n=2, temperature=temperature, top_p=top_p, top_k=top_k,
+                                                            max_new_tokens=16)
     return [Sample(g.prompt_ids, g.response_ids, 0.0, advantages=response_advantages(g.prompt_ids, g.response_ids, (i % 3) - 1.0),
                    gen_logprobs=torch.tensor([0.0] * (len(g.prompt_ids) - 1) + g.logprobs)) for i, g in enumerate(gens)]
 
 
-@pytest.mark.parametrize("top_p", [1.0, 0.8])
-def test_generator_records_the_logprobs_the_loss_computes(tokenizer, make_model, top_p):
-    """What the engine sampled with (at the temperature, before any top-p cut) against a
+@pytest.mark.parametrize("top_p,top_k", [(1.0, 0), (0.8, 0), (1.0, 4), (0.8, 4)])
+def test_generator_records_the_logprobs_the_loss_computes(tokenizer, make_model, top_p, top_k):
+    """What the engine sampled with (at the temperature, before any top-k/top-p cut) against a
     separate training forward of the same samples."""
     model = make_model(5)
-    samples = generated_samples(tokenizer, model, 0.7, top_p)
+    samples = generated_samples(tokenizer, model, 0.7, top_p, top_k)
     attach_logprobs(model, samples, "old_logprobs", consecutive(len(samples), 3), tokenizer.pad_token_id, 0.7, contextlib.nullcontext)
     for s in samples:
         resp = slice(len(s.prompt_ids) - 1, None)
@@ -72,3 +77,19 @@ def test_which_rollouts_reuse_the_update_forward(tokenizer, make_model):
         assert not reuses_first_forward(rl_cfg(*other), samples), other
     samples[0].gen_logprobs = None  # a generator that recorded nothing
     assert not reuses_first_forward(rl_cfg(), samples)
+
+
+@pytest.mark.parametrize("ppo_epochs", [1, 2])
+def test_a_run_with_top_k_and_stop_strings_stays_on_policy(tmp_path, ppo_epochs):
+    """rollout.top_k and rollout.stop end to end: the generation self-check and the on-policy
+    check (against the generator's log-probs with one update per rollout, tightened to 1e-4;
+    against the old-log-prob pass with two) pass, and responses end at the stop string."""
+    cfg = load_config(RLConfig, None, [
+        "data.eval=null", "train.global_batch_size=8", "train.micro_batch_size=4", "algo.group_size=4", "train.max_steps=2",
+        "train.log_every=1", f"algo.ppo_epochs={ppo_epochs}", "algo.gen_ratio_tol=1e-4", "train.generation_check=error", "rollout.top_k=3",
+        "rollout.stop=['8']", "rollout.temperature=1.5", "rollout.max_new_tokens=16", f"output_dir={tmp_path}"])
+    result = train_rl(cfg, spec=BuiltinSpec(n_sft=64, n_rl=16, n_eval=8))
+    rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert any(r["finished"] > 0 and r["response_length"] < 16 for r in rows)
+    firsts = [r["ratio_dev_first"] for r in rows if r.get("ratio_dev_first") is not None]  # one per rollout
+    assert len(firsts) == 2 // ppo_epochs and max(firsts) < 1e-4

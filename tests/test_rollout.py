@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exactrl.rollout.hf import HFEngine, sample
+from exactrl.rollout.hf import HFEngine, sample, use_generate
 
 
 def boost_eos(model, tokenizer, by: float):
@@ -97,8 +97,8 @@ def test_responses_stop_at_eos_and_groups_are_ordered(tokenizer, make_model):
     assert model.training, "generate() must restore the model's training mode"
 
 
-@pytest.mark.parametrize("top_p", [1.0, 0.8])
-def test_decode_loop_samples_what_generate_samples(tokenizer, make_model, top_p):
+@pytest.mark.parametrize("top_p,top_k", [(1.0, 0), (0.8, 0), (1.0, 5), (0.9, 5)])
+def test_decode_loop_samples_what_generate_samples(tokenizer, make_model, top_p, top_k):
     """The engine's decode loop (its own sampler, KV cache written in place) against Hugging
     Face's generate (its warpers, the cache concatenated each step), finished rows kept in the
     batch as generate keeps them: the same seed draws the same tokens."""
@@ -107,9 +107,10 @@ def test_decode_loop_samples_what_generate_samples(tokenizer, make_model, top_p)
     ids, attn, width = left_padded(tokenizer, prompts)
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     torch.manual_seed(0)
-    tokens, _ = sample(model, ids, attn, max_new_tokens=12, eos=eos, pad=pad, temperature=0.9, top_p=top_p, compact_at=float("inf"))
+    tokens, _ = sample(model, ids, attn, max_new_tokens=12, eos=eos, pad=pad, temperature=0.9, top_p=top_p, top_k=top_k,
+                       compact_at=float("inf"))
     torch.manual_seed(0)
-    seqs = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=12, do_sample=True, temperature=0.9, top_p=top_p, top_k=0,
+    seqs = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=12, do_sample=True, temperature=0.9, top_p=top_p, top_k=top_k,
                           pad_token_id=pad, eos_token_id=eos)
     ref = seqs[:, width:]
     assert torch.equal(tokens[:, : ref.shape[1]], ref) and (tokens[:, ref.shape[1]:] == pad).all()
@@ -130,3 +131,84 @@ def test_sampled_logprobs_match_a_training_forward_as_rows_leave_the_batch(token
             logits = model(input_ids=torch.tensor([g.prompt_ids + g.response_ids])).logits[0, len(g.prompt_ids) - 1 : -1]
             ref = torch.log_softmax(logits / 0.7, -1).gather(1, torch.tensor(g.response_ids)[:, None])[:, 0]
             assert (torch.tensor(g.logprobs) - ref).abs().max() < 1e-5
+
+
+def test_top_k_draws_only_among_the_k_most_likely_and_logs_the_uncut_log_prob(tokenizer, make_model):
+    """Every token sampled with top_k=3 is among the 3 highest logits of an independent full
+    forward (no cache, no padding), and its recorded log-prob is that forward's at the
+    temperature over the whole vocabulary (the convention the loss and the on-policy check
+    use). At temperature 3 the same draws without top-k leave the top 3 often."""
+    model = make_model(7).eval()
+    prompts = [tokenizer(t)["input_ids"] for t in ("1+2=", "345+678=", "9=", "12+34=")]
+    outside = {}
+    for top_k in (3, 0):
+        torch.manual_seed(0)
+        gens = HFEngine(model, tokenizer, batch_size=16).generate(prompts, n=4, temperature=3.0, top_k=top_k, max_new_tokens=12)
+        outside[top_k] = 0
+        with torch.no_grad():
+            for g in gens:
+                logits = model(input_ids=torch.tensor([g.prompt_ids + g.response_ids])).logits[0, len(g.prompt_ids) - 1 : -1]
+                picked = torch.tensor(g.response_ids)
+                in_top = (torch.topk(logits, 3).indices == picked[:, None]).any(-1)
+                outside[top_k] += int((~in_top).sum())
+                ref = torch.log_softmax(logits / 3.0, -1).gather(1, picked[:, None])[:, 0]
+                assert (torch.tensor(g.logprobs) - ref).abs().max() < 1e-5
+    assert outside[3] == 0 and outside[0] > 10
+
+
+def force_text(model, tokenizer, prompt_len: int, text: str) -> list:
+    """Make the tokens of ``text`` (then EOS) certain, one per step after prompts of
+    ``prompt_len`` tokens (positions 0, 1, ... as no row is padded). Returns the list the
+    hook appends to at every forward."""
+    forced = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    forwards = []
+
+    def hook(_module, _args, kwargs, output):
+        forwards.append(1)
+        pos = kwargs.get("position_ids")
+        if pos is None:
+            pos = torch.arange(kwargs["input_ids"].shape[1])[None]
+        step = pos[:, -output.logits.shape[1]:] - (prompt_len - 1)
+        for i, token in enumerate(forced):
+            output.logits[..., token] += 100.0 * (step == i)
+        return output
+
+    model.register_forward_hook(hook, with_kwargs=True)
+    return forwards
+
+
+@pytest.mark.parametrize("decoder", ["loop", "generate"])
+def test_stop_strings_end_the_response_at_the_token_that_completes_them(tokenizer, make_model, decoder):
+    """The response ends with the token completing the first stop string (kept, as vLLM's
+    include_stop_str_in_output); nothing after it is in the tokens, text or log-probs. A stop
+    string the prompt and response only form together does not count. Decoding stops there:
+    one forward per response token. Both decoders agree."""
+    model = make_model(8).eval()
+    forwards = force_text(model, tokenizer, 4, "a>xy</a>z</b>w")
+    if decoder == "generate":
+        use_generate(model, "the test")
+    prompts = [tokenizer(t)["input_ids"] for t in ("1+2=", "9+</")]
+    engine = HFEngine(model, tokenizer, batch_size=4)
+    for greedy in (True, False):
+        forwards.clear()
+        gens = engine.generate(prompts, greedy=greedy, stop=("</a>", "</b>"), max_new_tokens=20)
+        assert len(forwards) == len("a>xy</a>")
+        for g in gens:
+            assert g.text == "a>xy</a>" and g.finished
+            assert g.response_ids == tokenizer("a>xy</a>", add_special_tokens=False)["input_ids"]
+            assert greedy or len(g.logprobs) == len(g.response_ids)
+    g = engine.generate(prompts[:1], greedy=True, stop=("</b>",), max_new_tokens=20)[0]
+    assert g.text == "a>xy</a>z</b>" and g.finished
+    g = engine.generate(prompts[:1], greedy=True, stop=("</c>",), max_new_tokens=20)[0]
+    assert g.text == "a>xy</a>z</b>w" and g.response_ids[-1] == tokenizer.eos_token_id
+    g = engine.generate(prompts[:1], greedy=True, stop=("</c>",), max_new_tokens=6)[0]
+    assert g.text == "a>xy</" and not g.finished
+
+
+def test_stop_strings_in_the_config():
+    from exactrl.config import ConfigError, RLConfig, load_config
+
+    assert load_config(RLConfig, None, ["rollout.stop=</a>"]).rollout.stop == ["</a>"]  # the natural CLI form
+    assert load_config(RLConfig, None, ["rollout.stop=[</a>, '###']"]).rollout.stop == ["</a>", "###"]
+    with pytest.raises(ConfigError, match="rollout.stop: an empty stop string"):
+        load_config(RLConfig, None, ["rollout.stop=['</a>', '']"])

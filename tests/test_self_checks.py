@@ -90,14 +90,15 @@ def test_the_check_leaves_the_runs_random_stream_alone(tmp_path):
     assert torch.equal(before, torch.random.get_rng_state())
 
 
-def test_generate_returns_the_log_probs_the_loop_samples_with(tmp_path):
+@pytest.mark.parametrize("top_k", [0, 4])
+def test_generate_returns_the_log_probs_the_loop_samples_with(tmp_path, top_k):
     """sample_with_generate against the loop: the same draws, the same log-probs (the same RNG
     stream, no row leaving the batch), and against the training forward; a model's own
     generation_config.json (top-k, a repetition penalty) shapes neither."""
     model = loaded("qwen3", tmp_path).eval()
     model.generation_config.top_k, model.generation_config.repetition_penalty = 5, 1.5
     ids = torch.tensor([[0, 0, 1, 5, 9], [1, 7, 3, 8, 4]])
-    kw = {"max_new_tokens": 8, "eos": 2, "pad": 0, "temperature": 0.7, "top_p": 0.9}
+    kw = {"max_new_tokens": 8, "eos": 2, "pad": 0, "temperature": 0.7, "top_p": 0.9, "top_k": top_k}
     torch.manual_seed(0)
     a, la = hf.sample(model, ids, (ids != 0).long(), compact_at=2.0, **kw)
     torch.manual_seed(0)

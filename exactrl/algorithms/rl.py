@@ -39,11 +39,10 @@ from exactrl.checks.on_policy import OnPolicyCheckError, check_on_policy
 from exactrl.config.schema import RLConfig
 from exactrl.data.batch import Sample, collate
 from exactrl.data.batching import StepSampler, pad_right
-from exactrl.data.encode import encode_prompts
-from exactrl.data.jsonl import read_jsonl
+from exactrl.data.encode import load_prompts, use_chat_template
 from exactrl.distributed.checkpoint import resume
 from exactrl.distributed.engine import build_engine
-from exactrl.distributed.launch import rank
+from exactrl.distributed.launch import is_main, rank
 from exactrl.distributed.step_plan import StepPlan, plan_step
 from exactrl.losses import aggregate, canary_share, masked_mean
 from exactrl.losses.policy import PolicyInput, get_policy_loss
@@ -225,8 +224,12 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     a, t, alg = cfg.algo, cfg.train, ALGORITHMS.lookup(cfg.algo.name)
     model_path = model_path or resolve(cfg.model.path, "model", spec)
     train_path, eval_path = resolve(cfg.data.train, "rl_train", spec), resolve(eval_data(cfg), "eval", spec)
-    tok = load_tokenizer(model_path)
-    prompts = encode_prompts(read_jsonl(train_path), tok, cfg.data.max_length)
+    tok = load_tokenizer(model_path, cfg.model.trust_remote_code)
+    if cfg.data.chat_template:
+        use_chat_template(tok, cfg.data.chat_template)
+    prompts, note = load_prompts(train_path, tok, cfg.data)
+    if note and is_main():
+        print(note)
     # One reward process for the whole run (exactrl/rewards/worker.py), evaluation included.
     reward_fns = load_rewards(cfg.reward.specs(), cfg.reward.weights, cfg.reward.timeout, cfg.reward.retries, cfg.eval.reward_fn)
     require_answers(prompts, reward_fns, "reward.fn")

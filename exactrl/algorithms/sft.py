@@ -22,10 +22,10 @@ from exactrl.algorithms.common import check_data_size, check_world, seed_everyth
 from exactrl.algorithms.resume import check_resume
 from exactrl.config.schema import DemoConfig, SFTConfig
 from exactrl.data.batching import StepSampler, collate_sft
-from exactrl.data.encode import encode_sft
-from exactrl.data.jsonl import read_jsonl
+from exactrl.data.encode import load_sft, use_chat_template
 from exactrl.distributed.checkpoint import resume
 from exactrl.distributed.engine import build_engine
+from exactrl.distributed.launch import is_main
 from exactrl.distributed.step_plan import plan_step
 from exactrl.losses import aggregate, canary_share
 from exactrl.losses.token_losses import sft_loss, token_logprobs
@@ -65,9 +65,13 @@ def train_sft(cfg: SFTConfig, run_dir: Path | None = None, spec: BuiltinSpec = B
     t = cfg.train
     model_path = resolve(cfg.model.path, "model", spec)
     train_path, eval_path = resolve(cfg.data.train, "sft_train", spec), resolve(eval_data(cfg), "eval", spec)
-    tok = load_tokenizer(model_path)
+    tok = load_tokenizer(model_path, cfg.model.trust_remote_code)
+    if cfg.data.chat_template:
+        use_chat_template(tok, cfg.data.chat_template)
     # All data is read and checked before the model loads: a bad row fails in seconds.
-    examples = encode_sft(read_jsonl(train_path), tok, cfg.data.max_length)
+    examples, note = load_sft(train_path, tok, cfg.data)
+    if note and is_main():
+        print(note)
     eval_set = load_eval_set(cfg, tok, eval_path)
     steps = steps_for(t, len(examples), t.global_batch_size)
     check_data_size(len(examples), t.global_batch_size, "samples", train_path)

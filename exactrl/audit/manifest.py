@@ -39,10 +39,15 @@ def git_revision() -> str | None:
 
 
 def file_sha256(path: str | Path) -> str:
+    """A file's SHA-256; for a directory (a save_to_disk dataset), over its files' names and bytes."""
+    p = Path(path)
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
+    for f in sorted(x for x in p.rglob("*") if x.is_file()) if p.is_dir() else [p]:
+        if p.is_dir():
+            h.update(str(f.relative_to(p)).encode() + b"\0")
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
     return h.hexdigest()
 
 

@@ -92,7 +92,7 @@ def _greedy_mismatch(model, input_ids, attention, new: int, pad: int, eos: int, 
 
 
 def _logprob_error(model, input_ids, attention, new: int, pad: int, eos: int, temperature: float, top_p: float,
-                   synced: bool) -> float:
+                   top_k: int, synced: bool) -> float:
     """Responses sampled by the generator (loop or generate, as the model is set), then the
     training forward teacher-forced on prompt + response: the largest log-prob difference."""
     draw = sample_with_generate if decodes_with_generate(model) else sample
@@ -102,7 +102,7 @@ def _logprob_error(model, input_ids, attention, new: int, pad: int, eos: int, te
     with torch.random.fork_rng(devices=cuda, device_type=device.type), _eval(model):  # the run's stream stays as it was
         torch.manual_seed(0)
         tokens, logprobs = draw(model, *reps, max_new_tokens=new, eos=eos, pad=pad, temperature=temperature,
-                                top_p=top_p, synced=synced)
+                                top_p=top_p, top_k=top_k, synced=synced)
     seqs, spans = [], []
     for ids, mask, row in zip(reps[0].tolist(), reps[1].tolist(), tokens.tolist()):
         prompt = [t for t, m in zip(ids, mask) if m]
@@ -125,7 +125,8 @@ def _max_over_ranks(value: float, device) -> float:
 
 @torch.no_grad()
 def check_generation(model, vocab_size: int, *, eos: int, pad: int, policy: str, tol: float, temperature: float = 1.0,
-                     top_p: float = 1.0, max_new_tokens: int = 16, sampled: bool = True, synced: bool = False,
+                     top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 16, sampled: bool = True,
+                     synced: bool = False,
                      what: str = "the model") -> GenerationReport:
     """Run the check on ``model`` (the generator's model, in the mode training leaves it).
     ``sampled``: also compare sampled log-probs (rl); greedy only for sft's evaluations.
@@ -143,7 +144,7 @@ def check_generation(model, vocab_size: int, *, eos: int, pad: int, policy: str,
         if not sampled:
             return None
         try:
-            error = _logprob_error(model, *prompts, new, pad, eos, temperature, top_p, synced)
+            error = _logprob_error(model, *prompts, new, pad, eos, temperature, top_p, top_k, synced)
         except Exception as e:  # noqa: BLE001 -- a decode that fails is the generator's answer
             error, report.reasons["error"] = float("inf"), one_line(e)
         return _max_over_ranks(error, device)

@@ -57,15 +57,19 @@ class ModelConfig(Section):
     path: str = Field("builtin", description="Local Hugging Face model directory (from_pretrained), or 'builtin'.")
     dtype: Literal["fp32", "bf16"] = Field("fp32", description="Compute dtype. bf16: forward passes under bf16 autocast on the engine's device (matmuls and attention in bf16); fp32 stay the master weights, their gradients and every gradient reduction (FSDP2, DeepSpeed), the optimizer state and step, log-softmax, log-probs, entropies and values (the bf16 logits are cast to fp32 first), the loss aggregation and the canary. The usual setting on GPUs; fp32 on CPU.")
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="Attention kernel of every forward, packed or padded: sdpa (PyTorch's fused kernel; layers with attention-logit softcapping, e.g. Gemma2, run eager) or eager (scores, softmax and weighted sum written out: Hugging Face's reference path).")
+    trust_remote_code: bool = Field(False, description="Let from_pretrained run the model directory's own Python code (an auto_map in its config.json or tokenizer_config.json) for the model, tokenizer, reference and critic. false: such a directory is refused in one line; transformers never asks on the terminal.")
     disable_dropout: bool = Field(True, description="Set every dropout rate of the model to 0 (TRL's disable_dropout): the policy's log-probs must equal the generator's (eval mode) and a verified step needs a deterministic forward. false keeps the model config's dropout (sft only).")
     lora: LoraConfig = LoraConfig()
 
 
 class DataConfig(Section):
-    train: str = Field("builtin", description="Training JSONL: {prompt, completion} or {messages} for SFT; {prompt, answer} for RL.")
-    eval: str | None = Field("auto", description="Held-out JSONL {prompt, answer} for accuracy, 'builtin' (the built-in problems) or null (no evaluation); 'auto' = 'builtin' when data.train is built-in, else no evaluation (with a notice).")
-    max_length: int = Field(256, gt=0, description="Longest prompt+completion in tokens; longer rows are an error, never truncated silently.")
+    train: str = Field("builtin", description="Training data: a JSONL file, a Parquet (.parquet) or Arrow (.arrow) file, or a directory written by the datasets library's save_to_disk (those three need pip install datasets); rows {prompt, completion} or {messages} for SFT, {prompt, answer} for RL.")
+    eval: str | None = Field("auto", description="Held-out rows {prompt, answer} for accuracy (a file or directory as data.train), 'builtin' (the built-in problems) or null (no evaluation); 'auto' = 'builtin' when data.train is built-in, else no evaluation (with a notice).")
+    max_length: int = Field(256, gt=0, description="Longest prompt+completion in tokens; longer rows are an error (or dropped, data.over_length), never truncated silently.")
+    max_prompt_length: int | None = Field(None, gt=0, description="Longest prompt in tokens (rl and eval prompts; sft: the tokens before the first one learnt); a longer row is an error naming its file:row and length, or dropped (data.over_length), never truncated. Unset = only data.max_length limits.")
+    over_length: Literal["error", "drop"] = Field("error", description="A row past data.max_length or data.max_prompt_length: 'error' stops the run naming the row and its length; 'drop' leaves it out and says how many rows of which file were dropped.")
     eval_size: int = Field(2000, gt=0, description="How many eval rows to use (the first N).")
+    chat_template: str | None = Field(None, description="A Jinja chat template, as a file path or the template text itself, used instead of the tokenizer's own for {messages} rows and chat-formatted prompts (rl and eval); the run's saved tokenizer keeps it. A row it fails to render is an error naming the row and the template. Unset = the tokenizer's.")
 
 
 class TrainConfig(Section):
@@ -198,9 +202,18 @@ class SFTConfig(CommonConfig):
 class RolloutConfig(Section):
     engine: Literal["hf"] = Field("hf", description="Generation engine: 'hf' (the Hugging Face model's own forward in a KV-cached decode loop).")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature; log-probs are computed at the same temperature.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: draw among the most likely tokens whose probabilities add up to top_p (after temperature and top_k); 1 = off. Like top_k it shapes the draws, not the log-probs: the generator's, the trainer's and the on-policy check's are all log p of the token under the temperature-scaled distribution over the whole vocabulary, before any cut (as TRL, OpenRLHF and verl compute them).")
+    top_k: int = Field(0, ge=0, description="Top-k sampling: draw among the k most likely tokens (after temperature, before top_p, as Hugging Face and vLLM apply them); 0 = off. Log-probs as for top_p: before the cut.")
+    stop: Annotated[list[str], BeforeValidator(lambda v: [v] if isinstance(v, str) else v)] = Field([], description="Stop strings (rollout.stop='</answer>' is a list of one): a response ends with the token that completes one of them (also when split over tokens); the string stays in the response (its tokens, and the text the reward sees, as vLLM's include_stop_str_in_output=true in OpenRLHF), and nothing after it is generated, masked in or trained on. Also ends rl's evaluation answers.")
     max_new_tokens: int = Field(48, gt=0, description="Response length limit.")
     batch_size: int = Field(256, gt=0, description="Sequences decoded together.")
+
+    @model_validator(mode="after")
+    def _stops_are_text(self):
+        if "" in self.stop:
+            raise ValueError("rollout.stop: an empty stop string would end every response at once; "
+                             "give non-empty strings")
+        return self
 
 
 RL_ALGOS = ("ppo", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo")

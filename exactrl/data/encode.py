@@ -5,15 +5,31 @@ SFT rows: ``{"prompt", "completion"}`` (plain text, completion ends with EOS) or
 assistant turns only). RL rows: ``{"prompt": str | messages, "answer": optional}``.
 Prompt and completion are tokenised separately, exactly as RL sees them (prompt alone, then
 generated tokens), so SFT and RL agree on token boundaries.
+
+A row longer than data.max_length, or whose prompt (the tokens before the first one SFT learns;
+RL's whole prompt) is longer than data.max_prompt_length, is never truncated: it is an error
+naming file:row and its length, or (data.over_length=drop) left out and counted.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
+from jinja2 import TemplateError, TemplateSyntaxError
+
+from exactrl.data.files import read_rows
 from exactrl.data.jsonl import DataError, Row, require_str
 
 ROLES = ("system", "user", "assistant")
+
+
+class OverLength(DataError):
+    """A row past data.max_length or data.max_prompt_length (dropped under data.over_length=drop)."""
+
+
+# How an over-length error tells the user out.
+FIX = "raise the limit, shorten the row, or set data.over_length=drop"
 
 
 @dataclass(frozen=True)
@@ -49,10 +65,35 @@ def _check_messages(row: Row, messages) -> list[dict]:
     return messages
 
 
+def use_chat_template(tokenizer, template: str) -> None:
+    """Render chat rows with ``template`` (data.chat_template: the Jinja text itself, or a file
+    holding it) instead of the tokenizer's own; the run's saved tokenizer keeps it."""
+    if "{{" in template or "{%" in template:
+        text, origin = template, "data.chat_template"
+    else:
+        p = Path(template)
+        if not p.is_file():
+            raise DataError(f"data.chat_template={template}: no such file, and not a Jinja template (no {{{{ or {{%)")
+        try:
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise DataError(f"data.chat_template={template}: not UTF-8 text") from None
+        origin = str(p)
+    tokenizer.chat_template = text
+    tokenizer.exactrl_template_origin = origin  # named in render errors
+
+
 def _render(tokenizer, messages: list[dict], row: Row, add_generation_prompt: bool = False) -> str:
     if not getattr(tokenizer, "chat_template", None):
-        raise DataError(f"{row.source}: 'messages' rows need a tokenizer with a chat template; this one has none")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        raise DataError(f"{row.source}: 'messages' rows need a chat template; the tokenizer has none: set "
+                        "data.chat_template to a Jinja file")
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except TemplateError as e:  # a syntax error, an undefined name, the template's own raise_exception
+        origin = getattr(tokenizer, "exactrl_template_origin", "the tokenizer's chat template")
+        if isinstance(e, TemplateSyntaxError) and e.lineno:
+            origin = f"{origin}:{e.lineno}"
+        raise DataError(f"{row.source}: the chat template ({origin}) fails on this row: {e.message or e}") from None
 
 
 def _encode_messages(row: Row, tokenizer) -> tuple[list[int], list[int]]:
@@ -92,13 +133,30 @@ def _check_size(row: Row, limit: int, max_length: int) -> None:
             texts += [x.get("content") for x in m if isinstance(x, dict)]
     chars = sum(len(t) for t in texts if isinstance(t, str))
     if chars > limit:
-        raise DataError(f"{row.source}: {chars:,} characters cannot fit in data.max_length={max_length} tokens "
-                        f"(at most {limit:,} for this tokenizer); shorten or drop the row")
+        raise OverLength(f"{row.source}: {chars:,} characters cannot fit in data.max_length={max_length} tokens "
+                         f"(at most {limit:,} for this tokenizer); {FIX}")
 
 
-def encode_sft(rows: list[Row], tokenizer, max_length: int) -> list[SFTExample]:
-    out, limit = [], _char_limit(tokenizer, max_length)
+def _keep(rows: list[Row], encode, over_length: str, dropped: list[str] | None) -> list:
+    """``encode`` of every row; an over-length row raises, or (``over_length`` drop) is left out
+    and its file:row appended to ``dropped``."""
+    out = []
     for row in rows:
+        try:
+            out.append(encode(row))
+        except OverLength:
+            if over_length != "drop":
+                raise
+            if dropped is not None:
+                dropped.append(row.source)
+    return out
+
+
+def encode_sft(rows: list[Row], tokenizer, max_length: int, max_prompt_length: int | None = None,
+               over_length: str = "error", dropped: list[str] | None = None) -> list[SFTExample]:
+    limit = _char_limit(tokenizer, max_length)
+
+    def encode(row: Row) -> SFTExample:
         _check_size(row, limit, max_length)
         if "messages" in row.data:
             ids, mask = _encode_messages(row, tokenizer)
@@ -112,17 +170,24 @@ def encode_sft(rows: list[Row], tokenizer, max_length: int) -> list[SFTExample]:
             ids, mask = p + c, [0] * len(p) + [1] * len(c)
         else:
             raise DataError(f"{row.source}: an SFT row needs 'prompt' and 'completion', or 'messages'; it has {sorted(row.data)}")
-        if len(ids) > max_length:
-            raise DataError(f"{row.source}: {len(ids)} tokens exceed data.max_length={max_length} (raise it or shorten the row)")
         if sum(mask[1:]) == 0:
             raise DataError(f"{row.source}: no completion tokens to learn from")
-        out.append(SFTExample(ids, mask, row.source))
-    return out
+        if len(ids) > max_length:
+            raise OverLength(f"{row.source}: {len(ids)} tokens exceed data.max_length={max_length}; {FIX}")
+        prompt = mask.index(1)  # the tokens before the first one learnt
+        if max_prompt_length is not None and prompt > max_prompt_length:
+            raise OverLength(f"{row.source}: prompt of {prompt} tokens exceeds "
+                             f"data.max_prompt_length={max_prompt_length}; {FIX}")
+        return SFTExample(ids, mask, row.source)
+
+    return _keep(rows, encode, over_length, dropped)
 
 
-def encode_prompts(rows: list[Row], tokenizer, max_length: int) -> list[Prompt]:
-    out, limit = [], _char_limit(tokenizer, max_length)
-    for row in rows:
+def encode_prompts(rows: list[Row], tokenizer, max_length: int, max_prompt_length: int | None = None,
+                   over_length: str = "error", dropped: list[str] | None = None) -> list[Prompt]:
+    limit = _char_limit(tokenizer, max_length)
+
+    def encode(row: Row) -> Prompt:
         _check_size(row, limit, max_length)
         raw = row.data.get("prompt")
         if isinstance(raw, list):
@@ -134,6 +199,38 @@ def encode_prompts(rows: list[Row], tokenizer, max_length: int) -> list[Prompt]:
             raise DataError(f"{row.source}: 'answer' must be a string or number, got {type(answer).__name__}")
         ids = _ids(tokenizer, text, first=True)
         if len(ids) >= max_length:
-            raise DataError(f"{row.source}: prompt of {len(ids)} tokens leaves no room under data.max_length={max_length}")
-        out.append(Prompt(ids, text, None if answer is None else str(answer), row.source))
-    return out
+            raise OverLength(f"{row.source}: prompt of {len(ids)} tokens leaves no room under "
+                             f"data.max_length={max_length}; {FIX}")
+        if max_prompt_length is not None and len(ids) > max_prompt_length:
+            raise OverLength(f"{row.source}: prompt of {len(ids)} tokens exceeds data.max_prompt_length="
+                             f"{max_prompt_length}; {FIX}")
+        return Prompt(ids, text, None if answer is None else str(answer), row.source)
+
+    return _keep(rows, encode, over_length, dropped)
+
+
+def _dropped_note(dropped: list[str], total: int, path, data) -> str | None:
+    if not dropped:
+        return None
+    limits = f"data.max_length={data.max_length}" + (f" or data.max_prompt_length={data.max_prompt_length}"
+                                                      if data.max_prompt_length is not None else "")
+    if len(dropped) == total:
+        raise OverLength(f"every row of '{path}' ({total}) is longer than {limits} tokens, so data.over_length=drop "
+                         "left none; raise the limit")
+    return (f"note: dropped {len(dropped)} of {total} rows of '{path}' longer than {limits} tokens "
+            f"(data.over_length=drop; the first: {dropped[0]})")
+
+
+def load_sft(path, tokenizer, data) -> tuple[list[SFTExample], str | None]:
+    """The SFT examples of the file at ``path`` as the ``data`` config section limits them, and
+    the note saying how many rows were dropped (None: none)."""
+    rows, dropped = read_rows(path), []
+    examples = encode_sft(rows, tokenizer, data.max_length, data.max_prompt_length, data.over_length, dropped)
+    return examples, _dropped_note(dropped, len(rows), path, data)
+
+
+def load_prompts(path, tokenizer, data, first: int | None = None) -> tuple[list[Prompt], str | None]:
+    """``load_sft`` for prompts (rl's training prompts, the eval set's ``first`` rows)."""
+    rows, dropped = read_rows(path)[:first], []
+    prompts = encode_prompts(rows, tokenizer, data.max_length, data.max_prompt_length, data.over_length, dropped)
+    return prompts, _dropped_note(dropped, len(rows), path, data)

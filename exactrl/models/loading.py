@@ -16,14 +16,25 @@ class ModelLoadError(ValueError):
     """A model directory that cannot be loaded; the message says what is missing."""
 
 
-def load_tokenizer(path: str | Path):
+def _load_error(what: str, p: Path, e: Exception, trust_remote_code: bool) -> ModelLoadError:
+    """One line for a failed from_pretrained. Custom code (an auto_map in config.json or
+    tokenizer_config.json) runs only when asked: trust_remote_code=False makes transformers
+    refuse at once instead of asking on the terminal, and the refusal names the key to set."""
+    if not trust_remote_code and "trust_remote_code" in str(e):
+        code = sorted(f.name for f in p.glob("*.py"))
+        return ModelLoadError(f"'{p}' holds its own model code ({', '.join(code) or 'auto_map'}), which loading it "
+                              "runs: set model.trust_remote_code=true if you trust that code")
+    return ModelLoadError(f"cannot load {what} '{p}': {' '.join(str(e).split())}")
+
+
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     p = Path(path)
     if not p.is_dir():
         raise ModelLoadError(f"model.path '{p}' is not a directory (exactrl loads local Hugging Face checkpoints)")
     try:
-        tok = AutoTokenizer.from_pretrained(str(p))
+        tok = AutoTokenizer.from_pretrained(str(p), trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
-        raise ModelLoadError(f"cannot load a tokenizer from '{p}': {e}") from None
+        raise _load_error("a tokenizer from", p, e, trust_remote_code) from None
     if tok.pad_token_id is None:
         # Common for base LLMs: padding positions are masked everywhere, so EOS serves.
         tok.pad_token = tok.eos_token
@@ -33,10 +44,11 @@ def load_tokenizer(path: str | Path):
 
 
 def load_causal_lm(path: str | Path, trainable: bool = True, attn: str = "sdpa", dropout: bool = False,
-                   device: torch.device | None = None) -> torch.nn.Module:
+                   device: torch.device | None = None, trust_remote_code: bool = False) -> torch.nn.Module:
     """A causal LM in fp32 whose attention takes packed rows (``attn``: the kernel, sdpa or
     eager), with its dropout off unless ``dropout`` (see packing.disable_dropout), on ``device``
-    (default: the CPU; exactrl/device.py)."""
+    (default: the CPU; exactrl/device.py); ``trust_remote_code``: run the directory's own
+    modeling code (model.trust_remote_code)."""
     p = Path(path)
     if not (p / "config.json").is_file() and (p / "adapter_config.json").is_file():
         raise ModelLoadError(f"'{p}' holds a LoRA adapter, not a model: load its merged/ directory (written with "
@@ -44,9 +56,9 @@ def load_causal_lm(path: str | Path, trainable: bool = True, attn: str = "sdpa",
     if not (p / "config.json").is_file():
         raise ModelLoadError(f"'{p}' has no config.json: not a Hugging Face model directory")
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, SafetensorError) as e:  # SafetensorError: a truncated or corrupt weights file
-        raise ModelLoadError(f"cannot load the model in '{p}': {e}") from None
+        raise _load_error("the model in", p, e, trust_remote_code) from None
     packing.enable(model, attn)
     if not dropout:
         packing.disable_dropout(model)
@@ -57,7 +69,7 @@ def load_causal_lm(path: str | Path, trainable: bool = True, attn: str = "sdpa",
 
 
 def load_value_model(path: str | Path, init_seed: int | None = None, attn: str = "sdpa",
-                     device: torch.device | None = None) -> torch.nn.Module:
+                     device: torch.device | None = None, trust_remote_code: bool = False) -> torch.nn.Module:
     """A critic: the model's architecture with a scalar head per position (Hugging Face's
     *ForTokenClassification, num_labels=1, dropout off), from a causal-LM or a saved critic
     directory. A new head (from a causal LM) is initialised from ``init_seed`` -- weights
@@ -68,12 +80,13 @@ def load_value_model(path: str | Path, init_seed: int | None = None, attn: str =
     if not (p / "config.json").is_file():
         raise ModelLoadError(f"'{p}' has no config.json: not a Hugging Face model directory")
     try:
-        config = AutoConfig.from_pretrained(str(p), num_labels=1)
+        config = AutoConfig.from_pretrained(str(p), num_labels=1, trust_remote_code=trust_remote_code)
         config.classifier_dropout = 0.0
         model, info = AutoModelForTokenClassification.from_pretrained(str(p), config=config, dtype=torch.float32,
-                                                                      output_loading_info=True)
+                                                                      output_loading_info=True,
+                                                                      trust_remote_code=trust_remote_code)
     except (OSError, ValueError, SafetensorError) as e:
-        raise ModelLoadError(f"cannot load a value model from '{p}': {e}") from None
+        raise _load_error("a value model from", p, e, trust_remote_code) from None
     if any(k.startswith("score.") for k in info["missing_keys"]):
         g = torch.Generator().manual_seed(init_seed or 0)
         with torch.no_grad():

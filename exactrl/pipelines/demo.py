@@ -33,11 +33,12 @@ from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin
 def _measure(cfg: DemoConfig, model_path: Path, prompts) -> tuple[Accuracy, Accuracy]:
     tok, model = load_tokenizer(model_path), load_causal_lm(model_path, trainable=False)
     ev, r = cfg.rl.eval, cfg.rl.rollout
-    common = dict(batch_size=ev.batch_size, max_new_tokens=ev.max_new_tokens, timeout=cfg.rl.reward.timeout)
+    common = dict(batch_size=ev.batch_size, max_new_tokens=ev.max_new_tokens, stop=tuple(r.stop),
+                  timeout=cfg.rl.reward.timeout)
     with Rewards(eval_reward_spec(cfg.rl)) as rewards:
         greedy = evaluate_accuracy(model, tok, prompts, rewards.eval, **common)
         sampled = evaluate_accuracy(model, tok, prompts, rewards.eval, greedy=False, temperature=r.temperature, top_p=r.top_p,
-                                    **common)
+                                    top_k=r.top_k, **common)
     return greedy, sampled
 
 

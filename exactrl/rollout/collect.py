@@ -39,8 +39,9 @@ def collect_rollout(engine_gen, prompts, rewards_cfg, cfg: RLConfig) -> tuple[li
     and gets everyone's samples back. Returns (samples, statistics over all of them)."""
     r, a = cfg.rollout, cfg.algo
     mine = shard(list(prompts))
-    gens = engine_gen.generate([p.input_ids for p in mine], SamplingParams(n=a.group_size, temperature=r.temperature, top_p=r.top_p,
-                                                                          max_new_tokens=r.max_new_tokens))
+    params = SamplingParams(n=a.group_size, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, stop=tuple(r.stop),
+                            max_new_tokens=r.max_new_tokens)
+    gens = engine_gen.generate([p.input_ids for p in mine], params)
     src = [mine[g.prompt_index] for g in gens]
     failures: list = []
     rewards, parts = score_all(rewards_cfg, [p.text for p in src], [g.text for g in gens], [p.answer for p in src],

@@ -25,6 +25,8 @@ class SamplingParams:
     greedy: bool = False
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    stop: tuple[str, ...] = ()  # a response ends with the token that completes one of these (kept in it)
     max_new_tokens: int = 48
 
 

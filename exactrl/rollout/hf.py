@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, GenerationConfig
+from transformers import DynamicCache, GenerationConfig, StoppingCriteria, StoppingCriteriaList, StopStringCriteria
 from transformers.cache_utils import (Cache, DummyLayer, DynamicIndexedLayer, DynamicLayer, DynamicSlidingWindowLayer,
                                       LinearAttentionAndFullAttentionLayer,
                                       LinearAttentionAndSlidingWindowAttentionLayer, LinearAttentionCacheLayerMixin,
@@ -24,9 +24,9 @@ from exactrl.rollout.generator import SamplingParams, WeightSyncError
 class Generation:
     prompt_index: int  # which prompt of the request this answers
     prompt_ids: list[int]
-    response_ids: list[int]  # up to and including EOS when the model stopped by itself
-    text: str  # decoded response without special tokens
-    finished: bool  # True when the model emitted EOS within max_new_tokens
+    response_ids: list[int]  # up to and including EOS, or the token that completes a stop string
+    text: str  # decoded response without special tokens (a stop string stays in it)
+    finished: bool  # True when the model emitted EOS or a stop string within max_new_tokens
     logprobs: list[float] | None = None  # log p of each response token at the sampling temperature (sampled runs)
     weights_version: int = 0  # the generator's weights version it was sampled with
 
@@ -125,14 +125,19 @@ def decodes_with_generate(model) -> str | None:
     return reason
 
 
-def _draw(logits: torch.Tensor, greedy: bool, temperature: float, top_p: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _draw(logits: torch.Tensor, greedy: bool, temperature: float, top_p: float,
+          top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Next tokens from fp32 logits [rows, vocab] as Hugging Face's sampler draws them
-    (temperature, then top-p keeping at least one token, then one multinomial draw per row),
-    with log p of each drawn token at the temperature before the top-p cut, as the loss computes it."""
+    (temperature, then top-k, then top-p keeping at least one token, then one multinomial draw
+    per row), with log p of each drawn token at the temperature before the top-k/top-p cuts, as
+    the loss computes it (exactrl/losses/token_losses.py): the kept set shapes the draws, not
+    the log-probs."""
     if greedy:
         return logits.argmax(-1), None
     scores = logits / temperature
     logp = torch.log_softmax(scores, dim=-1)
+    if 0 < top_k < scores.shape[-1]:  # TopKLogitsWarper: ties with the k-th score stay in
+        scores = scores.masked_fill(scores < torch.topk(scores, top_k)[0][:, -1:], float("-inf"))
     if top_p < 1.0:
         sorted_scores, order = torch.sort(scores, descending=False)
         cut = sorted_scores.softmax(-1).cumsum(-1) <= 1 - top_p
@@ -140,6 +145,38 @@ def _draw(logits: torch.Tensor, greedy: bool, temperature: float, top_p: float) 
         scores = scores.masked_fill(cut.scatter(1, order, cut), float("-inf"))
     token = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1)[:, 0]
     return token, logp.gather(1, token[:, None])[:, 0]
+
+
+class StopStrings:
+    """Which rows' responses so far end with the token that completes one of ``strings``
+    (Hugging Face's StopStringCriteria, which also catches a stop string split over tokens or
+    overhanging the last one), looking at the response tokens only: a stop string is never
+    matched into the prompt."""
+
+    def __init__(self, tokenizer, strings: Iterable[str]):
+        self.criteria = StopStringCriteria(tokenizer, list(strings))
+
+    def __call__(self, response: torch.Tensor) -> torch.Tensor:
+        return self.criteria(response, None)
+
+
+def response_ends(tokens: torch.Tensor, eos: int | None, stop: StopStrings | None) -> list[int | None]:
+    """Where each row of ``tokens`` [rows, new] ends: its length up to and including its first
+    EOS or the token that completes a stop string; None when it reached the length limit."""
+    ends = (tokens == eos) if eos is not None else torch.zeros_like(tokens, dtype=torch.bool)
+    if stop is not None:
+        ends = ends | torch.stack([stop(tokens[:, : t + 1]) for t in range(tokens.shape[1])], 1)
+    return [row.index(True) + 1 if True in row else None for row in ends.tolist()]
+
+
+class _AfterPrompt(StoppingCriteria):
+    """``stop`` inside ``generate``, which passes prompt + response: only the response is matched."""
+
+    def __init__(self, stop: StopStrings, width: int):
+        self.stop, self.width = stop, width
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        return self.stop(input_ids[:, self.width:])
 
 
 def _any_live(live: torch.Tensor, synced: bool) -> bool:
@@ -155,14 +192,15 @@ def _takes(fn, name: str) -> bool:
 
 @torch.no_grad()
 def sample(model, input_ids: torch.Tensor, attention: torch.Tensor, *, max_new_tokens: int, eos: int, pad: int,
-           greedy: bool = False, temperature: float = 1.0, top_p: float = 1.0, synced: bool = False,
+           greedy: bool = False, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+           stop: StopStrings | None = None, synced: bool = False,
            compact_at: float = 0.125) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A lean decode loop over left-padded prompts: one prefill, then one single-token forward
-    per step into a cache written in place. Rows that emitted EOS leave the batch (and the
-    cache) once they are at least ``compact_at`` of it, so late steps run only live rows;
-    until then they feed ``pad`` as generate does, and their draws are discarded. Returns
-    tokens [rows, max_new_tokens] (``pad`` after a row's EOS) and, sampled, the log-prob of
-    each token at ``temperature`` (0 after EOS).
+    per step into a cache written in place. Rows that emitted EOS or completed a ``stop``
+    string leave the batch (and the cache) once they are at least ``compact_at`` of it, so late
+    steps run only live rows; until then they feed ``pad`` as generate does, and their draws are
+    discarded. Returns tokens [rows, max_new_tokens] (``pad`` after a row's end) and, sampled,
+    the log-prob of each token at ``temperature`` (0 after the end; see ``_draw``).
 
     Each step's inputs come from the model's own ``prepare_inputs_for_generation``, as in
     ``generate`` (Mamba's decode steps drop the mask, hybrid models pick their masks). A model
@@ -175,7 +213,8 @@ def sample(model, input_ids: torch.Tensor, attention: torch.Tensor, *, max_new_t
     made = None if getattr(hf, "exactrl_generate", None) else decode_cache(model, input_ids.shape[1] + max_new_tokens)
     if made is None:
         return sample_with_generate(model, input_ids, attention, max_new_tokens=max_new_tokens, eos=eos, pad=pad,
-                                    greedy=greedy, temperature=temperature, top_p=top_p, synced=synced)
+                                    greedy=greedy, temperature=temperature, top_p=top_p, top_k=top_k, stop=stop,
+                                    synced=synced)
     cache_name, cache = made
     with_positions = _takes(hf.forward, "position_ids")
     keep_one = _takes(hf.forward, "logits_to_keep")
@@ -196,11 +235,13 @@ def sample(model, input_ids: torch.Tensor, attention: torch.Tensor, *, max_new_t
     row = torch.arange(rows, device=device)  # the original row of each batch row
     live = torch.ones(rows, dtype=torch.bool, device=device)
     for t in range(max_new_tokens):
-        token, logp = _draw(out.logits[:, -1].float(), greedy, temperature, top_p)
+        token, logp = _draw(out.logits[:, -1].float(), greedy, temperature, top_p, top_k)
         tokens[row[live], t] = token[live]
         if logprobs is not None:
             logprobs[row[live], t] = logp[live]
         live = live & (token != eos)
+        if stop is not None:
+            live = live & ~stop(tokens[row, : t + 1])
         if t + 1 == max_new_tokens or not _any_live(live, synced):
             break
         token = torch.where(live, token, pad)
@@ -216,21 +257,24 @@ def sample(model, input_ids: torch.Tensor, attention: torch.Tensor, *, max_new_t
 @torch.no_grad()
 def sample_with_generate(model, input_ids: torch.Tensor, attention: torch.Tensor, *, max_new_tokens: int,
                          eos: int | None, pad: int, greedy: bool = False, temperature: float = 1.0, top_p: float = 1.0,
+                         top_k: int = 0, stop: StopStrings | None = None,
                          synced: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``sample``'s contract through Hugging Face's ``generate``: the same draws (temperature,
-    top-p, one multinomial per row; nothing of the model's generation_config.json), and the
-    log-prob of each sampled token at ``temperature`` from the raw logits it returns."""
+    top-k, top-p, one multinomial per row; nothing of the model's generation_config.json), the
+    same ends (EOS, ``stop``), and the log-prob of each sampled token at ``temperature`` from the
+    raw logits it returns."""
     config = GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=0, do_sample=not greedy,
                               temperature=temperature if not greedy else None, top_p=top_p if not greedy else None,
-                              top_k=None if greedy else 0, num_beams=1, pad_token_id=pad, eos_token_id=eos, output_logits=not greedy,
-                              return_dict_in_generate=True, use_cache=True)
+                              top_k=None if greedy else top_k, num_beams=1, pad_token_id=pad, eos_token_id=eos,
+                              output_logits=not greedy, return_dict_in_generate=True, use_cache=True)
+    criteria = None if stop is None else StoppingCriteriaList([_AfterPrompt(stop, input_ids.shape[1])])
     # generate fills what the config leaves at its defaults from the model's generation_config.json
     # (a repetition penalty, top-k, ...): none of it may shape the draws the log-probs describe.
     hf, own = base_model(model), base_model(model).generation_config
     hf.generation_config = GenerationConfig()
     try:
         out = model.generate(input_ids=input_ids, attention_mask=attention, generation_config=config,
-                             synced_gpus=synced)
+                             stopping_criteria=criteria, synced_gpus=synced)
     finally:
         hf.generation_config = own
     new = out.sequences[:, input_ids.shape[1]:]
@@ -240,10 +284,10 @@ def sample_with_generate(model, input_ids: torch.Tensor, attention: torch.Tensor
         return tokens, None
     logits = torch.stack(out.logits, 1).float() / temperature  # [rows, steps, vocab]
     logp = torch.log_softmax(logits, -1).gather(-1, new[..., None])[..., 0]
-    stops = (new == eos).long() if eos is not None else torch.zeros_like(new)
-    ended = stops.cumsum(1) - stops  # > 0 after a row's EOS
+    lengths = torch.tensor([n or new.shape[1] for n in response_ends(new, eos, stop)], device=input_ids.device)
+    ended = torch.arange(new.shape[1], device=input_ids.device) >= lengths[:, None]  # after a row's EOS or stop string
     logprobs = torch.zeros(tokens.shape, device=input_ids.device)
-    logprobs[:, : new.shape[1]] = logp.masked_fill(ended > 0, 0.0)
+    logprobs[:, : new.shape[1]] = logp.masked_fill(ended, 0.0)
     return tokens, logprobs
 
 
@@ -285,28 +329,29 @@ class HFEngine:
         requests = [(i, ids) for i, ids in enumerate(prompt_ids) for _ in range(p.n)]
         was_training = self.model.training
         self.model.eval()
+        stop = StopStrings(self.tok, p.stop) if p.stop else None
         out: list[Generation] = []
         try:
             for start in range(0, len(requests), self.batch_size):
-                out += self._generate_batch(requests[start : start + self.batch_size], p.greedy, p.temperature, p.top_p,
-                                            p.max_new_tokens)
+                out += self._generate_batch(requests[start : start + self.batch_size], p, stop)
         finally:
             self.model.train(was_training)
         return out
 
-    def _generate_batch(self, requests, greedy, temperature, top_p, max_new_tokens) -> list[Generation]:
+    def _generate_batch(self, requests, p: SamplingParams, stop: StopStrings | None) -> list[Generation]:
         pad, eos = self.tok.pad_token_id, self.tok.eos_token_id
         width = max(len(ids) for _, ids in requests)
         device = device_of(self.model)
         input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for _, ids in requests], device=device)
         attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, ids in requests], device=device)
-        tokens, logprobs = sample(self.model, input_ids, attention, max_new_tokens=max_new_tokens, eos=eos, pad=pad, greedy=greedy,
-                                  temperature=temperature, top_p=top_p, synced=self.synced)
+        tokens, logprobs = sample(self.model, input_ids, attention, max_new_tokens=p.max_new_tokens, eos=eos, pad=pad,
+                                  greedy=p.greedy, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, stop=stop,
+                                  synced=self.synced)
         logprobs = [None] * len(requests) if logprobs is None else logprobs.tolist()
         out = []
-        for (idx, ids), row, lp in zip(requests, tokens.tolist(), logprobs):
-            finished = eos in row
-            response = row[: row.index(eos) + 1] if finished else row
+        for (idx, ids), row, lp, end in zip(requests, tokens.tolist(), logprobs, response_ends(tokens, eos, stop)):
+            # What follows the end is padding: never in the response, its mask or the loss.
+            response, finished = row[:end], end is not None
             out.append(Generation(idx, ids, response, self.tok.decode(response, skip_special_tokens=True), finished,
                                   None if lp is None else lp[: len(response)], self.weights_version))
         return out

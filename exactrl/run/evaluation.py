@@ -11,8 +11,7 @@ import math
 import time
 from dataclasses import dataclass
 
-from exactrl.data.encode import Prompt, encode_prompts
-from exactrl.data.jsonl import read_jsonl
+from exactrl.data.encode import Prompt, load_prompts
 from exactrl.distributed.launch import is_main
 from exactrl.rewards import DEFAULT_TIMEOUT, Reward, Rewards, require_answers, score
 from exactrl.rollout.hf import HFEngine
@@ -49,14 +48,15 @@ def wilson_interval(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
 
 
 def evaluate_accuracy(model, tokenizer, prompts: list[Prompt], reward: Reward, *, batch_size: int, max_new_tokens: int,
-                      greedy: bool = True, temperature: float = 1.0, top_p: float = 1.0, timeout: float = DEFAULT_TIMEOUT,
+                      greedy: bool = True, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                      stop: tuple[str, ...] = (), timeout: float = DEFAULT_TIMEOUT,
                       fallback: float | None = None) -> Accuracy:
     """Share of prompts whose (greedy or sampled) answer gets full reward (>= 1) from ``reward``,
     scored ``batch_size`` answers per call, each call under the run's reward.timeout and reward.fallback."""
     t0 = time.perf_counter()
     gens = HFEngine(model, tokenizer, batch_size).generate(
-        [p.input_ids for p in prompts], greedy=greedy, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens
-    )
+        [p.input_ids for p in prompts], greedy=greedy, temperature=temperature, top_p=top_p, top_k=top_k, stop=stop,
+        max_new_tokens=max_new_tokens)
     rewards, failures = [], []
     for i in range(0, len(prompts), batch_size):
         chunk, answered = prompts[i : i + batch_size], gens[i : i + batch_size]
@@ -110,7 +110,9 @@ def load_eval_set(cfg, tokenizer, eval_path: str | None, reward: Reward | None =
     Without ``reward`` (sft), the eval reward gets a process of its own."""
     if not eval_path:
         return None
-    prompts = encode_prompts(read_jsonl(eval_path)[: cfg.data.eval_size], tokenizer, cfg.data.max_length)
+    prompts, note = load_prompts(eval_path, tokenizer, cfg.data, first=cfg.data.eval_size)
+    if note and is_main():
+        print(note)
     owned = None if reward is not None else Rewards(eval_reward_spec(cfg))
     reward = reward or owned.eval
     try:
@@ -123,8 +125,9 @@ def load_eval_set(cfg, tokenizer, eval_path: str | None, reward: Reward | None =
 
 
 def greedy_accuracy(cfg, model, tokenizer, eval_set: EvalSet) -> Accuracy:
-    """Greedy accuracy on ``eval_set`` as the run's eval.* and reward.* say."""
-    r = getattr(cfg, "reward", None)
+    """Greedy accuracy on ``eval_set`` as the run's eval.* and reward.* say (rl: answers end at rollout.stop too)."""
+    r, rollout = getattr(cfg, "reward", None), getattr(cfg, "rollout", None)
     return evaluate_accuracy(model, tokenizer, eval_set.prompts, eval_set.reward, batch_size=cfg.eval.batch_size,
-                             max_new_tokens=cfg.eval.max_new_tokens, timeout=r.timeout if r else DEFAULT_TIMEOUT,
+                             max_new_tokens=cfg.eval.max_new_tokens, stop=tuple(rollout.stop) if rollout else (),
+                             timeout=r.timeout if r else DEFAULT_TIMEOUT,
                              fallback=r.fallback if r else None)

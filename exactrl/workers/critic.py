@@ -54,8 +54,8 @@ class Critic(Worker):
         else:
             path = cfg.critic.path or policy_start
 
-        def loader(p, trainable, attn, dropout):  # a value head is new: seeded; its dropout is off
-            return load_value_model(p, init_seed=cfg.train.seed, attn=attn)
+        def loader(p, trainable, attn, dropout, trust_remote_code):  # a value head is new: seeded; its dropout is off
+            return load_value_model(p, init_seed=cfg.train.seed, attn=attn, trust_remote_code=trust_remote_code)
 
         return cls(cfg, load_model(cfg, path, run_dir, phase, "critic", longest, loader=loader), total_steps, pad_id)
 

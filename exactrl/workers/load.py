@@ -30,7 +30,8 @@ def load_model(cfg, path, run_dir: Path, phase: str, role: str, longest: int, tr
     m = cfg.model
     lora = m.lora.rank > 0 and role == "policy"
     path = checkpoint if checkpoint and not lora else path
-    model = (loader or load_causal_lm)(path, trainable=trainable, attn=m.attn_implementation, dropout=not m.disable_dropout)
+    model = (loader or load_causal_lm)(path, trainable=trainable, attn=m.attn_implementation,
+                                       dropout=not m.disable_dropout, trust_remote_code=m.trust_remote_code)
     if lora:  # before the self-check: it checks the model that trains
         model = apply_lora(model, m.lora, checkpoint)
     device = process_device()
@@ -70,8 +71,8 @@ def check_generator(cfg, model, tokenizer, run_dir: Path, phase: str, *, sampled
     if t.generation_check == "off":
         return
     rollout = getattr(cfg, "rollout", None)
-    sampling = ({"temperature": rollout.temperature, "top_p": rollout.top_p, "max_new_tokens": rollout.max_new_tokens}
-                if rollout else {"max_new_tokens": cfg.eval.max_new_tokens})
+    sampling = ({"temperature": rollout.temperature, "top_p": rollout.top_p, "top_k": rollout.top_k,
+                 "max_new_tokens": rollout.max_new_tokens} if rollout else {"max_new_tokens": cfg.eval.max_new_tokens})
     report = check_generation(model, model.config.get_text_config(decoder=True).vocab_size, eos=tokenizer.eos_token_id,
                               pad=tokenizer.pad_token_id, policy=t.generation_check, tol=t.generation_check_tol,
                               sampled=sampled, synced=synced, what="the policy model", **sampling)

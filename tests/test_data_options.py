@@ -140,14 +140,18 @@ def test_the_cli_trains_with_the_template_and_saves_it(tmp_path):
 
 
 def write_formats(tmp_path, rows) -> dict:
-    datasets = pytest.importorskip("datasets")
-    pa = pytest.importorskip("pyarrow")
-    columns = dict.fromkeys(k for r in rows for k in r)  # from_list would take the first row's keys only
-    ds = datasets.Dataset.from_dict({c: [r.get(c) for r in rows] for c in columns})
-    ds.to_parquet(str(tmp_path / "rows.parquet"))
-    ds.save_to_disk(str(tmp_path / "saved"))
-    with pa.OSFile(str(tmp_path / "rows.arrow"), "wb") as sink, pa.ipc.new_file(sink, ds.data.table.schema) as writer:
-        writer.write_table(ds.data.table)  # Feather v2 / IPC file format; save_to_disk's shards are the stream format
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    columns = dict.fromkeys(k for r in rows for k in r)  # pa.Table.from_pylist would take the first row's keys only
+    table = pa.table({c: [r.get(c) for r in rows] for c in columns})
+    pq.write_table(table, tmp_path / "rows.parquet")
+    # A given fingerprint: datasets 5.2's own (dill hashing of the table) fails on this Python with
+    # "Can't pickle <class 'MonthDayNano'>"; reading a saved directory does not hash.
+    datasets.Dataset(table, fingerprint="test-rows").save_to_disk(str(tmp_path / "saved"))
+    with pa.OSFile(str(tmp_path / "rows.arrow"), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)  # Feather v2 / IPC file format; save_to_disk's shards are the stream format
     shard = next((tmp_path / "saved").glob("*.arrow"))
     return {"jsonl": write_jsonl(tmp_path / "rows.jsonl", rows), "parquet": tmp_path / "rows.parquet",
             "arrow": tmp_path / "rows.arrow", "arrow stream": shard, "save_to_disk": tmp_path / "saved"}
@@ -185,7 +189,9 @@ def test_unreadable_files_are_one_line_errors(tmp_path):
         read_rows(tmp_path / "dir")
     with pytest.raises(DataError, match="does not exist"):
         read_rows(tmp_path / "missing.parquet")
-    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     (tmp_path / "junk.parquet").write_text("not parquet")
     with pytest.raises(DataError, match="cannot read .*junk.parquet' as Parquet"):
         read_rows(tmp_path / "junk.parquet")
@@ -198,7 +204,7 @@ def test_without_pyarrow_the_error_says_what_to_install(tmp_path, monkeypatch):
     (tmp_path / "rows.parquet").write_text("")
     monkeypatch.setitem(sys.modules, "pyarrow", None)  # as on an install without it
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
-    with pytest.raises(DataError, match=r"rows.parquet' needs pyarrow: pip install datasets"):
+    with pytest.raises(DataError, match=r"rows.parquet' needs pyarrow: pip install .exactrl\[data\]."):
         read_rows(tmp_path / "rows.parquet")
 
 

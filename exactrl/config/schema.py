@@ -63,7 +63,7 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    train: str = Field("builtin", description="Training data: a JSONL file, a Parquet (.parquet) or Arrow (.arrow) file, or a directory written by the datasets library's save_to_disk (those three need pip install datasets); rows {prompt, completion} or {messages} for SFT, {prompt, answer} for RL.")
+    train: str = Field("builtin", description="Training data: a JSONL file, a Parquet (.parquet) or Arrow (.arrow) file, or a directory written by the datasets library's save_to_disk (those three need pip install 'exactrl[data]'); rows {prompt, completion} or {messages} for SFT, {prompt, answer} for RL.")
     eval: str | None = Field("auto", description="Held-out rows {prompt, answer} for accuracy (a file or directory as data.train), 'builtin' (the built-in problems) or null (no evaluation); 'auto' = 'builtin' when data.train is built-in, else no evaluation (with a notice).")
     max_length: int = Field(256, gt=0, description="Longest prompt+completion in tokens; longer rows are an error (or dropped, data.over_length), never truncated silently.")
     max_prompt_length: int | None = Field(None, gt=0, description="Longest prompt in tokens (rl and eval prompts; sft: the tokens before the first one learnt); a longer row is an error naming its file:row and length, or dropped (data.over_length), never truncated. Unset = only data.max_length limits.")

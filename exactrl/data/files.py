@@ -11,7 +11,7 @@ from pathlib import Path
 
 from exactrl.data.jsonl import DataError, Row, read_jsonl
 
-INSTALL = "pip install datasets (it brings pyarrow)"
+INSTALL = "pip install 'exactrl[data]' (the datasets library, which brings pyarrow)"
 
 
 def read_rows(path: str | Path) -> list[Row]:

@@ -39,16 +39,58 @@ class Terminated(BaseException):
     """SIGTERM, raised in the main thread so the run records how it ended (as SIGINT does)."""
 
 
-def _on_sigterm(signum, frame):
-    raise Terminated()
+_signalled: int | None = None  # the signal that is stopping this process
+
+
+def _on_signal(signum, frame):
+    global _signalled
+    _signalled = signum
+    raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated()
+
+
+def _stopped(signum: int):
+    if signum == signal.SIGINT:
+        return _fail("interrupted", "interrupted", "SIGINT (Ctrl-C); checkpoints written so far are intact", 130)
+    return _fail("interrupted", "terminated", "SIGTERM; checkpoints written so far are intact", 143)
 
 
 def _fail(status: str, label: str, message: str, code: int):
-    from exactrl.run_dir import set_status
+    from exactrl.run_dir import note_end, set_status
 
     set_status(status, message)
-    console.print(f"[bold red]{label}:[/bold red] {escape(message)}", highlight=False, soft_wrap=True)
+    if not note_end(status, label, message, code):  # a rank under exactrl's launcher: the launcher prints it once
+        console.print(f"[bold red]{label}:[/bold red] {escape(message)}", highlight=False, soft_wrap=True)
     return typer.Exit(code)
+
+
+def _relaunch(nproc: int) -> typer.Exit:
+    """This command as ``nproc`` processes under torchrun; their end as one line, one exit code and the
+    run directory's status, as one process would give (the ranks' notes: exactrl/run_dir.py)."""
+    import tempfile
+
+    from exactrl.distributed.launch import relaunch_under_torchrun
+    from exactrl.run_dir import adopt, launch_notes
+
+    with tempfile.TemporaryDirectory(prefix="exactrl-launch-") as tmp:
+        notes = Path(tmp)
+        try:
+            code = relaunch_under_torchrun(nproc, notes)
+        except BaseException:  # SIGINT/SIGTERM: every rank is gone now; record it if rank 0 could not
+            run_dir, _ = launch_notes(notes)
+            if run_dir is not None:
+                adopt(run_dir, ("running",))
+            raise
+        run_dir, ends = launch_notes(notes)
+    if code == 0:
+        return typer.Exit(0)
+    # The first rank to fail is the cause; torchrun then SIGTERMs the others, which end 'interrupted'.
+    cause = next((e for e in ends if e["state"] != "interrupted"), ends[0] if ends else None)
+    if cause is None:
+        cause = {"state": "error", "label": "error", "code": code,
+                 "message": f"torchrun ended with exit code {code} before any rank said why; its output, if any, is above"}
+    if run_dir is not None:
+        adopt(run_dir, ("running", "interrupted"))
+    return _fail(cause["state"], cause["label"], cause["message"], cause["code"])
 
 
 def _run(kind: str, config: Optional[Path], overrides: Optional[list[str]], fn) -> None:
@@ -69,16 +111,19 @@ def _run(kind: str, config: Optional[Path], overrides: Optional[list[str]], fn) 
     from exactrl.distributed.engine import NonFiniteError
     from exactrl.models.loading import ModelLoadError
     from exactrl.rewards import RewardError
-    from exactrl.run_dir import forget_current, record_event, set_status
+    from exactrl.run_dir import forget_current, note_end, record_event, set_status
 
-    from exactrl.distributed.launch import relaunch_under_torchrun, shutdown, under_launcher
+    from exactrl.algorithms.common import preflight
+    from exactrl.distributed.launch import shutdown, under_launcher
 
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    global _signalled
+    previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         cfg = load_config(COMMANDS[kind], config, _replay_overrides(config, overrides or []))
         nproc = getattr(getattr(cfg, "distributed", None), "nproc_per_node", 1)
         if nproc > 1 and not under_launcher():
-            raise typer.Exit(relaunch_under_torchrun(nproc))
+            preflight(cfg, nproc)  # what every rank would refuse, refused once and before the start-up
+            raise _relaunch(nproc)
         _quiet_libraries()
         fn(cfg)
         set_status("success")
@@ -99,17 +144,22 @@ def _run(kind: str, config: Optional[Path], overrides: Optional[list[str]], fn) 
         message = f"{e.strerror or e}{where}; free space or fix the permissions, then run again"
         raise _fail("error", "error", message, 2) from None
     except KeyboardInterrupt:
-        raise _fail("interrupted", "interrupted", "SIGINT (Ctrl-C); checkpoints written so far are intact",
-                    130) from None
+        raise _stopped(signal.SIGINT) from None
     except Terminated:
-        raise _fail("interrupted", "terminated", "SIGTERM; checkpoints written so far are intact", 143) from None
+        raise _stopped(signal.SIGTERM) from None
     except typer.Exit:
         raise
-    except BaseException as e:  # a bug: record it, keep the traceback
+    except BaseException as e:
+        if _signalled is not None:  # e.g. a collective broken by a peer that stopped first: the signal is the cause
+            raise _stopped(_signalled) from None
+        # a bug: record it, keep the traceback
         set_status("error", f"{type(e).__name__}: {e}")
+        note_end("error", "error", f"{type(e).__name__}: {e} (a bug; the traceback is above)", 1)
         raise
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        _signalled = None
         forget_current()
 
 

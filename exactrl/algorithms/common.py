@@ -10,7 +10,8 @@ import torch
 
 from exactrl.config.loader import ConfigError
 from exactrl.config.schema import check_layout, check_rl_layout
-from exactrl.device import check_device
+from exactrl.data.jsonl import read_jsonl
+from exactrl.device import check_device, resolve_device
 from exactrl.distributed.launch import world_size
 
 
@@ -23,6 +24,22 @@ def check_world(cfg) -> None:
             check_rl_layout(cfg, world_size())
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def preflight(cfg, world: int) -> None:
+    """What can be checked before starting ``world`` processes, in seconds and without a model: the
+    device, the layout and that the data files read. Every rank would refuse these alike, after the
+    imports and the rendezvous; the ranks check the rest (their refusal still ends in one line)."""
+    try:
+        resolve_device(cfg.distributed.device)  # not check_device: the launcher must not take a GPU
+        check_layout(cfg, world)
+        if hasattr(cfg, "algo"):
+            check_rl_layout(cfg, world)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    for path in (cfg.data.train, cfg.data.eval):
+        if path not in (None, "auto", "builtin"):
+            read_jsonl(path)
 
 
 def seed_everything(seed: int) -> None:

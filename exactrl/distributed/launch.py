@@ -12,11 +12,15 @@ directly works the same, on one machine or many:
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import time
+from pathlib import Path
 
 import torch.distributed as dist
 
 from exactrl.device import process_device, process_group_backend
+from exactrl.run_dir import LAUNCH_DIR
 
 
 def under_launcher() -> bool:
@@ -75,10 +79,101 @@ def broadcast_str(text: str) -> str:
     return box[0]
 
 
-def relaunch_under_torchrun(nproc: int) -> int:
-    """Run this same command line as ``nproc`` processes; returns torchrun's exit code."""
+# After SIGINT/SIGTERM the ranks get this long to stop at their next safe point and record how they
+# ended; then whatever is left of the run (torchrun, ranks, their reward processes) is killed.
+STOP_GRACE = 5.0
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+def relaunch_under_torchrun(nproc: int, notes: Path) -> int:
+    """Run this same command line as ``nproc`` processes under torchrun; returns its exit code.
+
+    torchrun runs in a session of its own, so a Ctrl-C at the terminal reaches it once, from here.
+    On SIGINT/SIGTERM here (KeyboardInterrupt or the caller's exception, raised out of the wait) the
+    same signal goes to torchrun, which passes it to every rank's process group (rank and reward
+    processes); after STOP_GRACE seconds the rest is killed and the exception goes on. (The old
+    ``subprocess.call`` SIGKILLed torchrun at once, so the ranks never heard and ran on, orphaned.)
+    ``notes`` is where the ranks tell this process their run directory and how they ended."""
     import subprocess
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+    cmd = [sys.executable, "-m", "exactrl.distributed.torchrun", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "exactrl.cli", *sys.argv[1:]]
-    return subprocess.call(cmd)
+    # A signal while Popen runs would leave torchrun started but unknown to us: hold it until proc is set.
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        proc = subprocess.Popen(cmd, env={**os.environ, LAUNCH_DIR: str(notes)}, start_new_session=True,
+                                preexec_fn=_die_with_parent)
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        raise
+    try:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a held signal is raised here, inside the try
+        return proc.wait()
+    except BaseException as e:
+        _stop(proc, signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM)
+        raise
+
+
+def _die_with_parent() -> None:
+    """In torchrun before it starts: the signals held while it was started are its own again, and (Linux)
+    SIGTERM comes when this launcher dies, even by SIGKILL, so torchrun stops its ranks rather than
+    leaving them to run on."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+def _stop(proc, sig: int) -> None:
+    seen = _descendants(proc.pid)
+    proc.send_signal(sig)
+    deadline = time.monotonic() + STOP_GRACE
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            seen |= _descendants(proc.pid)  # ranks leave torchrun's tree when it exits before them
+            time.sleep(0.1)
+    except BaseException:  # a second Ctrl-C: no more waiting
+        pass
+    seen |= _descendants(proc.pid)
+    proc.kill()
+    proc.wait()
+    for pid, started in seen:
+        if _processes().get(pid, (None, None))[1] == started:  # the same process, not a reused pid
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def _processes() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, start time) of every process (Linux /proc; empty elsewhere)."""
+    table = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return table
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()  # after the command name, which may hold spaces
+        except OSError:
+            continue
+        table[int(name)] = (int(fields[1]), fields[19])
+    return table
+
+
+def _descendants(root: int) -> set[tuple[int, str]]:
+    """(pid, start time) of every process below ``root``."""
+    children: dict[int, list[int]] = {}
+    table = _processes()
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found, todo = set(), list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        found.add((pid, table[pid][1]))
+        todo += children.get(pid, [])
+    return found

@@ -57,6 +57,8 @@ def _stopped(signum: int):
 def _fail(status: str, label: str, message: str, code: int):
     from exactrl.run_dir import note_end, set_status
 
+    if _signalled is not None and status != "interrupted":  # e.g. a reward process killed by the same signal
+        return _stopped(_signalled)
     set_status(status, message)
     if not note_end(status, label, message, code):  # a rank under exactrl's launcher: the launcher prints it once
         console.print(f"[bold red]{label}:[/bold red] {escape(message)}", highlight=False, soft_wrap=True)
@@ -75,10 +77,10 @@ def _relaunch(nproc: int) -> typer.Exit:
         notes = Path(tmp)
         try:
             code = relaunch_under_torchrun(nproc, notes)
-        except BaseException:  # SIGINT/SIGTERM: every rank is gone now; record it if rank 0 could not
+        except BaseException:  # SIGINT/SIGTERM: every rank is gone now; the run ends as this signal says
             run_dir, _ = launch_notes(notes)
             if run_dir is not None:
-                adopt(run_dir, ("running",))
+                adopt(run_dir, ("running", "interrupted"))
             raise
         run_dir, ends = launch_notes(notes)
     if code == 0:
@@ -152,7 +154,7 @@ def _run(kind: str, config: Optional[Path], overrides: Optional[list[str]], fn) 
     except BaseException as e:
         if _signalled is not None:  # e.g. a collective broken by a peer that stopped first: the signal is the cause
             raise _stopped(_signalled) from None
-        # a bug: record it, keep the traceback
+        # A bug: record it, keep the traceback.
         set_status("error", f"{type(e).__name__}: {e}")
         note_end("error", "error", f"{type(e).__name__}: {e} (a bug; the traceback is above)", 1)
         raise

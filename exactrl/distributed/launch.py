@@ -11,6 +11,7 @@ directly works the same, on one machine or many:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -82,68 +83,58 @@ def broadcast_str(text: str) -> str:
 # After SIGINT/SIGTERM the ranks get this long to stop at their next safe point and record how they
 # ended; then whatever is left of the run (torchrun, ranks, their reward processes) is killed.
 STOP_GRACE = 5.0
-_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+LAUNCHER_PID = "EXACTRL_LAUNCHER_PID"
 
 
 def relaunch_under_torchrun(nproc: int, notes: Path) -> int:
     """Run this same command line as ``nproc`` processes under torchrun; returns its exit code.
 
     torchrun runs in a session of its own, so a Ctrl-C at the terminal reaches it once, from here.
-    On SIGINT/SIGTERM here (KeyboardInterrupt or the caller's exception, raised out of the wait) the
-    same signal goes to torchrun, which passes it to every rank's process group (rank and reward
-    processes); after STOP_GRACE seconds the rest is killed and the exception goes on. (The old
-    ``subprocess.call`` SIGKILLed torchrun at once, so the ranks never heard and ran on, orphaned.)
+    On SIGINT/SIGTERM here (KeyboardInterrupt or the caller's exception, raised out of the wait)
+    torchrun gets SIGTERM and passes it to every rank's process group (rank and reward processes);
+    after STOP_GRACE seconds the rest is killed and the exception goes on. SIGTERM for both: a rank
+    still importing dies of it quietly, where SIGINT would print a KeyboardInterrupt traceback; the
+    caller records which signal it was. (The old ``subprocess.call`` SIGKILLed torchrun at once, so
+    the ranks never heard and ran on, orphaned.)
     ``notes`` is where the ranks tell this process their run directory and how they ended."""
     import subprocess
 
     cmd = [sys.executable, "-m", "exactrl.distributed.torchrun", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "exactrl.cli", *sys.argv[1:]]
-    # A signal while Popen runs would leave torchrun started but unknown to us: hold it until proc is set.
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    # A signal while Popen runs would leave torchrun started but unknown to us: hold it until proc is set
+    # (torchrun inherits the mask and lifts it itself, exactrl/distributed/torchrun.py).
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
-        proc = subprocess.Popen(cmd, env={**os.environ, LAUNCH_DIR: str(notes)}, start_new_session=True,
-                                preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(cmd, env={**os.environ, LAUNCH_DIR: str(notes), LAUNCHER_PID: str(os.getpid())},
+                                start_new_session=True)
     except BaseException:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
         raise
     try:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a held signal is raised here, inside the try
         return proc.wait()
-    except BaseException as e:
-        _stop(proc, signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM)
+    except BaseException:
+        _stop(proc)
         raise
 
 
-def _die_with_parent() -> None:
-    """In torchrun before it starts: the signals held while it was started are its own again, and (Linux)
-    SIGTERM comes when this launcher dies, even by SIGKILL, so torchrun stops its ranks rather than
-    leaving them to run on."""
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-
-
-def _stop(proc, sig: int) -> None:
+def _stop(proc) -> None:
     seen = _descendants(proc.pid)
-    proc.send_signal(sig)
+    proc.terminate()
     deadline = time.monotonic() + STOP_GRACE
-    try:
+    try:  # a second Ctrl-C ends the wait, not the clean-up
         while proc.poll() is None and time.monotonic() < deadline:
             seen |= _descendants(proc.pid)  # ranks leave torchrun's tree when it exits before them
             time.sleep(0.1)
-    except BaseException:  # a second Ctrl-C: no more waiting
-        pass
-    seen |= _descendants(proc.pid)
-    proc.kill()
-    proc.wait()
-    for pid, started in seen:
-        if _processes().get(pid, (None, None))[1] == started:  # the same process, not a reused pid
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+    finally:
+        seen |= _descendants(proc.pid)
+        proc.kill()
+        proc.wait()
+        for pid, started in seen:
+            if _processes().get(pid, (None, None))[1] == started:  # the same process, not a reused pid
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
 
 
 def _processes() -> dict[int, tuple[int, str]]:

@@ -6,18 +6,38 @@ A rank that ended without a note (killed, e.g. by the out-of-memory killer) is n
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import sys
 import time
 
-from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.run import parse_args, run
-
+from exactrl.distributed.launch import LAUNCHER_PID, STOP_GRACE, STOP_SIGNALS
 from exactrl.run_dir import note
 
 
+def _die_with_launcher() -> None:
+    """SIGTERM to this process when the launcher dies, even by SIGKILL (Linux), so torchrun stops the
+    ranks rather than leaving them to run on; and the signals the launcher held while starting this
+    process are this process's again."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+        if os.getppid() != int(os.environ[LAUNCHER_PID]):  # it died before the line above
+            sys.exit(128 + signal.SIGTERM)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
 def main() -> None:
+    _die_with_launcher()
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
     logging.disable(logging.ERROR)
+    # After a rank fails torchrun SIGTERMs the others; one stuck in a collective is killed after as long
+    # as the launcher gives after a signal, not torchrun's default 30 s (older torch reads no such variable).
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(int(STOP_GRACE)))
     try:
         run(parse_args(sys.argv[1:]))
     except ChildFailedError as e:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -40,11 +41,18 @@ class Terminated(BaseException):
 
 
 _signalled: int | None = None  # the signal that is stopping this process
+_again: list[threading.Timer] = []
 
 
 def _on_signal(signum, frame):
     global _signalled
     _signalled = signum
+    if frame is not None and frame.f_code.co_name == "__del__":
+        # Python prints and drops an exception raised in a finalizer (seen: regex's, mid-rollout), and the
+        # run would go on: the same signal again in a moment, when the main thread is back in ordinary code.
+        _again.append(threading.Timer(0.1, os.kill, (os.getpid(), signum)))
+        _again[-1].start()
+        return
     raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated()
 
 
@@ -80,7 +88,7 @@ def _relaunch(nproc: int) -> typer.Exit:
         except BaseException:  # SIGINT/SIGTERM: every rank is gone now; the run ends as this signal says
             run_dir, _ = launch_notes(notes)
             if run_dir is not None:
-                adopt(run_dir, ("running", "interrupted"))
+                adopt(run_dir)
             raise
         run_dir, ends = launch_notes(notes)
     if code == 0:
@@ -91,7 +99,7 @@ def _relaunch(nproc: int) -> typer.Exit:
         cause = {"state": "error", "label": "error", "code": code,
                  "message": f"torchrun ended with exit code {code} before any rank said why; its output, if any, is above"}
     if run_dir is not None:
-        adopt(run_dir, ("running", "interrupted"))
+        adopt(run_dir)
     return _fail(cause["state"], cause["label"], cause["message"], cause["code"])
 
 
@@ -159,6 +167,10 @@ def _run(kind: str, config: Optional[Path], overrides: Optional[list[str]], fn) 
         note_end("error", "error", f"{type(e).__name__}: {e} (a bug; the traceback is above)", 1)
         raise
     finally:
+        for timer in _again:  # none may fire once the handlers are restored
+            timer.cancel()
+            timer.join()
+        _again.clear()
         for s, handler in previous.items():
             signal.signal(s, handler)
         _signalled = None

@@ -184,11 +184,10 @@ def launch_notes(where: Path) -> tuple[Path | None, list[dict]]:
     return run_dir, sorted(ends, key=lambda e: e["time"])
 
 
-def adopt(path: Path, states: tuple[str, ...]) -> bool:
-    """Make ``path`` this process's run directory (its status ours to write) if its state is one of
-    ``states``: the launcher records an end rank 0 could not."""
+def adopt(path: Path) -> None:
+    """Make ``path`` this process's run directory, its status ours to write, unless its run succeeded:
+    the launcher records the end of the whole run, which rank 0 may not have known (killed, or
+    stopped by a peer's failure) or not recorded."""
     global _current
-    if (read_status(path) or {}).get("state") not in states:
-        return False
-    _current = path
-    return True
+    if (read_status(path) or {}).get("state") != "success":
+        _current = path

@@ -137,3 +137,26 @@ def test_a_refusal_only_a_rank_can_find_is_one_line(tmp_path, env):
     err = stderr(proc, tmp_path, 300)
     assert proc.returncode == 2, err[-3000:]
     assert one_line(err).startswith("error: distributed.fsdp_cpu_offload=true offloads from a GPU")
+
+
+def test_a_signal_that_lands_in_a_finalizer_still_stops_the_run():
+    """Python drops an exception raised in a __del__: a SIGTERM that arrived during one (seen in a
+    regex finalizer mid-rollout) must still stop the run, not be lost."""
+    import typer
+
+    from exactrl.cli import _run
+
+    class Finalized:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # the handler runs here, in this frame
+
+    def train(cfg):
+        Finalized()
+        deadline = time.time() + 3
+        while time.time() < deadline:
+            time.sleep(0.01)
+
+    with pytest.raises(typer.Exit) as stopped:
+        _run("sft", None, [], train)
+    assert stopped.value.exit_code == 143

@@ -9,10 +9,10 @@ import logging
 import os
 import signal
 import sys
-import time
+from pathlib import Path
 
 from exactrl.distributed.launch import LAUNCHER_PID, STOP_GRACE, STOP_SIGNALS
-from exactrl.run_dir import note
+from exactrl.run_dir import LAUNCH_DIR, note
 
 
 def _die_with_launcher() -> None:
@@ -41,10 +41,18 @@ def main() -> None:
     try:
         run(parse_args(sys.argv[1:]))
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
-        note("end-torchrun.json", {"rank": rank, "state": "error", "label": "error", "code": 1, "time": time.time(),
-                                   "message": f"rank {rank} ended ({how}) without saying why; its output, if any, is above"})
+        notes = Path(os.environ[LAUNCH_DIR])
+        for rank, failure in sorted(e.failures.items()):
+            # Every way a rank can fail leaves a note but being killed; torchrun's own SIGTERM to the
+            # others after the first failure is not a cause. A killed rank (the out-of-memory killer,
+            # kill -9) is the cause of its peers' failures (a collective that lost it), so it goes first.
+            if failure.exitcode == -signal.SIGTERM or (notes / f"end-rank{rank}.json").exists():
+                continue
+            how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+            note(f"end-killed-rank{rank}.json", {
+                "rank": rank, "state": "error", "label": "error", "code": 1, "time": 0.0,
+                "message": f"rank {rank} ended ({how}) without saying why (killed? out of memory?); its output, if any, "
+                           "is above"})
         sys.exit(1)
     except SignalException as e:  # the launcher passed on SIGINT/SIGTERM; the ranks have been told
         sys.exit(128 + int(e.sigval))

@@ -139,6 +139,25 @@ def test_a_refusal_only_a_rank_can_find_is_one_line(tmp_path, env):
     assert one_line(err).startswith("error: distributed.fsdp_cpu_offload=true offloads from a GPU")
 
 
+@pytest.mark.slow
+def test_a_rank_killed_outright_is_named_as_the_cause(tmp_path, env):
+    """kill -9 (or the out-of-memory killer) leaves no note: its peer then fails in a collective, but the
+    line and status.json name the killed rank."""
+    out = tmp_path / "run"
+    proc = launch(tmp_path, env, "train.max_steps=1000", "train.save_every=1", f"output_dir={out}")
+    seen = {}
+    try:
+        watch(proc, seen, lambda _: (out / "checkpoint-1").is_dir())
+        next(p for p in seen.values() if alive(p) and p.environ().get("RANK") == "1").kill()
+        err = stderr(proc, tmp_path, 60)
+    finally:
+        kill(proc, seen)
+    assert proc.returncode == 1 and "ChildFailedError" not in err, err[-3000:]
+    # (the peer's broken collective may print its traceback first, if it gets there before torchrun stops it)
+    assert err.strip().splitlines()[-1].startswith("error: rank 1 ended (signal SIGKILL) without saying why")
+    assert json.loads((out / "status.json").read_text())["message"].startswith("rank 1 ended (signal SIGKILL)")
+
+
 def test_a_signal_that_lands_in_a_finalizer_still_stops_the_run():
     """Python drops an exception raised in a __del__: a SIGTERM that arrived during one (seen in a
     regex finalizer mid-rollout) must still stop the run, not be lost."""

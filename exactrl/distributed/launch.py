@@ -131,8 +131,9 @@ def _stop(proc) -> None:
         seen |= _descendants(proc.pid)
         proc.kill()
         proc.wait()
+        now = _processes()
         for pid, started in seen:
-            if _processes().get(pid, (None, None))[1] == started:  # the same process, not a reused pid
+            if now.get(pid, (None, None))[1] == started:  # the same process, not a reused pid
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -39,16 +40,67 @@ class Terminated(BaseException):
     """SIGTERM, raised in the main thread so the run records how it ended (as SIGINT does)."""
 
 
-def _on_sigterm(signum, frame):
-    raise Terminated()
+_signalled: int | None = None  # the signal that is stopping this process
+_again: list[threading.Timer] = []
+
+
+def _on_signal(signum, frame):
+    global _signalled
+    _signalled = signum
+    if frame is not None and frame.f_code.co_name == "__del__":
+        # Python prints and drops an exception raised in a finalizer (seen: regex's, mid-rollout), and the
+        # run would go on: the same signal again in a moment, when the main thread is back in ordinary code.
+        _again.append(threading.Timer(0.1, os.kill, (os.getpid(), signum)))
+        _again[-1].start()
+        return
+    raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated()
+
+
+def _stopped(signum: int):
+    if signum == signal.SIGINT:
+        return _fail("interrupted", "interrupted", "SIGINT (Ctrl-C); checkpoints written so far are intact", 130)
+    return _fail("interrupted", "terminated", "SIGTERM; checkpoints written so far are intact", 143)
 
 
 def _fail(status: str, label: str, message: str, code: int):
-    from exactrl.run_dir import set_status
+    from exactrl.run_dir import note_end, set_status
 
+    if _signalled is not None and status != "interrupted":  # e.g. a reward process killed by the same signal
+        return _stopped(_signalled)
     set_status(status, message)
-    console.print(f"[bold red]{label}:[/bold red] {escape(message)}", highlight=False, soft_wrap=True)
+    if not note_end(status, label, message, code):  # a rank under exactrl's launcher: the launcher prints it once
+        console.print(f"[bold red]{label}:[/bold red] {escape(message)}", highlight=False, soft_wrap=True)
     return typer.Exit(code)
+
+
+def _relaunch(nproc: int) -> typer.Exit:
+    """This command as ``nproc`` processes under torchrun; their end as one line, one exit code and the
+    run directory's status, as one process would give (the ranks' notes: exactrl/run_dir.py)."""
+    import tempfile
+
+    from exactrl.distributed.launch import relaunch_under_torchrun
+    from exactrl.run_dir import adopt, launch_notes
+
+    with tempfile.TemporaryDirectory(prefix="exactrl-launch-") as tmp:
+        notes = Path(tmp)
+        try:
+            code = relaunch_under_torchrun(nproc, notes)
+        except BaseException:  # SIGINT/SIGTERM: every rank is gone now; the run ends as this signal says
+            run_dir, _ = launch_notes(notes)
+            if run_dir is not None:
+                adopt(run_dir)
+            raise
+        run_dir, ends = launch_notes(notes)
+    if code == 0:
+        return typer.Exit(0)
+    # The first rank to fail is the cause; torchrun then SIGTERMs the others, which end 'interrupted'.
+    cause = next((e for e in ends if e["state"] != "interrupted"), ends[0] if ends else None)
+    if cause is None:
+        cause = {"state": "error", "label": "error", "code": code,
+                 "message": f"torchrun ended with exit code {code} before any rank said why; its output, if any, is above"}
+    if run_dir is not None:
+        adopt(run_dir)
+    return _fail(cause["state"], cause["label"], cause["message"], cause["code"])
 
 
 def _run(kind: str, config: Optional[Path], overrides: Optional[list[str]], fn) -> None:
@@ -69,16 +121,19 @@ def _run(kind: str, config: Optional[Path], overrides: Optional[list[str]], fn) 
     from exactrl.distributed.engine import NonFiniteError
     from exactrl.models.loading import ModelLoadError
     from exactrl.rewards import RewardError
-    from exactrl.run_dir import forget_current, record_event, set_status
+    from exactrl.run_dir import forget_current, note_end, record_event, set_status
 
-    from exactrl.distributed.launch import relaunch_under_torchrun, shutdown, under_launcher
+    from exactrl.algorithms.common import preflight
+    from exactrl.distributed.launch import shutdown, under_launcher
 
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    global _signalled
+    previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         cfg = load_config(COMMANDS[kind], config, _replay_overrides(config, overrides or []))
         nproc = getattr(getattr(cfg, "distributed", None), "nproc_per_node", 1)
         if nproc > 1 and not under_launcher():
-            raise typer.Exit(relaunch_under_torchrun(nproc))
+            preflight(cfg, nproc)  # what every rank would refuse, refused once and before the start-up
+            raise _relaunch(nproc)
         _quiet_libraries()
         fn(cfg)
         set_status("success")
@@ -99,17 +154,26 @@ def _run(kind: str, config: Optional[Path], overrides: Optional[list[str]], fn) 
         message = f"{e.strerror or e}{where}; free space or fix the permissions, then run again"
         raise _fail("error", "error", message, 2) from None
     except KeyboardInterrupt:
-        raise _fail("interrupted", "interrupted", "SIGINT (Ctrl-C); checkpoints written so far are intact",
-                    130) from None
+        raise _stopped(signal.SIGINT) from None
     except Terminated:
-        raise _fail("interrupted", "terminated", "SIGTERM; checkpoints written so far are intact", 143) from None
+        raise _stopped(signal.SIGTERM) from None
     except typer.Exit:
         raise
-    except BaseException as e:  # a bug: record it, keep the traceback
+    except BaseException as e:
+        if _signalled is not None:  # e.g. a collective broken by a peer that stopped first: the signal is the cause
+            raise _stopped(_signalled) from None
+        # A bug: record it, keep the traceback.
         set_status("error", f"{type(e).__name__}: {e}")
+        note_end("error", "error", f"{type(e).__name__}: {e} (a bug; the traceback is above)", 1)
         raise
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for timer in _again:  # none may fire once the handlers are restored
+            timer.cancel()
+            timer.join()
+        _again.clear()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        _signalled = None
         forget_current()
 
 

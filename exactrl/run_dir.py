@@ -6,6 +6,11 @@ never share one. ``status.json`` holds ``state``: running, success, error, inter
 (SIGINT/SIGTERM), canary or nonfinite, with the message. A directory whose run failed before
 it saved or logged anything (only config.yaml, manifest.json, status.json and an empty
 metrics.jsonl) is taken over by the next run with the same output_dir.
+
+Under exactrl's own launcher (``distributed.nproc_per_node`` > 1, exactrl/distributed/launch.py)
+the ranks also leave notes in the launcher's directory (``EXACTRL_LAUNCH_DIR``): the run directory
+rank 0 created, and how each rank ended. The launcher prints the one line and, when rank 0 could
+not (killed, or stopped by a peer's failure), records the end in status.json itself.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ FAILED_STATES = ("error", "interrupted", "canary", "check", "nonfinite")
 SCAFFOLD = {STATUS, "config.yaml", ".config.yaml.tmp", "manifest.json", "metrics.jsonl", f".{STATUS}.tmp"}
 
 _current: Path | None = None  # the run directory this process created (its status is ours to write)
+LAUNCH_DIR = "EXACTRL_LAUNCH_DIR"
 
 
 def read_status(path: Path) -> dict | None:
@@ -99,6 +105,7 @@ def create_run_dir(template: str, command: str, cfg) -> Path:
         raise ConfigError(f"output_dir '{path}': cannot create the run directory ({e.strerror}); "
                           "choose another output_dir") from None
     _current = path
+    note("run_dir", {"path": str(path.resolve())})
     set_status("running", command=command)
     tmp = path / ".config.yaml.tmp"  # a crash mid-write leaves no half config.yaml
     dump_config(cfg, tmp)
@@ -138,3 +145,49 @@ def forget_current() -> None:
     """After a run has recorded its end (tests run several in one process)."""
     global _current
     _current = None
+
+
+def note(name: str, record: dict) -> bool:
+    """Leave ``record`` for exactrl's launcher, if this process runs under it (atomically)."""
+    where = os.environ.get(LAUNCH_DIR)
+    if not where:
+        return False
+    tmp = Path(where) / f".{name}.tmp"
+    try:
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, Path(where) / name)
+    except OSError:
+        return False
+    return True
+
+
+def note_end(state: str, label: str, message: str, code: int) -> bool:
+    """Tell the launcher how this rank ended; False when there is no launcher to tell (print it then)."""
+    rank = os.environ.get("RANK", "0")
+    return note(f"end-rank{rank}.json", {"rank": int(rank), "state": state, "label": label, "message": message,
+                                          "code": code, "time": time.time()})
+
+
+def launch_notes(where: Path) -> tuple[Path | None, list[dict]]:
+    """What the ranks left in the launcher's directory: the run directory (None before rank 0 made
+    one) and each rank's end, first first."""
+    try:
+        run_dir = Path(json.loads((where / "run_dir").read_text())["path"])
+    except (OSError, ValueError, KeyError):
+        run_dir = None
+    ends = []
+    for f in where.glob("end-*.json"):
+        try:
+            ends.append(json.loads(f.read_text()))
+        except (OSError, ValueError):
+            pass
+    return run_dir, sorted(ends, key=lambda e: e["time"])
+
+
+def adopt(path: Path) -> None:
+    """Make ``path`` this process's run directory, its status ours to write, unless its run succeeded:
+    the launcher records the end of the whole run, which rank 0 may not have known (killed, or
+    stopped by a peer's failure) or not recorded."""
+    global _current
+    if (read_status(path) or {}).get("state") != "success":
+        _current = path

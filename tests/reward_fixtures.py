@@ -13,6 +13,12 @@ def hangs(prompts, completions, answers):
     time.sleep(3600)
 
 
+def hangs_after_touching(prompts, completions, answers):
+    """Hangs once it has created the file its first prompt names (so a test knows it is busy)."""
+    open(prompts[0], "w").close()
+    time.sleep(3600)
+
+
 def hangs_on_x(prompts, completions, answers):
     if any("x" in c for c in completions):
         time.sleep(3600)

@@ -124,22 +124,33 @@ def test_process_hop_costs_little_per_batch():
     assert hop - direct < 0.05  # measured ~0.2 ms for 256 samples; generous for a loaded CI machine
 
 
-def test_the_reward_process_ends_when_the_run_is_killed(tmp_path):
+@pytest.mark.parametrize("busy", [False, True], ids=["idle", "in-a-batch"])
+def test_the_reward_process_ends_when_the_run_is_killed(tmp_path, busy):
+    """Idle, it sees its socket close; in the middle of a batch, that its parent changed."""
     import os
     import signal
     import subprocess
     import sys
     from pathlib import Path
 
-    code = ("from exactrl.rewards import load_rewards; r = load_rewards('reward_fixtures:length'); "
-            "print(r._worker._proc.pid, flush=True); import time; time.sleep(60)")
+    started = tmp_path / "started"
+    code = ("from exactrl.rewards import load_rewards; r = load_rewards('reward_fixtures:hangs_after_touching'); "
+            "print(r._worker._proc.pid, flush=True); import time\n"
+            + (f"r._worker.call('reward_fixtures:hangs_after_touching', [{str(started)!r}], ['c'], [None], None)" if busy
+               else "time.sleep(60)"))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     run = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
     child = int(run.stdout.readline())
-    os.kill(run.pid, signal.SIGKILL)  # no finalizer, no atexit: only the closed socket tells the child
+    deadline = time.monotonic() + 10
+    while busy and not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(run.pid, signal.SIGKILL)  # no finalizer, no atexit
     run.wait()
     status = Path(f"/proc/{child}/status")
     deadline = time.monotonic() + 10
     while status.exists() and "State:\tZ" not in status.read_text() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not status.exists() or "State:\tZ" in status.read_text()
+    ended = not status.exists() or "State:\tZ" in status.read_text()
+    if not ended:
+        os.kill(child, signal.SIGKILL)  # not left for the rest of the suite
+    assert ended

@@ -11,7 +11,8 @@ import torch
 
 from exactrl.config.loader import ConfigError
 from exactrl.config.schema import check_layout, check_rl_layout
-from exactrl.device import check_device, cpu_lacks_native_bf16
+from exactrl.data.files import read_rows
+from exactrl.device import check_device, cpu_lacks_native_bf16, resolve_device
 from exactrl.distributed.launch import rank, world_size
 
 
@@ -28,6 +29,22 @@ def check_world(cfg) -> None:
         warnings.warn("model.dtype=bf16 on a CPU without native bf16 (no avx512_bf16, amx_bf16 or bf16 among its flags in "
                       "/proc/cpuinfo): its bf16 matmuls are emulated, many times slower than fp32; set model.dtype=fp32",
                       UserWarning, stacklevel=2)
+
+
+def preflight(cfg, world: int) -> None:
+    """What can be checked before starting ``world`` processes, in seconds and without a model: the
+    device, the layout and that the data files read. Every rank would refuse these alike, after the
+    imports and the rendezvous; the ranks check the rest (their refusal still ends in one line)."""
+    try:
+        resolve_device(cfg.distributed.device)  # not check_device: the launcher must not take a GPU
+        check_layout(cfg, world)
+        if hasattr(cfg, "algo"):
+            check_rl_layout(cfg, world)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    for path in (cfg.data.train, cfg.data.eval):
+        if path not in (None, "auto", "builtin"):
+            read_rows(path)
 
 
 def seed_everything(seed: int) -> None:

@@ -33,6 +33,7 @@ from exactrl.models.loading import load_tokenizer
 from exactrl.models.packing import model_batch
 from exactrl.run.context import RunContext
 from exactrl.run.evaluation import eval_data, load_eval_set
+from exactrl.run_dir import LAUNCH_DIR
 from exactrl.tasks import builtin
 from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin
 from exactrl.workers.load import check_generator, load_model
@@ -133,9 +134,11 @@ def ensure_builtin_sft(spec: BuiltinSpec = BuiltinSpec(), cache: Path | None = N
 
 def _build_sft_elsewhere(spec: BuiltinSpec, root: Path) -> Path:
     """Build the SFT starting point in a one-process child (the SFT run must not join this
-    rank's process group); every rank waits for it on the same file lock."""
+    rank's process group, nor tell exactrl's launcher its run directory); every rank waits for it on the
+    same file lock."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                                                            "MASTER_PORT", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")}
+                                                            "MASTER_PORT", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID",
+                                                            LAUNCH_DIR)}
     env["EXACTRL_CACHE"] = str(root.parent)
     env.pop("OMP_NUM_THREADS", None)  # torchrun sets 1 per rank; the one builder may use every core
     code = ("from exactrl.algorithms.sft import ensure_builtin_sft; from exactrl.tasks.builtin import BuiltinSpec; "

@@ -11,12 +11,17 @@ directly works the same, on one machine or many:
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
+import time
+from pathlib import Path
 
 import torch.distributed as dist
 
 from exactrl.device import process_device, process_group_backend
+from exactrl.run_dir import LAUNCH_DIR
 
 
 def under_launcher() -> bool:
@@ -75,10 +80,92 @@ def broadcast_str(text: str) -> str:
     return box[0]
 
 
-def relaunch_under_torchrun(nproc: int) -> int:
-    """Run this same command line as ``nproc`` processes; returns torchrun's exit code."""
+# After SIGINT/SIGTERM the ranks get this long to stop at their next safe point and record how they
+# ended; then whatever is left of the run (torchrun, ranks, their reward processes) is killed.
+STOP_GRACE = 5.0
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+LAUNCHER_PID = "EXACTRL_LAUNCHER_PID"
+
+
+def relaunch_under_torchrun(nproc: int, notes: Path) -> int:
+    """Run this same command line as ``nproc`` processes under torchrun; returns its exit code.
+
+    torchrun runs in a session of its own, so a Ctrl-C at the terminal reaches it once, from here.
+    On SIGINT/SIGTERM here (KeyboardInterrupt or the caller's exception, raised out of the wait)
+    torchrun gets SIGTERM and passes it to every rank's process group (rank and reward processes);
+    after STOP_GRACE seconds the rest is killed and the exception goes on. SIGTERM for both: a rank
+    still importing dies of it quietly, where SIGINT would print a KeyboardInterrupt traceback; the
+    caller records which signal it was. (The old ``subprocess.call`` SIGKILLed torchrun at once, so
+    the ranks never heard and ran on, orphaned.)
+    ``notes`` is where the ranks tell this process their run directory and how they ended."""
     import subprocess
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+    cmd = [sys.executable, "-m", "exactrl.distributed.torchrun", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "exactrl.cli", *sys.argv[1:]]
-    return subprocess.call(cmd)
+    # A signal while Popen runs would leave torchrun started but unknown to us: hold it until proc is set
+    # (torchrun inherits the mask and lifts it itself, exactrl/distributed/torchrun.py).
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        proc = subprocess.Popen(cmd, env={**os.environ, LAUNCH_DIR: str(notes), LAUNCHER_PID: str(os.getpid())},
+                                start_new_session=True)
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        raise
+    try:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a held signal is raised here, inside the try
+        return proc.wait()
+    except BaseException:
+        _stop(proc)
+        raise
+
+
+def _stop(proc) -> None:
+    seen = _descendants(proc.pid)
+    proc.terminate()
+    deadline = time.monotonic() + STOP_GRACE
+    try:  # a second Ctrl-C ends the wait, not the clean-up
+        while proc.poll() is None and time.monotonic() < deadline:
+            seen |= _descendants(proc.pid)  # ranks leave torchrun's tree when it exits before them
+            time.sleep(0.1)
+    finally:
+        seen |= _descendants(proc.pid)
+        proc.kill()
+        proc.wait()
+        now = _processes()
+        for pid, started in seen:
+            if now.get(pid, (None, None))[1] == started:  # the same process, not a reused pid
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def _processes() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, start time) of every process (Linux /proc; empty elsewhere)."""
+    table = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return table
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()  # after the command name, which may hold spaces
+        except OSError:
+            continue
+        table[int(name)] = (int(fields[1]), fields[19])
+    return table
+
+
+def _descendants(root: int) -> set[tuple[int, str]]:
+    """(pid, start time) of every process below ``root``."""
+    children: dict[int, list[int]] = {}
+    table = _processes()
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found, todo = set(), list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        found.add((pid, table[pid][1]))
+        todo += children.get(pid, [])
+    return found

@@ -7,7 +7,7 @@ subprocess, not multiprocessing's spawn: that re-runs the user's main script in 
 cannot start from stdin or a notebook. The parent waits at most ``timeout`` seconds for a
 batch; then, or when the child dies, the child is killed (a fresh one starts with the next
 batch) and the caller decides: fallback or stop. The child also exits by itself when the parent
-goes away (its end of the socket closes), so no run leaves one behind.
+goes away, even in the middle of a batch (its parent changes), so no run leaves one behind.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from multiprocessing.connection import Connection
 
@@ -179,8 +180,17 @@ class RewardWorker:
             self._reap(grace=1.0)
 
 
+def _exit_with(parent: int) -> None:
+    """Exit as soon as ``parent`` is gone: a killed rank's reward process must not run on (an idle one
+    also sees its socket close, one busy in a reward would not)."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
+
+
 def main(fd: int) -> None:
     """The child's entry point: take this process's import path from the parent, then serve."""
+    threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
     conn = Connection(fd)
     sys.path[:], specs = conn.recv()
     _serve(conn, specs)

@@ -70,7 +70,7 @@ class TrainConfig(Section):
     log_every: int = Field(10, gt=0, description="Steps between metric log lines.")
     eval_every: int = Field(0, ge=0, description="Steps between evaluations (0 = only at the end).")
     save_every: int = Field(0, ge=0, description="Steps between checkpoints (0 = only the final model).")
-    resume_from: str | None = Field(None, description="A checkpoint-N directory to continue from (model, optimizer, scheduler, RNG, data position).")
+    resume_from: str | None = Field(None, description="A checkpoint-N directory to continue from (model, optimizer, scheduler, RNG, data position), or 'latest': continue this run in its own output_dir (a fixed path, without {time}) from its newest complete checkpoint, or start it from step 0 with a notice when it has none yet -- run the same command again after a preemption.")
     resume_allow_changes: list[str] = Field([], description="Keys that may differ from the resumed checkpoint's run config (e.g. [train.global_batch_size]); others refuse the resume, as exact continuation needs the same data and layout. Always free: how long to run, logging/saving/eval cadence, output_dir, eval data, audit.*, log.*, train.micro_batch_size.")
     save_total_limit: int | None = Field(None, gt=0, description="Keep only the latest N checkpoints (an older one is deleted after the new one is complete); unset = keep all.")
     gradient_checkpointing: bool = Field(False, description="Recompute each decoder layer's activations during backward instead of storing them (Hugging Face's gradient_checkpointing_enable, non-reentrant): less memory, about one more forward per step; gradients unchanged.")
@@ -149,6 +149,13 @@ class CommonConfig(Section):
     @model_validator(mode="after")
     def _batch_sizes_divide(self):
         check_layout(self, self.distributed.nproc_per_node)
+        return self
+
+    @model_validator(mode="after")
+    def _latest_needs_a_fixed_output_dir(self):
+        if self.train.resume_from == "latest" and "{time}" in self.output_dir:
+            raise ValueError(f"train.resume_from=latest continues the run in output_dir, but output_dir={self.output_dir!r} "
+                             "names a new directory each launch ({time}); set a fixed one, e.g. output_dir=runs/my-run")
         return self
 
 

@@ -76,7 +76,7 @@ def _refusal(path: Path, status: dict | None) -> str:
     return f"output_dir '{path}' already holds a run ({how}); choose another output_dir (nothing was overwritten)"
 
 
-def _claim(path: Path, continues: bool) -> bool:
+def _claim(path: Path, continues: bool = False) -> bool:
     """Create status.json exclusively; take over a failed, empty attempt (or, ``continues``, the
     ended run itself) by renaming its status away first (a rename succeeds for one process only).
     Returns whether an earlier attempt's files were kept."""

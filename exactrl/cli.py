@@ -6,7 +6,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 import yaml
@@ -189,6 +189,30 @@ def demo(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = De
     from exactrl.pipelines.demo import run_demo
 
     _run("demo", config, overrides, lambda cfg: run_demo(cfg, _stdout_console()))
+
+
+@app.command()
+def merge(adapter: Annotated[Path, typer.Argument(help="A LoRA run's final/ or checkpoint-N/ (adapter_config.json, "
+                                                      "adapter_model.safetensors).")],
+          output: Annotated[Path, typer.Argument(help="Directory to write the merged model to (must not exist, or be empty).")],
+          base: Annotated[Path | None, typer.Option("--base", help="The base model directory (default: the one the adapter's "
+                                                                   "adapter_config.json records).")] = None):
+    """Merge a LoRA adapter into its base model: a Hugging Face model directory that loads without peft."""
+    from exactrl.models.loading import ModelLoadError
+    from exactrl.models.lora import merge_adapter
+
+    _quiet_libraries()
+    try:
+        path = merge_adapter(adapter, output, base)
+    except (ConfigError, ModelLoadError) as e:
+        console.print(f"[bold red]error:[/bold red] {escape(str(e))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+    except OSError as e:  # a full disk, a directory that cannot be written
+        where = f" '{e.filename}'" if e.filename else ""
+        console.print(f"[bold red]error:[/bold red] {escape(f'{e.strerror or e}{where}')}; free space or fix the permissions, "
+                      "then run again", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+    console.print(f"merged model: {path}", highlight=False, soft_wrap=True)
 
 
 audit_app = typer.Typer(no_args_is_help=True, help="Was my stack, or my past run, hit by a known silent gradient bug?")

@@ -333,6 +333,53 @@ def check_rl_layout(cfg: "RLConfig", world: int) -> None:
                          f"does not spread evenly over {world} ranks; each rank samples whole groups for an equal share")
 
 
+class EvalModelConfig(Section):
+    path: str | None = Field(None, description="The model to evaluate: a run's final/, checkpoint-N/ or final/merged/, a LoRA run's adapter directory (final/ or checkpoint-N/, on the base its adapter_config.json records), any local Hugging Face causal LM directory, or 'builtin' / 'builtin-sft'. Required.")
+    base: str | None = Field(None, description="A LoRA adapter's base model directory; unset = the one the adapter's adapter_config.json records.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the model generates: auto = cuda when available, else cpu.")
+
+
+class EvalDataConfig(Section):
+    eval: str = Field("builtin", description="The eval set: JSONL of {prompt, answer} rows (prompt: text or chat messages), or 'builtin' (the built-in problems).")
+    eval_size: int = Field(2000, gt=0, description="How many eval rows to use (the first N), as data.eval_size of a training run.")
+    max_length: int = Field(256, gt=0, description="Longest prompt in tokens; longer rows are an error, never truncated silently.")
+
+
+class PassAtKConfig(Section):
+    n: int = Field(0, ge=0, description="Sampled responses per prompt for pass@k (0 = greedy accuracy only); must be >= every k.")
+    k: list[int] = Field([1], description="The k of pass@k, each estimated without bias from the n samples (Chen et al. 2021): the mean over prompts of 1 - C(n-c, k) / C(n, k), c the prompt's correct samples.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the pass@k samples.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling of the pass@k samples.")
+    seed: int = Field(0, description="Seeds the pass@k samples.")
+
+
+class EvalScoringConfig(EvalConfig):
+    reward_fn: str | None = Field(None, description="module:function (or http://...) that scores each answer, as reward.fn takes; accuracy = share with reward >= 1. Unset: the built-in checker (data.eval=builtin only).")
+
+
+class EvalCommandConfig(Section):
+    """`exactrl eval`: a model, an eval set and a reward -> greedy accuracy with its 95% interval, pass@k, a report."""
+
+    model: EvalModelConfig = EvalModelConfig()
+    data: EvalDataConfig = EvalDataConfig()
+    eval: EvalScoringConfig = Field(default_factory=EvalScoringConfig, description="Generation budget, batch size and the reward, as in a training run's final evaluation.")
+    pass_at_k: PassAtKConfig = PassAtKConfig()
+    output_dir: str = Field("runs/{command}-{time}", description="Report directory (results.json, report.md, samples.jsonl); {command} and {time} are filled in.")
+
+    @model_validator(mode="after")
+    def _scorable(self):
+        if self.data.eval != "builtin" and self.eval.reward_fn is None:
+            raise ValueError(f"data.eval={self.data.eval} needs eval.reward_fn=module:function to score it "
+                             "(the built-in checker only reads the built-in task's '#### n' answers)")
+        p = self.pass_at_k
+        if p.n and (not p.k or min(p.k) < 1 or max(p.k) > p.n):
+            raise ValueError(f"pass_at_k.k={p.k}: each k must be between 1 and pass_at_k.n={p.n}")
+        unused = [f"pass_at_k.{k}" for k in sorted(p.model_fields_set) if k != "n" and getattr(p, k) != PassAtKConfig.model_fields[k].default]
+        if not p.n and unused:
+            raise ValueError(f"{', '.join(unused)} set, but pass_at_k.n=0 draws no samples; set pass_at_k.n (samples per prompt)")
+        return self
+
+
 class TaskConfig(Section):
     seed: int = Field(0, description="Seed of the problems, the SFT style mix and the initial model.")
     digits: int = Field(3, ge=1, le=6, description="Digits per operand.")

@@ -30,8 +30,8 @@ def test_pass_at_k_by_hand():
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
+def cache(cli_cache):
+    return cli_cache
 
 
 @pytest.fixture(scope="module", params=["full", "lora"])

@@ -16,8 +16,8 @@ RUN = [*TINY, "train.max_steps=4", "train.save_every=2", "optim.warmup_steps=2",
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
+def cache(cli_cache):
+    return cli_cache
 
 
 def stop_after(monkeypatch, last: int):

@@ -10,6 +10,8 @@ import pytest
 from test_cli_failures import TINY, exactrl, one_line_error
 from test_resume import same_weights
 
+from exactrl.config import DemoConfig, load_config
+from exactrl.config.loader import ConfigError
 from exactrl.run.context import RunContext
 
 RUN = [*TINY, "train.max_steps=4", "train.save_every=2", "optim.warmup_steps=2", "optim.weight_decay=0.01"]
@@ -65,3 +67,8 @@ def test_latest_with_a_time_stamped_output_dir_is_one_line(tmp_path, cache):
     assert "train.resume_from=latest continues the run in output_dir" in line and "{time}" in line, line
     assert not (tmp_path / "runs").exists()
 
+
+
+def test_latest_in_the_demo_is_refused_by_name():
+    with pytest.raises(ConfigError, match="sft.train.resume_from=latest: the demo runs its phases in a new run directory"):
+        load_config(DemoConfig, None, ["sft.train.resume_from=latest"])

@@ -155,7 +155,7 @@ class CommonConfig(Section):
     def _latest_needs_a_fixed_output_dir(self):
         if self.train.resume_from == "latest" and "{time}" in self.output_dir:
             raise ValueError(f"train.resume_from=latest continues the run in output_dir, but output_dir={self.output_dir!r} "
-                             "names a new directory each launch ({time}); set a fixed one, e.g. output_dir=runs/my-run")
+                             "names a new directory each launch ({time}); set a fixed one such as output_dir=runs/my-run")
         return self
 
 
@@ -420,6 +420,18 @@ class DemoConfig(Section):
     sft: SFTConfig = Field(default_factory=_demo_sft, description="The SFT phase (model and data are the built-in task's).")
     rl: RLConfig = Field(default_factory=_demo_rl, description="The GRPO phase, from the SFT model.")
     output_dir: str = Field("runs/demo-{time}", description="Run directory; {time} is filled in.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_latest(cls, data):
+        # Before the phases' own checks: the demo runs both in a run directory of its own.
+        for phase in ("sft", "rl"):
+            section = data.get(phase) if isinstance(data, dict) else None
+            train = section.get("train") if isinstance(section, dict) else None
+            if isinstance(train, dict) and train.get("resume_from") == "latest":
+                raise ValueError(f"{phase}.train.resume_from=latest: the demo runs its phases in a new run directory "
+                                 f"each time, so there is no run to continue; continue a run with `exactrl {phase}` instead")
+        return data
 
     @model_validator(mode="after")
     def _full_models(self):

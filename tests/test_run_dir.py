@@ -135,3 +135,22 @@ def test_output_dir_that_is_a_file_or_unwritable(tmp_path):
             run_dir.create_run_dir(str(locked / "r"), "sft", CFG)
     finally:
         locked.chmod(stat.S_IRWXU)
+
+
+@pytest.mark.parametrize("how", ["kill -9", "live", "success"])
+def test_a_continuation_takes_over_a_killed_run_but_not_a_live_or_finished_one(tmp_path, how):
+    path = run_dir.create_run_dir(str(tmp_path / "r"), "sft", CFG)
+    (path / "checkpoint-2").mkdir()
+    if how == "success":
+        run_dir.set_status("success")
+    status = json.loads((path / "status.json").read_text())
+    if how == "kill -9":  # no process left, status still 'running'
+        (path / "status.json").write_text(json.dumps({**status, "pid": 2**22 + 12345}))
+    run_dir.forget_current()
+    if how == "kill -9":
+        assert run_dir.create_run_dir(str(tmp_path / "r"), "sft", CFG, continues=True) == path
+        assert (path / "checkpoint-2").is_dir() and run_dir.read_status(path)["pid"] == os.getpid()
+    else:
+        with pytest.raises(ConfigError, match="already holds a run"):
+            run_dir.create_run_dir(str(tmp_path / "r"), "sft", CFG, continues=True)
+        assert run_dir.read_status(path)["state"] == status["state"]

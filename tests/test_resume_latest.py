@@ -72,3 +72,33 @@ def test_latest_with_a_time_stamped_output_dir_is_one_line(tmp_path, cache):
 def test_latest_in_the_demo_is_refused_by_name():
     with pytest.raises(ConfigError, match="sft.train.resume_from=latest: the demo runs its phases in a new run directory"):
         load_config(DemoConfig, None, ["sft.train.resume_from=latest"])
+
+
+def test_rl_continues_from_its_latest_checkpoint_to_the_uninterrupted_weights(tmp_path, monkeypatch):
+    """The rl loop resolves `latest` the same way (in process, small task: the status an
+    interrupted launch leaves is written as exactrl/cli.py's _run writes it)."""
+    from exactrl import run_dir
+    from exactrl.algorithms.rl import train_rl
+    from exactrl.config import RLConfig
+    from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin
+
+    monkeypatch.setenv("EXACTRL_CACHE", str(tmp_path / "cache"))
+    spec = BuiltinSpec(n_sft=200, n_rl=40, n_eval=10)
+    ensure_builtin(spec)  # built before the first run: a train_rl that builds it samples other responses
+    common = ["data.eval=null", "train.global_batch_size=8", "train.micro_batch_size=4", "algo.group_size=4",
+              "train.max_steps=4", "rollout.max_new_tokens=8", "optim.lr=1e-3", "reward.fn=reward_fixtures:varied",
+              "train.save_every=2"]
+    full = train_rl(load_config(RLConfig, None, [*common, f"output_dir={tmp_path / 'full'}"]), spec=spec)
+    run_dir.forget_current()
+    out = tmp_path / "run"
+    cfg = [*common, "train.resume_from=latest", f"output_dir={out}"]
+    with monkeypatch.context() as m:
+        stop_after(m, 3)
+        with pytest.raises(KeyboardInterrupt):
+            train_rl(load_config(RLConfig, None, cfg), spec=spec)
+    run_dir.set_status("interrupted", "SIGINT")
+    run_dir.forget_current()
+    again = train_rl(load_config(RLConfig, None, cfg), spec=spec)
+    run_dir.forget_current()
+    assert again.run_dir == out and same_weights(full.final_model, again.final_model)
+    assert not same_weights(again.final_model, out / "checkpoint-2")

@@ -14,6 +14,7 @@ and ``process_group_backend`` gives NCCL exactly when the device is a GPU.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -49,6 +50,10 @@ def use_device(setting: str = "auto") -> torch.device:
         raise DeviceError(f"distributed.device={setting} gives {device}, but this process already runs on {_process_device}")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    else:
+        # accelerate imports DeepSpeed in every save_pretrained when it is installed, whatever the backend; told
+        # the answer, DeepSpeed skips its accelerator probe and its "Setting accelerator to CPU" line.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     _process_device = device
     return device
 
@@ -61,6 +66,22 @@ def check_device(cfg) -> torch.device:
         raise DeviceError("distributed.fsdp_cpu_offload=true offloads from a GPU, and this process runs on the CPU "
                           f"(distributed.device={cfg.distributed.device}); set it to false")
     return device
+
+
+CPUINFO = Path("/proc/cpuinfo")
+# CPU flags of native bf16 arithmetic: x86's AVX512-BF16 and AMX-BF16, Arm's BF16 extension.
+BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}
+
+
+def cpu_lacks_native_bf16() -> bool:
+    """Whether this machine's CPU (as /proc/cpuinfo lists its flags) has no native bf16: its bf16
+    matmuls are then emulated, many times slower than fp32. False when the flags cannot be read."""
+    try:
+        lines = CPUINFO.read_text().splitlines()
+    except OSError:
+        return False
+    flags = {f for line in lines if line.startswith(("flags", "Features")) for f in line.split(":", 1)[-1].split()}
+    return bool(flags) and not flags & BF16_FLAGS
 
 
 def process_device() -> torch.device:

@@ -37,7 +37,8 @@ class PlainProgress:
               f"{rate:.3g} {self.unit}/s, "
               f"ETA {eta:.0f} s{self._postfix}", file=self.file, flush=True)
 
-    def set_postfix(self, **values) -> None:
+    def set_postfix(self, refresh: bool = False, **values) -> None:
+        """tqdm's signature; ``refresh`` is moot here: only update() prints, on its own cadence."""
         self._postfix = "".join(f", {k}={v}" for k, v in values.items())
 
     def write(self, text: str) -> None:

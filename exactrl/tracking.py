@@ -12,7 +12,11 @@ import importlib
 import json
 import os
 import shutil
+import ssl
+import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -24,6 +28,8 @@ NOT_SCALARS = ("phase", "step", "time")
 # The run directory's files every tracker receives as metadata (sent again at the end: the start-up checks
 # add their figures to the manifest after the trackers have started).
 METADATA = ("config.yaml", "manifest.json")
+# How long an MLflow server may take to answer its health check before the run is refused.
+REACH_TIMEOUT_S = 5.0
 
 
 def requested(log) -> list[tuple[str, str, str]]:
@@ -34,14 +40,39 @@ def requested(log) -> list[tuple[str, str, str]]:
     return wanted
 
 
-def require_trackers(log) -> None:
-    """Fail in one line, before anything is written, when an asked-for tracker's package is missing."""
+def require_trackers(log, reach_servers: bool = True) -> None:
+    """Fail in one line, before anything is written, when an asked-for tracker's package is missing or (with
+    ``reach_servers``: the process that will log) its MLflow server does not answer."""
     for key, module, extra in requested(log):
         try:
             importlib.import_module(module)
         except ImportError as e:
             raise ConfigError(f"{key} needs the '{module}' package, which does not import ({e}): "
                               f"pip install 'exactrl[{extra}]', or unset {key}") from None
+    if reach_servers and log.mlflow.uri and urlparse(log.mlflow.uri).scheme in ("http", "https"):
+        reach_mlflow(log.mlflow.uri)
+
+
+def reach_mlflow(uri: str, timeout_s: float = REACH_TIMEOUT_S) -> None:
+    """One request of the API the run will use, so that a wrong address or a server that is down fails in seconds:
+    MLflow's client retries each call with exponential backoff, about 270 s of silence before its error."""
+    print(f"mlflow: connecting to {uri} ...", file=sys.stderr, flush=True)
+    url = uri.rstrip("/") + "/api/2.0/mlflow/experiments/search?max_results=1"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s):
+            return
+    except urllib.error.HTTPError as e:
+        if e.code in (401, 403):  # an MLflow server behind authentication: the credentials are MLflow's business
+            return
+        # 404 or 5xx: not an MLflow server, or a gateway that cannot reach one (MLflow would retry it for minutes)
+        problem = f"answered HTTP {e.code} {e.reason}: not an MLflow tracking server, or a proxy that cannot reach one"
+    except (OSError, ValueError) as e:  # refused, unknown host, timed out, malformed address
+        if isinstance(getattr(e, "reason", e), ssl.SSLCertVerificationError):
+            return  # it answered in TLS; which certificates to trust MLflow decides (MLFLOW_TRACKING_INSECURE_TLS...)
+        reason = " ".join(str(getattr(e, "reason", e)).split())
+        problem = f"could not be reached ({reason}; waited at most {timeout_s:g} s)"
+    raise ConfigError(f"log.mlflow.uri={uri}: {url} {problem}; start the server or fix the address, "
+                      f"or unset log.mlflow.uri")
 
 
 def scalars(record: dict) -> dict[str, float]:
@@ -65,8 +96,9 @@ def flat_config(cfg) -> dict:
 
 
 class TensorBoard:
-    """Event files in <run>/tensorboard/; scalars as float64 tensors, so the values read back are the logged ones
-    (add_scalar's default float32 would round them)."""
+    """Event files in <run>/tensorboard/, each value as a classic scalar summary: the form EventAccumulator.Scalars
+    and the dashboards' scalar views read (a tensor summary, even of the scalars plugin, they skip). Its field is
+    a float32, so TensorBoard shows each value rounded to 7 digits; metrics.jsonl keeps them exact."""
 
     def __init__(self, log, run_dir: Path, name: str, params: dict):
         from torch.utils.tensorboard import SummaryWriter
@@ -84,7 +116,7 @@ class TensorBoard:
 
     def log(self, step: int, values: dict[str, float]) -> None:
         for key, value in values.items():
-            self.writer.add_scalar(key, value, step, new_style=True, double_precision=True)
+            self.writer.add_scalar(key, value, step)
         self.writer.flush()  # a run that crashes keeps what it logged
 
     def close(self, last_step: int) -> None:
@@ -100,8 +132,11 @@ class WandB:
 
         w = log.wandb
         self.run_dir = run_dir
-        self.run = wandb.init(project=w.project, entity=w.entity, name=w.name or name, mode=w.mode, dir=str(run_dir),
-                              config=params)
+        # An unset key is passed as None, which W&B fills from its documented WANDB_* variables (WANDB_MODE=offline
+        # on a cluster without network, WANDB_ENTITY...); a value here would override them.
+        default_name = None if "WANDB_NAME" in os.environ else name
+        self.run = wandb.init(project=w.project, entity=w.entity, name=w.name or default_name, mode=w.mode,
+                              dir=str(run_dir), config=params)
         self._files()
 
     def _files(self) -> None:

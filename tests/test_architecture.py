@@ -106,21 +106,34 @@ def test_the_typed_batch_refuses_undeclared_fields_and_collates_declared_ones():
 
 
 def test_an_algorithms_own_section_and_its_old_flat_keys(tmp_path):
-    from exactrl.algorithms.registry import check_algorithm_config
     from exactrl.config import ConfigError, DemoConfig, RLConfig, load_config
 
     old = tmp_path / "old.yaml"  # a config (or checkpoint) written before algo.gae / algo.dapo existed
-    old.write_text("algo:\n  name: ppo\n  lam: 0.8\n  whiten_advantages: false\n  max_refill_rounds: 3\n")
+    old.write_text("algo:\n  name: ppo\n  lam: 0.8\n  whiten_advantages: false\n")
     with pytest.warns(FutureWarning, match="'algo.lam' is now 'algo.gae.lam'"):
         cfg = load_config(RLConfig, old)
-    assert (cfg.algo.gae.lam, cfg.algo.gae.whiten_advantages, cfg.algo.dapo.max_refill_rounds) == (0.8, False, 3)
+    assert (cfg.algo.gae.lam, cfg.algo.gae.whiten_advantages) == (0.8, False)
     with pytest.warns(FutureWarning, match="'algo.max_refill_rounds' is now 'algo.dapo.max_refill_rounds'"):
-        assert load_config(DemoConfig, None, ["rl.algo.max_refill_rounds=4"]).rl.algo.dapo.max_refill_rounds == 4
-    assert check_algorithm_config(load_config(RLConfig, None, ["algo.name=ppo", "algo.gae.lam=0.5"]).algo).critic
-    with pytest.raises(ConfigError, match=r"algo.gae.\* is set \(lam=0.5 .*\) but belongs to algo.name=ppo, not grpo"):
-        check_algorithm_config(load_config(RLConfig, None, ["algo.name=grpo", "algo.gae.lam=0.5"]).algo)
-    with pytest.raises(ConfigError, match=r"algo.dapo.\* is set .* belongs to algo.name=dapo, not ppo"):
-        check_algorithm_config(load_config(RLConfig, None, ["algo.name=ppo", "algo.dapo.max_refill_rounds=2"]).algo)
+        cfg = load_config(DemoConfig, None, ["rl.algo.name=dapo", "rl.algo.max_refill_rounds=4"])
+    assert cfg.rl.algo.dapo.max_refill_rounds == 4
+    assert load_config(RLConfig, None, ["algo.name=ppo", "algo.gae.lam=0.5"]).algo.gae.lam == 0.5
+    with pytest.raises(ConfigError, match=r"algo.gae.lam=0.5 has no effect: only ppo .*\(algo.name=grpo\)"):
+        load_config(RLConfig, None, ["algo.name=grpo", "algo.gae.lam=0.5"])
+    with pytest.raises(ConfigError, match=r"algo.dapo.max_refill_rounds=2 has no effect: .*dapo's \(algo.name=ppo\)"):
+        load_config(RLConfig, None, ["algo.name=ppo", "algo.dapo.max_refill_rounds=2"])
+
+
+def test_which_algorithms_use_a_setting_agrees_with_the_registry():
+    """schema.py's lists of which algorithms use critic.* / algo.gae.*, algo.std_normalize and
+    algo.gamma (config cannot import the registry) say what the registry's entries do."""
+    from exactrl.algorithms.registry import ALGORITHMS
+    from exactrl.config.schema import CRITIC_ALGOS, DISCOUNT_ALGOS, STD_ALGOS
+
+    assert {a.name for a in ALGORITHMS.values() if a.critic} == {a.name for a in ALGORITHMS.values() if a.config == "gae"}
+    assert {a.name for a in ALGORITHMS.values() if a.critic} == set(CRITIC_ALGOS)
+    assert {a.name for a in ALGORITHMS.values() if a.advantage == "grpo"} == set(STD_ALGOS)
+    discounting = {"gae", "reinforce_pp", "reinforce_pp_baseline"}  # the estimators that read x.gamma
+    assert {a.name for a in ALGORITHMS.values() if a.advantage in discounting} == set(DISCOUNT_ALGOS)
 
 
 def module_imports(path: Path) -> set[str]:

@@ -31,8 +31,9 @@ def examples(tokenizer):
 
 
 def cfg(*extra):
+    norm = ["train.loss_agg_norm=16"] if "train.loss_agg=seq-mean-token-sum-norm" in extra else []  # only that mode reads it
     return load_config(SFTConfig, None, ["optim.name=sgd", "optim.lr=0.1", "train.global_batch_size=8",
-                                         "train.micro_batch_size=2", "train.loss_agg_norm=16", *extra])
+                                         "train.micro_batch_size=2", *norm, *extra])
 
 
 class DropsGradient(SingleEngine):

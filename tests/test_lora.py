@@ -183,6 +183,16 @@ def test_named_targets_get_adapters_and_all_linear_spares_the_head(make_model):
                                                                 "up_proj", "down_proj"}
 
 
+def test_one_target_name_on_the_command_line_is_a_suffix_not_a_regex(make_model):
+    """peft reads a string as a regex over full module names: model.lora.target_modules=q_proj
+    crashed in peft ('Target modules q_proj not found in the base model')."""
+    lora = load_config(SFTConfig, None, ["model.lora.rank=2", "model.lora.target_modules=q_proj"]).model.lora
+    assert lora.target_modules == ["q_proj"]
+    assert {n.split(".")[-4] for n in adapter_names(apply_lora(make_model(0), lora))} == {"q_proj"}
+    with pytest.raises(LoraError, match="'qproj' matches no linear layer of the model; it has down_proj, gate_proj"):
+        apply_lora(make_model(0), LoraConfig(rank=2, target_modules="qproj"))
+
+
 # ---------------------------------------------------------------- (e) what final/ holds
 
 

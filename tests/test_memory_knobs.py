@@ -68,3 +68,19 @@ def test_gradient_checkpointing_recomputes_and_gives_the_same_gradients(tokenize
         assert forwards[packed, True] == 2 * forwards[packed, False]  # each layer's MLP ran again in backward
         for a, b in zip(grads[packed, True], grads[packed, False]):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+
+
+def test_gradient_checkpointing_on_a_model_without_it_is_one_line():
+    """JetMoe's transformers class does not support it: a 145-line traceback from inside
+    transformers before; now the config error names the class."""
+    from transformers import AutoModelForCausalLM, JetMoeConfig
+
+    from exactrl.config import ConfigError
+    from exactrl.distributed.engine import enable_gradient_checkpointing
+
+    model = AutoModelForCausalLM.from_config(JetMoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, kv_channels=8,
+                                                          num_key_value_heads=2, intermediate_size=32, num_local_experts=2,
+                                                          num_experts_per_tok=1))
+    with pytest.raises(ConfigError, match=r"^train.gradient_checkpointing=true: JetMoeForCausalLM does not support it .*"
+                                          r"set train.gradient_checkpointing=false$"):
+        enable_gradient_checkpointing(model)

@@ -55,6 +55,19 @@ def test_changed_keys_are_named_and_can_be_allowed(tmp_path, sft_run):
                "train.micro_batch_size=2", "train.log_every=1", "train.max_steps=5")
 
 
+def test_keys_the_checkpoints_tensors_depend_on_cannot_be_allowed_to_change(tmp_path, sft_run):
+    """A resume with another LoRA rank was told to list model.lora.rank in train.resume_allow_changes,
+    which then failed on the adapter's shapes ('56 tensors saved, 56 expected')."""
+    with pytest.raises(CheckpointError, match=r"in model.lora.rank: 0 -> 4 \(it sets the shapes of the adapters .*\)\. A resume "
+                                              r"cannot change that: restore") as info:
+        resume_sft(tmp_path, sft_run / "checkpoint-2", "model.lora.rank=4", "train.seed=1")
+    assert "resume_allow_changes=" not in str(info.value)
+    with pytest.raises(CheckpointError, match=r"train.resume_allow_changes: model.lora.rank cannot change on resume: it sets the "
+                                              r"shapes .*; resume with model.lora.rank=0 \(the checkpoint's run's\)"):
+        resume_sft(tmp_path, sft_run / "checkpoint-2", "model.lora.rank=4", "train.resume_allow_changes=[model.lora.rank]")
+    assert not (tmp_path / "r").exists()
+
+
 def test_max_steps_behind_the_checkpoint_is_an_error(tmp_path, sft_run):
     with pytest.raises(CheckpointError, match=r"is at step 3, and this run ends at step 3 .*raise train.max_steps"):
         resume_sft(tmp_path, sft_run / "checkpoint-3", "train.max_steps=3")

@@ -4,25 +4,30 @@ from __future__ import annotations
 
 import math
 import random
+import warnings
 
 import numpy as np
 import torch
 
 from exactrl.config.loader import ConfigError
 from exactrl.config.schema import check_layout, check_rl_layout
-from exactrl.device import check_device
-from exactrl.distributed.launch import world_size
+from exactrl.device import check_device, cpu_lacks_native_bf16
+from exactrl.distributed.launch import rank, world_size
 
 
 def check_world(cfg) -> None:
     """The config against the real number of processes (torchrun may have started more)."""
     try:
-        check_device(cfg)  # before any process group or model: both follow it
+        device = check_device(cfg)  # before any process group or model: both follow it
         check_layout(cfg, world_size())
         if hasattr(cfg, "algo"):
             check_rl_layout(cfg, world_size())
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if cfg.model.dtype == "bf16" and device.type == "cpu" and cpu_lacks_native_bf16() and rank() == 0:
+        warnings.warn("model.dtype=bf16 on a CPU without native bf16 (no avx512_bf16, amx_bf16 or bf16 among its flags in "
+                      "/proc/cpuinfo): its bf16 matmuls are emulated, many times slower than fp32; set model.dtype=fp32",
+                      UserWarning, stacklevel=2)
 
 
 def seed_everything(seed: int) -> None:

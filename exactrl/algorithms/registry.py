@@ -8,8 +8,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from exactrl.config.loader import ConfigError
-from exactrl.config.schema import AlgoConfig
 from exactrl.registry import Registry
 from exactrl.rollout.collect import collect_dynamic_rollout, plain_rollout
 
@@ -25,7 +23,7 @@ class Algorithm:
     rollout: Callable = plain_rollout  # (generator, prompts, indices, rollout, rewards, cfg) -> (samples, stats)
     loss_agg: str | None = None  # the aggregation the method's paper prescribes; others get a warning
     group_baseline: bool = True  # compares responses to the same prompt (schema.py's GROUP_ALGOS: algo.group_size >= 2)
-    config: str | None = None  # its own sub-section of algo (algo.gae, algo.dapo), which other algorithms leave alone
+    config: str | None = None  # its own sub-section of algo (algo.gae, algo.dapo); set under another algorithm it is refused (schema.USED_WHEN)
 
 
 ALGORITHMS: Registry[Algorithm] = Registry("algo.name")
@@ -43,17 +41,4 @@ for algorithm in (
     Algorithm("dapo", "grpo", "ppo", "Yu et al. 2025, arXiv 2503.14476", rollout=collect_dynamic_rollout, config="dapo"),
 ):
     ALGORITHMS.add(algorithm.name, algorithm)
-
-
-def check_algorithm_config(algo: AlgoConfig) -> Algorithm:
-    """algo.name's entry, once no other algorithm's sub-section was set: algo.gae.lam under
-    grpo would change nothing, and a setting that silently does nothing is a mistake."""
-    chosen = ALGORITHMS.lookup(algo.name)
-    for other in ALGORITHMS.values():
-        section = other.config
-        if section and section != chosen.config and getattr(algo, section) != type(getattr(algo, section))():
-            owners = ", ".join(a.name for a in ALGORITHMS.values() if a.config == section)
-            raise ConfigError(f"algo.{section}.* is set ({getattr(algo, section)}) but belongs to algo.name={owners}, "
-                              f"not {algo.name}; remove it or change algo.name")
-    return chosen
 

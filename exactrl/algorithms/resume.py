@@ -27,6 +27,14 @@ MAY_CHANGE = ("output_dir", "train.max_steps", "train.epochs", "train.save_every
               "train.generation_check", "train.generation_check_tol", "data.eval", "data.eval_size", "eval.", "audit.",
               "log.", "reward.timeout", "reward.retries", "distributed.nproc_per_node", "model.lora.merge_on_save")
 
+# Keys the checkpoint's tensors depend on: a model built with another value cannot load them
+# (other adapter shapes, other layers, another architecture or base), so no resume may change
+# them, even when listed in train.resume_allow_changes.
+FIXED = {"model.path": "the checkpoint's weights were trained from that model (its architecture, and LoRA's base)",
+         "model.lora.rank": "it sets the shapes of the adapters the checkpoint holds",
+         "model.lora.target_modules": "it decides which layers hold the checkpoint's adapters",
+         "critic.path": "the checkpoint's critic was built from that model's architecture"}
+
 
 def _flat(d: dict, prefix: str = "") -> dict:
     out = {}
@@ -87,9 +95,19 @@ def check_resume(cfg, command: str, steps: int) -> None:
         raise CheckpointError(f"train.resume_from: '{saved_path}' (the checkpoint's run config) cannot be read; resume "
                               "needs it to check that data and layout are unchanged") from None
     now = cfg.model_dump(mode="json")
-    diff = changed_keys(saved if isinstance(saved, dict) else {}, now, cfg.train.resume_allow_changes)
+    saved = saved if isinstance(saved, dict) else {}
+    flat_saved, flat_now = _flat(saved), _flat(now)
+    for key in cfg.train.resume_allow_changes:
+        if key in FIXED:
+            raise CheckpointError(f"train.resume_allow_changes: {key} cannot change on resume: {FIXED[key]}; resume with "
+                                  f"{key}={flat_saved.get(key)!r} (the checkpoint's run's), or start a new run")
+    diff = changed_keys(saved, now, cfg.train.resume_allow_changes)
+    fixed = [k for k in diff if k in FIXED]
+    if fixed:
+        shown = "; ".join(f"{k}: {flat_saved.get(k)!r} -> {flat_now.get(k)!r} ({FIXED[k]})" for k in fixed)
+        raise CheckpointError(f"train.resume_from: this config differs from the checkpoint's run ({saved_path}) in {shown}. "
+                              "A resume cannot change that: restore the checkpoint's run's value, or start a new run")
     if diff:
-        flat_saved, flat_now = _flat(saved), _flat(now)
         shown = "; ".join(f"{k}: {flat_saved.get(k)!r} -> {flat_now.get(k)!r}" for k in diff)
         raise CheckpointError(f"train.resume_from: this config differs from the checkpoint's run ({saved_path}) "
                               f"in {shown}. Exact resume needs the same data and layout: restore them, or continue anyway with "

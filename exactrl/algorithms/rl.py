@@ -33,7 +33,7 @@ from exactrl.advantages import AdvantageInput, get_advantage
 from exactrl.advantages.estimators import EPS, whiten
 from exactrl.algorithms.sft import resolve
 from exactrl.algorithms.common import check_data_size, check_world, seed_everything
-from exactrl.algorithms.registry import ALGORITHMS, check_algorithm_config
+from exactrl.algorithms.registry import ALGORITHMS
 from exactrl.algorithms.resume import prepare_resume
 from exactrl.checks.on_policy import OnPolicyCheckError, check_on_policy
 from exactrl.config.schema import RLConfig
@@ -222,7 +222,7 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     seed_everything(cfg.train.seed + rank())  # each rank samples its own responses
     for message in fragile_settings(cfg) if rank() == 0 else []:
         warnings.warn(message, UserWarning, stacklevel=2)
-    a, t, alg = cfg.algo, cfg.train, check_algorithm_config(cfg.algo)
+    a, t, alg = cfg.algo, cfg.train, ALGORITHMS.lookup(cfg.algo.name)
     model_path = model_path or resolve(cfg.model.path, "model", spec)
     train_path, eval_path = resolve(cfg.data.train, "rl_train", spec), resolve(eval_data(cfg), "eval", spec)
     tok = load_tokenizer(model_path)

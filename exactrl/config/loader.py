@@ -15,7 +15,7 @@ from typing import Any, TypeVar, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from exactrl.config.schema import RENAMED
+from exactrl.config.schema import ALIASES, RENAMED, USED_WHEN, CommonConfig
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -44,9 +44,21 @@ def valid_keys(cls: type[BaseModel], prefix: str = "") -> list[str]:
 
 
 def _suggest(key: str, keys: list[str]) -> str:
-    """The valid key (or section) nearest to ``key``, matching sections and leaf separately: a
-    misspelt section ('trian.max_steps') keeps its leaf, a misspelt leaf keeps its section."""
+    """The valid key (or section) nearest to ``key``: another framework's name for it (schema.ALIASES,
+    'learning_rate' -> 'optim.lr', in the demo's sections too), else the closest spelling, matching
+    sections and leaf separately: a misspelt section ('trian.max_steps') keeps its leaf, a
+    misspelt leaf keeps its section."""
     *sections, leaf = key.split(".")
+    if leaf in ALIASES:
+        target, how = ALIASES[leaf]
+        # 'rl.model.lora.r' -> 'rl.model.lora.rank'; the demo's top-level 'lora_alpha' -> 'sft.model.lora.alpha'
+        found = [c for i in range(len(sections) + 1) if (c := ".".join([*sections[:i], target])) in keys]
+        found += [k for k in keys if k.endswith("." + target)]
+        section = ".".join(sections)
+        if any(k.startswith(section + ".") for k in keys):  # a real section ('optim.epsilon'): stay in it
+            found = [c for c in found if c.startswith(section + ".")]
+        if found:
+            return f"; did you mean '{found[0]}'?{how}"
     candidates = sorted(set(keys) | {k.rsplit(".", 1)[0] for k in keys if "." in k})
 
     def score(candidate: str) -> float:
@@ -130,16 +142,18 @@ def _set(data: dict, path: list[str], value: Any) -> None:
 def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> T:
     """Load ``cls`` from an optional YAML file, then apply ``key.path=value`` overrides in order."""
     data: dict = {}
+    origins: dict[str, str] = {}  # dotted key -> where it was last set ('file:line', "override 'k=v'"), for errors
     if path is not None:
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file '{p}' does not exist")
         text = _read_text(p)
         try:
-            _check_scalars(yaml.compose(text), p)
+            lines = _check_nodes(yaml.compose(text), p)
             loaded = yaml.safe_load(text)
         except yaml.YAMLError as e:
             raise ConfigError(f"{p}: not valid YAML: {e}") from None
+        origins |= {key: f"{p}:{line}" for key, line in lines.items()}
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of sections, got {type(loaded).__name__}")
         data = loaded or {}
@@ -158,10 +172,15 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
         if isinstance(value, (int, float)) and _is_str_field(cls, key_path):
             value = text.split("=", 1)[1]  # model.path=123 means the path "123" (bool is an int too: yes/no stay text)
         _set(merged, key_path, value)
+        dotted = ".".join(key_path)
+        origins = {k: v for k, v in origins.items() if k != dotted and not k.startswith(dotted + ".")}
+        origins[dotted] = f"override '{text}'"
     try:
-        return cls.model_validate(merged)
+        cfg = cls.model_validate(merged)
     except ValidationError as e:
-        raise ConfigError(_explain(e, path)) from None
+        raise ConfigError(_explain(e, origins, keys)) from None
+    check_used(cfg, cls(), keys, origins)
+    return cfg
 
 
 def _read_text(p: Path) -> str:
@@ -181,12 +200,14 @@ def _encodable(text: str) -> bool:
         return False
 
 
-def _check_scalars(node, p: Path) -> None:
-    """A YAML escape such as "\\ud800" yields a lone surrogate, which no file, tokenizer or
-    log can hold: refuse it at its line. Iterative, each node once (aliases share nodes)."""
-    stack, seen = [node] if node is not None else [], set()
+def _check_nodes(node, p: Path) -> dict[str, int]:
+    """Refuse at its line what PyYAML would load without a word: a key given twice in one
+    mapping (the last would win: a second `train:` section replaces the first whole), and a
+    lone surrogate from an escape such as "\\ud800", which no file, tokenizer or log can hold.
+    Returns the line of each dotted key. Iterative, each node once (aliases share nodes)."""
+    stack, seen, lines = [(node, "")] if node is not None else [], set(), {}
     while stack:
-        n = stack.pop()
+        n, prefix = stack.pop()
         if id(n) in seen:
             continue
         seen.add(id(n))
@@ -195,9 +216,18 @@ def _check_scalars(node, p: Path) -> None:
                 raise ConfigError(f"{p}:{n.start_mark.line + 1}: {n.value!r} holds a lone surrogate "
                                   "(not valid Unicode text)")
         elif isinstance(n, yaml.MappingNode):
-            stack.extend(x for pair in n.value for x in pair)
+            first: dict[str, int] = {}
+            for key, value in n.value:
+                line = key.start_mark.line + 1
+                if isinstance(key, yaml.ScalarNode) and key.value != "<<":  # '<<' is YAML's merge key
+                    if key.value in first:
+                        raise ConfigError(f"{p}:{line}: duplicate key '{prefix}{key.value}' (first at line "
+                                          f"{first[key.value]}); keep one")
+                    first[key.value] = lines[f"{prefix}{key.value}"] = line
+                stack += [(key, prefix), (value, f"{prefix}{key.value}." if isinstance(key, yaml.ScalarNode) else prefix)]
         else:
-            stack.extend(n.value)
+            stack.extend((x, prefix) for x in n.value)
+    return lines
 
 
 def _is_str_field(cls: type[BaseModel], path: list[str]) -> bool:
@@ -220,21 +250,79 @@ def _nest(path: list[str], value: Any) -> dict:
     return value
 
 
-def _explain(e: ValidationError, path) -> str:
-    lines = [f"invalid configuration{f' in {path}' if path else ''}:"]
+def _origin(key: str, origins: dict[str, str]) -> str | None:
+    """Where ``key`` or the section holding it was last set (None: it kept its default)."""
+    parts = key.split(".")
+    return next((origins[k] for i in range(len(parts), 0, -1) if (k := ".".join(parts[:i])) in origins), None)
+
+
+def _full_keys(msg: str, loc: tuple, keys: list[str]) -> str:
+    """A cross-field check names keys from its command's root ('train.micro_batch_size',
+    'model.lora.target_modules'); inside the demo's 'sft' section they are 'sft.train...'. Put
+    the shortest part of the check's location in front that makes each a key of the config."""
+    known = set(keys) | {k.rsplit(".", i)[0] for k in keys for i in range(1, k.count(".") + 1)}
+
+    def full(m: re.Match) -> str:
+        for i in range(len(loc) + 1):
+            candidate = ".".join([*map(str, loc[:i]), m.group(1)])
+            if candidate in known:
+                return candidate
+        return m.group(1)
+
+    return re.sub(r"(?<![\w.])([a-z_]+(?:\.[a-z_]+)+)", full, msg)
+
+
+def _explain(e: ValidationError, origins: dict[str, str], keys: list[str]) -> str:
+    """One line per problem, led by where the offending value came from: the file and line, or
+    the command-line override (a bad override is not the file's fault)."""
+    problems = []
     for err in e.errors():
-        if err["type"] == "value_error":  # our own cross-field checks name their keys within their section
-            msg = err["msg"].removeprefix("Value error, ")
-            if err["loc"]:  # e.g. the demo's 'sft' section: train.x -> sft.train.x
-                prefix = ".".join(str(x) for x in err["loc"]) + "."
-                msg = re.sub(r"(?<![\w.])([a-z_]+\.[a-z_]+)", lambda m: prefix + m.group(1), msg)
-            lines.append("  " + msg)
-            continue
-        key = ".".join(str(x) for x in err["loc"])
-        lines.append(f"  {key}: {err['msg']} (given: {err['input']!r})")
-    if len(lines) == 2:  # one problem: one line
-        return f"{lines[0]} {lines[1].strip()}"
-    return "\n".join(lines)
+        if err["type"] == "value_error":  # our own cross-field checks name their keys
+            body = _full_keys(err["msg"].removeprefix("Value error, "), err["loc"], keys)
+            named = re.findall(r"(?<![\w.])([a-z_]+(?:\.[a-z_]+)+)", body)
+        else:
+            named = [".".join(str(x) for x in err["loc"])]
+            body = f"{named[0]}: {err['msg']} (given: {err['input']!r})"
+        where = list(dict.fromkeys(o for k in named if (o := _origin(k, origins))))
+        problems.append(f"{'; '.join(where) or 'invalid configuration'}: {body}")
+    if len(problems) == 1:
+        return problems[0]
+    return "\n".join(["invalid configuration:", *("  " + p for p in problems)])
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out |= _flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}
+    return out
+
+
+def _show(value: Any) -> str:
+    """A value as it is typed on the command line: [q_proj,v_proj], true, null."""
+    if isinstance(value, list):
+        return "[" + ",".join(_show(v) for v in value) + "]"
+    return yaml.safe_dump(value, default_flow_style=True).removesuffix("\n...\n").strip()
+
+
+def check_used(cfg: BaseModel, defaults: BaseModel, keys: list[str] | None = None, origins: dict[str, str] | None = None,
+               prefix: str = "") -> None:
+    """Refuse a key set to other than the command's default (``defaults``; a resolved config.yaml
+    holds every key, those at their defaults pass) that this run cannot use (schema.USED_WHEN),
+    naming where it was set (``origins``, as load_config records them). The demo's phases, each
+    a whole command's config, are checked against their own defaults."""
+    keys = keys if keys is not None else valid_keys(type(cfg))
+    if isinstance(cfg, CommonConfig):
+        now, default = _flat(cfg.model_dump(mode="json")), _flat(defaults.model_dump(mode="json"))
+        loc = tuple(prefix.split(".")[:-1])
+        for key in (k for k in now if now[k] != default.get(k)):
+            for row in USED_WHEN:
+                if (key.startswith(row.key) if row.key.endswith(".") else key == row.key) and not row.used(cfg):
+                    where = _origin(prefix + key, origins or {})
+                    raise ConfigError((f"{where}: " if where else "") + _full_keys(
+                        f"{key}={_show(now[key])} has no effect: {row.why_not.format(c=cfg)}; {row.fix} or remove it", loc, keys))
+    for name in type(cfg).model_fields:
+        if isinstance(getattr(cfg, name), CommonConfig):
+            check_used(getattr(cfg, name), getattr(defaults, name), keys, origins, f"{prefix}{name}.")
 
 
 def dump_config(cfg: BaseModel, path: str | Path) -> None:

@@ -6,9 +6,17 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from collections.abc import Callable
+from typing import Annotated, Literal, NamedTuple
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 # YAML 1.1 reads a bare `off` as false; accept it as the word the user meant.
 CheckPolicy = Annotated[Literal["error", "warn", "off"], BeforeValidator(lambda v: "off" if v is False else v)]
@@ -24,8 +32,15 @@ class LoraConfig(Section):
     rank: int = Field(0, ge=0, description="LoRA rank r (peft): train low-rank adapters B A (r x in, out x r) on the target layers and freeze the base weights; 0 = off (full fine-tuning).")
     alpha: float = Field(16.0, gt=0, description="LoRA scaling numerator: a target layer computes W x + (alpha / rank) B A x.")
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input (sft only: RL needs a deterministic forward, as model.disable_dropout).")
-    target_modules: str | list[str] = Field("all-linear", description="Layers that get adapters: 'all-linear' (every linear layer but the output head, as QLoRA found all are needed to match full fine-tuning) or a list of module-name suffixes, e.g. [q_proj,v_proj]; the output head (lm_head) cannot be one.")
+    target_modules: str | list[str] = Field("all-linear", description="Layers that get adapters: 'all-linear' (every linear layer but the output head, as QLoRA found all are needed to match full fine-tuning) or module-name suffixes, e.g. [q_proj,v_proj] (one name alone, q_proj, is a list of one); the output head (lm_head) cannot be one.")
     merge_on_save: bool = Field(False, description="Also write final/merged/: the base model with the adapters merged in, loadable by from_pretrained without peft.")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _one_name_is_a_list(cls, v):
+        # peft reads a string as a regex over full module names ('q_proj' matches nothing);
+        # one name typed on the command line (model.lora.target_modules=q_proj) means a suffix.
+        return [v] if isinstance(v, str) and v != "all-linear" else v
 
     @model_validator(mode="after")
     def _targets_given(self):
@@ -56,7 +71,7 @@ class DataConfig(Section):
 class TrainConfig(Section):
     global_batch_size: int = Field(64, gt=0, description="Samples per optimizer step, all ranks together.")
     micro_batch_size: int = Field(16, gt=0, description="Samples per rank per forward/backward.")
-    max_steps: int = Field(0, ge=0, description="Optimizer steps; 0 = derive from train.epochs.")
+    max_steps: int = Field(0, ge=0, description="Optimizer steps; 0 = derive from train.epochs. rl: a multiple of algo.ppo_epochs x algo.mini_batches (whole rollouts).")
     epochs: float = Field(1.0, gt=0, description="Passes over the training data when max_steps is 0.")
     max_grad_norm: float = Field(1.0, ge=0, description="Clip the full accumulated gradient to this norm (0 = off).")
     padding_free: bool = Field(True, description="Pack each micro-batch's sequences into one row for the training forwards (no compute on padding; attention stays within each sequence). false = right-padded batches.")
@@ -71,7 +86,7 @@ class TrainConfig(Section):
     eval_every: int = Field(0, ge=0, description="Steps between evaluations (0 = only at the end).")
     save_every: int = Field(0, ge=0, description="Steps between checkpoints (0 = only the final model).")
     resume_from: str | None = Field(None, description="A checkpoint-N directory to continue from (model, optimizer, scheduler, RNG, data position), or 'latest': continue this run in its own output_dir (a fixed path, without {time}) from its newest complete checkpoint, or start it from step 0 with a notice when it has none yet -- run the same command again after a preemption.")
-    resume_allow_changes: list[str] = Field([], description="Keys that may differ from the resumed checkpoint's run config (e.g. [train.global_batch_size]); others refuse the resume, as exact continuation needs the same data and layout. Always free: how long to run, logging/saving/eval cadence, output_dir, eval data, audit.*, log.*, train.micro_batch_size.")
+    resume_allow_changes: list[str] = Field([], description="Keys that may differ from the resumed checkpoint's run config (e.g. [train.global_batch_size]); others refuse the resume, as exact continuation needs the same data and layout. Always free: how long to run, logging/saving/eval cadence, output_dir, eval data, audit.*, log.*, train.micro_batch_size. Never allowed: model.path, model.lora.rank, model.lora.target_modules, critic.path (the checkpoint's tensors depend on them).")
     save_total_limit: int | None = Field(None, gt=0, description="Keep only the latest N checkpoints (an older one is deleted after the new one is complete); unset = keep all.")
     gradient_checkpointing: bool = Field(False, description="Recompute each decoder layer's activations during backward instead of storing them (Hugging Face's gradient_checkpointing_enable, non-reentrant): less memory, about one more forward per step; gradients unchanged.")
     logprob_chunk_size: int = Field(0, ge=0, description="Tokens per chunk when turning logits into log-probs and entropies: the fp32 log-softmax over the vocabulary is computed chunk by chunk, never for the whole micro-batch at once (log-softmax is per token, so the values and gradients are bit-identical). 0 = one chunk.")
@@ -117,14 +132,14 @@ class EvalConfig(Section):
 
 
 class WandbConfig(Section):
-    project: str | None = Field(None, description="Weights & Biases project to log to (pip install exactrl[wandb]); unset = no W&B.")
-    entity: str | None = Field(None, description="W&B team or user; unset = your default entity.")
-    name: str | None = Field(None, description="W&B run name; unset = <run directory name>-<command>.")
-    mode: Literal["online", "offline"] = Field("online", description="offline: write the W&B run only under <run>/wandb/ (upload later with `wandb sync`); online also sends it.")
+    project: str | None = Field(None, description="Weights & Biases project to log to (pip install exactrl[wandb]); unset = no W&B (WANDB_PROJECT alone does not switch it on).")
+    entity: str | None = Field(None, description="W&B team or user; unset = W&B's own choice (WANDB_ENTITY, else your default entity).")
+    name: str | None = Field(None, description="W&B run name; unset = WANDB_NAME, else <run directory name>-<command>.")
+    mode: Literal["online", "offline"] | None = Field(None, description="offline: write the W&B run only under <run>/wandb/ (upload later with `wandb sync`); online also sends it; unset = W&B's own choice (WANDB_MODE, else online).")
 
 
 class MlflowConfig(Section):
-    uri: str | None = Field(None, description="MLflow tracking URI to log to (pip install exactrl[mlflow]): http://host:5000, or file:///abs/path/mlruns for a local store; unset = no MLflow.")
+    uri: str | None = Field(None, description="MLflow tracking URI to log to (pip install exactrl[mlflow]): http://host:5000 (checked to answer within a few seconds before the run starts), or file:///abs/path/mlruns for a local store; unset = no MLflow.")
     experiment: str = Field("exactrl", description="MLflow experiment (created if missing).")
 
 
@@ -214,6 +229,33 @@ RENAMED = {"algo.lam": "algo.gae.lam", "algo.whiten_advantages": "algo.gae.white
            "algo.max_refill_rounds": "algo.dapo.max_refill_rounds"}
 
 
+# Names TRL, peft and OpenRLHF users type, -> exactrl's key (from the command's root) and, where
+# the meaning differs, how to translate: the loader suggests them before any spelling match.
+ALIASES = {
+    "learning_rate": ("optim.lr", ""), "lr_scheduler_type": ("optim.scheduler", ""),
+    "adam_beta1": ("optim.betas", " (both: optim.betas=[0.9,0.999])"), "adam_beta2": ("optim.betas", " (both: optim.betas=[0.9,0.999])"),
+    "adam_epsilon": ("optim.eps", ""),
+    "r": ("model.lora.rank", ""), "lora_r": ("model.lora.rank", ""), "lora_rank": ("model.lora.rank", ""),
+    "lora_alpha": ("model.lora.alpha", ""), "lora_dropout": ("model.lora.dropout", ""),
+    "target_modules": ("model.lora.target_modules", ""), "lora_target_modules": ("model.lora.target_modules", ""),
+    "model_name_or_path": ("model.path", ""), "pretrain": ("model.path", ""),
+    "bf16": ("model.dtype", " (model.dtype=bf16)"),
+    "max_seq_length": ("data.max_length", ""),
+    "per_device_train_batch_size": ("train.micro_batch_size", ""), "micro_train_batch_size": ("train.micro_batch_size", ""),
+    "train_batch_size": ("train.global_batch_size", " (samples per optimizer step, all ranks together)"),
+    "gradient_accumulation_steps": ("train.global_batch_size", (" exactrl derives the accumulation steps: set "
+                                    "train.global_batch_size = train.micro_batch_size x accumulation steps x ranks")),
+    "num_train_epochs": ("train.epochs", ""), "max_epochs": ("train.epochs", ""),
+    "max_grad_norm": ("train.max_grad_norm", ""), "logging_steps": ("train.log_every", ""),
+    "save_steps": ("train.save_every", ""), "eval_steps": ("train.eval_every", ""),
+    "beta": ("algo.kl_coef", " (the KL weight TRL calls beta)"), "init_kl_coef": ("algo.kl_coef", ""),
+    "num_generations": ("algo.group_size", ""), "n_samples_per_prompt": ("algo.group_size", ""),
+    "num_iterations": ("algo.ppo_epochs", ""), "epsilon": ("algo.clip_eps", ""), "eps_clip": ("algo.clip_eps", ""),
+    "epsilon_high": ("algo.clip_eps_high", ""),
+    "max_completion_length": ("rollout.max_new_tokens", ""), "generate_max_len": ("rollout.max_new_tokens", ""),
+}
+
+
 class AlgoConfig(Section):
     name: Literal[RL_ALGOS] = Field("grpo", description="RL algorithm: " + ", ".join(RL_ALGOS) + " (see `exactrl rl --help`).")
     group_size: int = Field(8, ge=1, description="Responses sampled per prompt (>= 2 for the group-baseline algorithms).")
@@ -278,6 +320,11 @@ class RLConfig(CommonConfig):
     @model_validator(mode="after")
     def _checkpoints_at_rollout_ends(self):
         per_rollout = self.algo.ppo_epochs * self.algo.mini_batches
+        if self.train.max_steps % per_rollout:
+            whole = -(-self.train.max_steps // per_rollout) * per_rollout
+            raise ValueError(f"train.max_steps={self.train.max_steps} must be a multiple of algo.ppo_epochs x algo.mini_batches = "
+                             f"{per_rollout}: each rollout feeds that many optimizer steps and a run trains whole rollouts "
+                             f"(set train.max_steps={whole}, or 0 to derive it from train.epochs)")
         if self.train.save_every % per_rollout:
             raise ValueError(f"train.save_every={self.train.save_every} must be a multiple of algo.ppo_epochs x algo.mini_batches = "
                              f"{per_rollout}: checkpoints are taken between rollouts, so a resumed run needs no half-used rollout")
@@ -307,8 +354,6 @@ class RLConfig(CommonConfig):
     @model_validator(mode="after")
     def _algorithm_needs(self):
         a = self.algo
-        if a.kl_target is not None and a.kl_coef <= 0:
-            raise ValueError("algo.kl_target needs a starting algo.kl_coef > 0 (the adaptive controller scales it)")
         if a.name in GROUP_ALGOS and a.group_size < 2:
             raise ValueError(f"algo.name={a.name} compares responses to the same prompt: algo.group_size must be >= 2 "
                              f"(given {a.group_size}); reinforce_pp works with 1")
@@ -378,6 +423,96 @@ class EvalCommandConfig(Section):
         if not p.n and unused:
             raise ValueError(f"{', '.join(unused)} set, but pass_at_k.n=0 draws no samples; set pass_at_k.n (samples per prompt)")
         return self
+
+
+# Which algorithms use which settings (algorithms/registry.py declares the same; tests check they agree).
+CRITIC_ALGOS = ("ppo",)  # train a critic (critic.*) and estimate advantages with GAE (algo.gae.*)
+STD_ALGOS = ("grpo", "gspo", "dapo")  # the grpo estimator: group-centred rewards / group std
+DISCOUNT_ALGOS = ("ppo", "reinforce_pp", "reinforce_pp_baseline")  # returns to go, discounted by algo.gamma
+
+
+class UsedWhen(NamedTuple):
+    """A key (or 'section.') that only some runs use: ``used(config)`` says whether this one does,
+    ``why_not`` (formatted with c=the config) why it does not, and ``fix`` what would use it."""
+
+    key: str
+    used: Callable[[CommonConfig], bool]
+    why_not: str
+    fix: str
+
+
+# No setting that silently does nothing (DESIGN.md): a key below set to other than the command's
+# default in a run that cannot use it is refused (config/loader.py, check_used). A new key whose
+# effect depends on another joins with one row; rows whose key a command lacks are skipped.
+USED_WHEN = [
+    UsedWhen("model.lora.", lambda c: c.model.lora.rank > 0, "LoRA is off (model.lora.rank=0)", "set model.lora.rank > 0"),
+    UsedWhen("critic.", lambda c: c.algo.name in CRITIC_ALGOS, "only ppo trains a critic (algo.name={c.algo.name})",
+             "set algo.name=ppo"),
+    UsedWhen("algo.gae.", lambda c: c.algo.name in CRITIC_ALGOS, "only ppo estimates advantages with GAE "
+             "(algo.name={c.algo.name})", "set algo.name=ppo"),
+    UsedWhen("algo.dapo.", lambda c: c.algo.name == "dapo", "dynamic sampling is dapo's (algo.name={c.algo.name})",
+             "set algo.name=dapo"),
+    UsedWhen("algo.std_normalize", lambda c: c.algo.name in STD_ALGOS, "algo.name={c.algo.name} does not divide by the "
+             "group std (only " + ", ".join(STD_ALGOS) + " do)", "use one of those"),
+    UsedWhen("algo.gamma", lambda c: c.algo.name in DISCOUNT_ALGOS, "algo.name={c.algo.name} does not discount returns "
+             "(only " + ", ".join(DISCOUNT_ALGOS) + " do)", "use one of those"),
+    UsedWhen("algo.kl_target", lambda c: c.algo.kl_coef > 0, "there is no KL term (algo.kl_coef=0)",
+             "set a starting algo.kl_coef > 0 (the adaptive controller scales it)"),
+    UsedWhen("algo.kl_in_reward", lambda c: c.algo.kl_coef > 0, "there is no KL term (algo.kl_coef=0)",
+             "set algo.kl_coef > 0"),
+    UsedWhen("algo.kl_estimator", lambda c: c.algo.kl_coef > 0, "there is no KL term (algo.kl_coef=0)",
+             "set algo.kl_coef > 0"),
+    UsedWhen("algo.kl_estimator", lambda c: not c.algo.kl_in_reward, "the KL in the reward is k1 per token "
+             "(algo.kl_in_reward=true)", "set algo.kl_in_reward=false"),
+    UsedWhen("algo.kl_horizon", lambda c: c.algo.kl_target is not None, "the KL coefficient is fixed (algo.kl_target "
+             "unset)", "set algo.kl_target"),
+    UsedWhen("algo.overlong_penalty", lambda c: c.algo.overlong_buffer > 0, "the overlong penalty is off "
+             "(algo.overlong_buffer=0)", "set algo.overlong_buffer > 0"),
+    UsedWhen("algo.clip_eps", lambda c: c.algo.policy_loss != "reinforce", "algo.policy_loss=reinforce does not clip",
+             "use another algo.policy_loss"),
+    UsedWhen("algo.clip_eps_high", lambda c: c.algo.policy_loss != "reinforce", "algo.policy_loss=reinforce does "
+             "not clip", "use another algo.policy_loss"),
+    UsedWhen("algo.ratio_tol", lambda c: c.algo.ratio_check != "off", "the on-policy check is off "
+             "(algo.ratio_check=off)", "set algo.ratio_check=error or warn"),
+    UsedWhen("reward.fn", lambda c: c.reward.url is None, "reward.url replaces it", "list the URL in reward.fn instead"),
+    UsedWhen("deepspeed.", lambda c: c.distributed.backend == "deepspeed", "the train engine is not DeepSpeed "
+             "(distributed.backend={c.distributed.backend})", "set distributed.backend=deepspeed"),
+    UsedWhen("distributed.fsdp_cpu_offload", lambda c: c.distributed.backend == "fsdp2", "the train engine is not "
+             "FSDP2 (distributed.backend={c.distributed.backend}; DeepSpeed has deepspeed.offload_*)",
+             "set distributed.backend=fsdp2"),
+    UsedWhen("train.loss_agg_norm", lambda c: c.train.loss_agg == "seq-mean-token-sum-norm", "only "
+             "train.loss_agg=seq-mean-token-sum-norm has a constant normaliser (train.loss_agg={c.train.loss_agg})",
+             "set that train.loss_agg"),
+    UsedWhen("train.packing_check_tol", lambda c: c.train.packing_check != "off", "the packing self-check is off "
+             "(train.packing_check=off)", "turn it on"),
+    UsedWhen("train.generation_check_tol", lambda c: c.train.generation_check != "off", "the generation self-check "
+             "is off (train.generation_check=off)", "turn it on"),
+    UsedWhen("train.save_total_limit", lambda c: c.train.save_every > 0, "no checkpoints are taken "
+             "(train.save_every=0)", "set train.save_every"),
+    UsedWhen("audit.canary_tol", lambda c: c.audit.canary != "off", "the canary is off (audit.canary=off)",
+             "turn it on"),
+    *(UsedWhen(f"log.wandb.{key}", lambda c: c.log.wandb.project is not None, "W&B is off (log.wandb.project unset)",
+               "set log.wandb.project") for key in ("entity", "name")),
+    # mode=online passes: every run's config.yaml held it while it was the default, and a replay of one must load.
+    UsedWhen("log.wandb.mode", lambda c: c.log.wandb.project is not None or c.log.wandb.mode == "online",
+             "W&B is off (log.wandb.project unset)", "set log.wandb.project"),
+    UsedWhen("log.mlflow.experiment", lambda c: c.log.mlflow.uri is not None, "MLflow is off (log.mlflow.uri unset)",
+             "set log.mlflow.uri"),
+    *(row for section in ("optim.", "critic.optim.") for row in (
+        UsedWhen(section + "momentum", lambda c, s=section: _optim(c, s).name == "sgd",
+                 f"{section}name=adamw has no momentum setting (its betas are {section}betas)", f"set {section}name=sgd"),
+        UsedWhen(section + "betas", lambda c, s=section: _optim(c, s).name == "adamw",
+                 f"{section}name=sgd has no betas (its momentum is {section}momentum)", f"set {section}name=adamw"),
+        UsedWhen(section + "eps", lambda c, s=section: _optim(c, s).name == "adamw", f"{section}name=sgd has no eps",
+                 f"set {section}name=adamw"),
+        UsedWhen(section + "min_lr_ratio", lambda c, s=section: _optim(c, s).scheduler != "constant",
+                 f"the learning rate is constant ({section}scheduler=constant)", f"set {section}scheduler=linear or cosine"),
+    )),
+]
+
+
+def _optim(cfg: CommonConfig, section: str) -> OptimConfig:
+    return cfg.critic.optim if section == "critic.optim." else cfg.optim
 
 
 class TaskConfig(Section):

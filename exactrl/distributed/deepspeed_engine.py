@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -32,6 +33,13 @@ from exactrl.distributed.optim import build_optimizer, lr_factor
 from exactrl.models import lora
 
 CANARY_SCALE = 2.0**-24
+# torch 2.13 deprecates the collectives DeepSpeed's communication layer calls (once per rank and run, nothing the
+# user can change); other warnings, torch's own included, stay shown.
+DEEPSPEED_CALLS_DEPRECATED = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
+
+
+def hide_deprecations_deepspeed_causes() -> None:
+    warnings.filterwarnings("ignore", message=DEEPSPEED_CALLS_DEPRECATED, category=FutureWarning)
 
 
 class _WithCanary(torch.nn.Module):
@@ -90,6 +98,7 @@ class DeepSpeedEngine(SingleEngine):
         if self.device.type == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         single_process_env()
+        hide_deprecations_deepspeed_causes()
         import deepspeed
 
         self.deepspeed = deepspeed

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from exactrl.checks.canary import Canary
+from exactrl.config.loader import ConfigError
 from exactrl.config.schema import AuditConfig, ModelConfig, OptimConfig, TrainConfig
 from exactrl.distributed.checkpoint import NonFiniteError, save_pretrained
 from exactrl.device import place, process_device, use_device
@@ -187,6 +188,10 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
     """Recompute each decoder layer's activations in backward instead of keeping them. The
     non-reentrant variant: it keeps the autograd graph intact (the reentrant one drops
     gradients of inputs that do not require grad and mishandles keyword arguments)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model: the model inside
+    if not getattr(base, "supports_gradient_checkpointing", False):
+        raise ConfigError(f"train.gradient_checkpointing=true: {type(base).__name__} does not support it (its "
+                          "supports_gradient_checkpointing is False in transformers); set train.gradient_checkpointing=false")
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)

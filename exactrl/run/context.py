@@ -47,7 +47,7 @@ def open_run(cfg, command: str, run_dir: Path | None, data_files: dict, continue
     """Create (or reuse, for a demo phase) the run directory; write config and manifest; open the
     metric sinks (metrics.jsonl and the trackers log.* asks for, exactrl/tracking.py).
     ``continues``: this launch continues the run in output_dir (train.resume_from=latest)."""
-    require_trackers(cfg.log)
+    require_trackers(cfg.log, reach_servers=is_main())
     if not is_main():
         path = run_dir or Path(broadcast_str(""))
         return path, MetricsLog(None)
@@ -87,8 +87,10 @@ class RunContext:
         """After completed step ``step``: the bar, then the periodic evaluation and checkpoint.
         ``workers``: name -> worker saved in a checkpoint, the policy under "policy" (None: absent);
         ``position``: what a resumed run needs to continue exactly (step, RNG states...)."""
+        # The figures first: update() is what prints a line (off a terminal, or past tqdm's mininterval), and a
+        # line printed before set_postfix would carry the previous step's loss/reward.
+        self.bar.set_postfix(**postfix, refresh=False)
         self.bar.update(1)
-        self.bar.set_postfix(**postfix)
         policy = workers["policy"]
         if self.eval_set and should(self.cfg.train.eval_every, step, self.steps):
             self.evaluate(step, policy.model, say=self.bar.write)

@@ -84,7 +84,7 @@ def main(backend: str, world: int, out_path: str) -> None:
             cfg = load_config(SFTConfig, None, [*layout, f"train.loss_agg={case['mode']}", "train.global_batch_size=8",
                                                 f"train.micro_batch_size={case['micro']}", "train.max_grad_norm=0",
                                                 f"optim.name={case['optim']}", f"optim.lr={lr}", "optim.scheduler=constant",
-                                                "optim.eps=1e-6"])
+                                                *(["optim.eps=1e-6"] if case["optim"] == "adamw" else [])])
             dtype = dtype_of(cfg)
             got = exactrl_run(lora_model(tok, dtype=dtype), steps, tok, cfg)
             if dist.get_rank() == 0:

@@ -186,13 +186,18 @@ def case_config(case, layout) -> RLConfig:
     lo, hi = case.get("clip", (0.2, 0.2))
     overrides = [*layout, f"distributed.nproc_per_node={dist.get_world_size() if dist.is_initialized() else 1}",
                  "train.global_batch_size=8", f"train.micro_batch_size={case['micro']}", f"train.loss_agg={case['mode']}",
-                 f"train.loss_agg_norm={NORM_LEN}", "train.max_grad_norm=0", "optim.name=sgd", f"optim.lr={LR}",
-                 "optim.scheduler=constant", f"algo.name={algo}", "algo.group_size=4", f"algo.clip_eps={lo}",
-                 f"algo.clip_eps_high={hi}", f"algo.kl_coef={case.get('kl', 0.0)}", f"algo.entropy_coef={case.get('entropy', 0.0)}",
-                 "algo.ratio_check=off", "critic.optim.name=sgd", f"critic.optim.lr={LR}",
-                 f"critic.value_clip={case.get('value_clip') or 'null'}"]
+                 "train.max_grad_norm=0", "optim.name=sgd", f"optim.lr={LR}",
+                 "optim.scheduler=constant", f"algo.name={algo}", "algo.group_size=4",
+                 f"algo.kl_coef={case.get('kl', 0.0)}", f"algo.entropy_coef={case.get('entropy', 0.0)}", "algo.ratio_check=off"]
+    # Only the keys this case's run uses (a key the run cannot use is refused, config/schema.py USED_WHEN).
+    if case["mode"] == "seq-mean-token-sum-norm":
+        overrides.append(f"train.loss_agg_norm={NORM_LEN}")
+    if algo == "ppo":
+        overrides += ["critic.optim.name=sgd", f"critic.optim.lr={LR}", f"critic.value_clip={case.get('value_clip') or 'null'}"]
     if case["loss"] == "reinforce":
         overrides.append("algo.policy_loss=reinforce")
+    else:
+        overrides += [f"algo.clip_eps={lo}", f"algo.clip_eps_high={hi}"]
     return load_config(RLConfig, None, overrides)
 
 

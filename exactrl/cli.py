@@ -7,7 +7,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 import yaml
@@ -16,6 +16,7 @@ from rich.markup import escape
 
 from exactrl.config import ConfigError, DemoConfig, RLConfig, SFTConfig, load_config
 from exactrl.config.loader import valid_keys
+from exactrl.config.schema import EvalCommandConfig
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="exactrl: LLM post-training where every optimizer step applies exactly the gradient asked for.")
@@ -25,7 +26,7 @@ ConfigOpt = typer.Option(None, "--config", "-c", help="YAML config file (e.g. ex
 OverridesArg = typer.Argument(None, help="Dotted overrides, e.g. optim.lr=3e-4 train.micro_batch_size=4")
 DemoOverridesArg = typer.Argument(None, help="Dotted overrides, e.g. task.n_sft=5000 sft.train.max_steps=200 "
                                               "rl.optim.lr=1e-4")
-COMMANDS = {"sft": SFTConfig, "rl": RLConfig, "demo": DemoConfig}
+COMMANDS = {"sft": SFTConfig, "rl": RLConfig, "demo": DemoConfig, "eval": EvalCommandConfig}
 
 
 def _quiet_libraries() -> None:
@@ -255,6 +256,44 @@ def demo(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = De
     _run("demo", config, overrides, lambda cfg: run_demo(cfg, _stdout_console()))
 
 
+@app.command("eval")
+def evaluate(config: Path | None = ConfigOpt, overrides: list[str] | None = OverridesArg):
+    """Evaluate a model directory on an eval set with a reward: greedy accuracy [95% CI], pass@k, a report.
+
+    \b
+    e.g. exactrl eval model.path=runs/X/final                         (built-in problems and checker)
+         exactrl eval model.path=DIR data.eval=test.jsonl eval.reward_fn=exactrl.rewards.mathverify:reward
+                      pass_at_k.n=16 pass_at_k.k=[1,4,16] pass_at_k.temperature=0.7
+    """
+    from exactrl.pipelines.evaluate import run_eval
+
+    _run("eval", config, overrides, lambda cfg: run_eval(cfg, _stdout_console()))
+
+
+@app.command()
+def merge(adapter: Annotated[Path, typer.Argument(help="A LoRA run's final/ or checkpoint-N/ (adapter_config.json, "
+                                                      "adapter_model.safetensors).")],
+          output: Annotated[Path, typer.Argument(help="Directory to write the merged model to (must not exist, or be empty).")],
+          base: Annotated[Path | None, typer.Option("--base", help="The base model directory (default: the one the adapter's "
+                                                                   "adapter_config.json records).")] = None):
+    """Merge a LoRA adapter into its base model: a Hugging Face model directory that loads without peft."""
+    from exactrl.models.loading import ModelLoadError
+    from exactrl.models.lora import merge_adapter
+
+    _quiet_libraries()
+    try:
+        path = merge_adapter(adapter, output, base)
+    except (ConfigError, ModelLoadError) as e:
+        console.print(f"[bold red]error:[/bold red] {escape(str(e))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+    except OSError as e:  # a full disk, a directory that cannot be written
+        where = f" '{e.filename}'" if e.filename else ""
+        console.print(f"[bold red]error:[/bold red] {escape(f'{e.strerror or e}{where}')}; free space or fix the permissions, "
+                      "then run again", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+    console.print(f"merged model: {path}", highlight=False, soft_wrap=True)
+
+
 audit_app = typer.Typer(no_args_is_help=True, help="Was my stack, or my past run, hit by a known silent gradient bug?")
 app.add_typer(audit_app, name="audit")
 
@@ -309,10 +348,10 @@ def audit_run_cmd(paths: list[Path] = typer.Argument(..., help="Run directories 
 
 
 @app.command("config")
-def show_config(command: str = typer.Argument(..., help="sft, rl or demo")):
+def show_config(command: str = typer.Argument(..., help="sft, rl, demo or eval")):
     """Print every key of a command's config with its default and meaning."""
     if command not in COMMANDS:
-        console.print(f"[bold red]error:[/bold red] unknown command '{command}'; choose sft, rl or demo")
+        console.print(f"[bold red]error:[/bold red] unknown command '{command}'; choose {', '.join(COMMANDS)}")
         raise typer.Exit(2)
     for line in describe(COMMANDS[command]):
         print(line)

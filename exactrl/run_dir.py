@@ -5,7 +5,9 @@ A directory is claimed atomically (``status.json`` created with O_EXCL), so two 
 never share one. ``status.json`` holds ``state``: running, success, error, interrupted
 (SIGINT/SIGTERM), canary or nonfinite, with the message. A directory whose run failed before
 it saved or logged anything (only config.yaml, manifest.json, status.json and an empty
-metrics.jsonl) is taken over by the next run with the same output_dir.
+metrics.jsonl) is taken over by the next run with the same output_dir. A run that continues
+itself (train.resume_from=latest) takes over its own ended directory whole, checkpoints and
+metrics kept, unless it holds final/ (the run is done).
 
 Under exactrl's own launcher (``distributed.nproc_per_node`` > 1, exactrl/distributed/launch.py)
 the ranks also leave notes in the launcher's directory (``EXACTRL_LAUNCH_DIR``): the run directory
@@ -55,10 +57,18 @@ def _alive(status: dict) -> bool:
 def _reusable(path: Path, status: dict | None) -> bool:
     if status is None:
         return False
-    ended = status.get("state") in FAILED_STATES or (status.get("state") == "running" and not _alive(status))
+    ended = _ended(status)
     names = {p.name for p in path.iterdir()}
     metrics = path / "metrics.jsonl"
     return ended and names <= SCAFFOLD and (not metrics.exists() or metrics.stat().st_size == 0)
+
+
+def _ended(status: dict) -> bool:
+    return status.get("state") in FAILED_STATES or (status.get("state") == "running" and not _alive(status))
+
+
+def _continuable(path: Path, status: dict | None) -> bool:
+    return status is not None and _ended(status) and not (path / "final").exists()
 
 
 def _refusal(path: Path, status: dict | None) -> str:
@@ -72,32 +82,41 @@ def _refusal(path: Path, status: dict | None) -> str:
     return f"output_dir '{path}' already holds a run ({how}); choose another output_dir (nothing was overwritten)"
 
 
-def _claim(path: Path) -> None:
-    """Create status.json exclusively; take over a failed, empty attempt by renaming its status
-    away first (a rename succeeds for one process only)."""
+def _claim(path: Path, continues: bool = False) -> bool:
+    """Create status.json exclusively; take over a failed, empty attempt (or, ``continues``, the
+    ended run itself) by renaming its status away first (a rename succeeds for one process only).
+    Returns whether an earlier attempt's files were kept."""
+    kept = False
     if any(path.iterdir()):
         status = read_status(path)
-        if not _reusable(path, status):
+        kept = continues and _continuable(path, status)
+        if not kept and not _reusable(path, status):
+            if continues and status is not None and (path / "final").exists() and (status.get("state") == "success" or _ended(status)):
+                raise ConfigError(f"output_dir '{path}' holds a run that has written final/ (it ended "
+                                  f"'{status.get('state')}'): nothing is left to resume; choose another output_dir")
             raise ConfigError(_refusal(path, status))
         try:
             os.replace(path / STATUS, path / f".{STATUS}.tmp")
         except FileNotFoundError:
             raise ConfigError(_refusal(path, None)) from None
-        for name in SCAFFOLD:
+        for name in () if kept else SCAFFOLD:
             (path / name).unlink(missing_ok=True)
     try:
         fd = os.open(path / STATUS, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
         raise ConfigError(_refusal(path, read_status(path))) from None
     os.close(fd)
+    return kept
 
 
-def create_run_dir(template: str, command: str, cfg) -> Path:
+def create_run_dir(template: str, command: str, cfg, continues: bool = False) -> Path:
+    """Claim the run directory ``template`` names. ``continues``: this launch continues the run
+    already there (train.resume_from=latest, resolved in cfg)."""
     global _current
     path = Path(template.format(command=command, time=time.strftime("%Y%m%d-%H%M%S")))
     try:
         path.mkdir(parents=True, exist_ok=True)
-        _claim(path)
+        kept = _claim(path, continues)
     except (FileExistsError, NotADirectoryError):
         raise ConfigError(f"output_dir '{path}': it (or a parent) is a file, not a directory; "
                           "choose another output_dir") from None
@@ -107,6 +126,8 @@ def create_run_dir(template: str, command: str, cfg) -> Path:
     _current = path
     note("run_dir", {"path": str(path.resolve())})
     set_status("running", command=command)
+    if kept:  # the records after this one redo the steps after the checkpoint (or all, from none)
+        record_event({"event": "continued", "resume_from": cfg.train.resume_from})
     tmp = path / ".config.yaml.tmp"  # a crash mid-write leaves no half config.yaml
     dump_config(cfg, tmp)
     os.replace(tmp, path / "config.yaml")

@@ -84,3 +84,9 @@ def gpu_figure(request):
                 f.write(json.dumps({"test": request.node.name, "figure": name, "value": value}) + "\n")
 
     return record
+
+
+@pytest.fixture(scope="session")
+def cli_cache(tmp_path_factory):
+    """EXACTRL_CACHE of tests that run the CLI on the built-in task at its default size (built once)."""
+    return tmp_path_factory.mktemp("cli-cache")

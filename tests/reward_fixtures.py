@@ -102,3 +102,12 @@ def raises_then_hangs(prompts, completions, answers):
     if completions[0] == "h":
         time.sleep(3600)
     return [1.0]
+
+
+def parity(prompts, completions, answers):
+    """1 for about half of the samples (the parity of the character codes of prompt and answer):
+    an accuracy that moves with any generated character, for comparing two evaluations."""
+    return [float(sum(map(ord, p + c)) % 2 == 0) for p, c in zip(prompts, completions)]
+
+
+parity.needs_answer = False

@@ -52,6 +52,29 @@ def test_two_claims_of_one_directory_one_wins(tmp_path):
     assert sorted(results) == ["refused"] * 7 + ["won"]
 
 
+def test_two_continuations_of_an_ended_run_one_wins_and_nothing_is_lost(tmp_path):
+    path = run_dir.create_run_dir(str(tmp_path / "r"), "sft", CFG)
+    (path / "checkpoint-2").mkdir()
+    (path / "metrics.jsonl").write_text('{"step": 1}\n')
+    run_dir.set_status("interrupted", "SIGTERM")
+    run_dir.forget_current()
+    results = []
+
+    def claim():
+        try:
+            results.append("won" if run_dir._claim(path, continues=True) else "fresh")
+        except ConfigError:
+            results.append("refused")
+
+    threads = [threading.Thread(target=claim) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == ["refused"] * 7 + ["won"]
+    assert (path / "checkpoint-2").is_dir() and (path / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
 def test_a_failed_empty_attempt_is_reused_but_a_run_with_results_is_not(tmp_path):
     first = run_dir.create_run_dir(str(tmp_path / "r"), "sft", CFG)
     (first / "manifest.json").write_text("{}")
@@ -112,3 +135,22 @@ def test_output_dir_that_is_a_file_or_unwritable(tmp_path):
             run_dir.create_run_dir(str(locked / "r"), "sft", CFG)
     finally:
         locked.chmod(stat.S_IRWXU)
+
+
+@pytest.mark.parametrize("how", ["kill -9", "live", "success"])
+def test_a_continuation_takes_over_a_killed_run_but_not_a_live_or_finished_one(tmp_path, how):
+    path = run_dir.create_run_dir(str(tmp_path / "r"), "sft", CFG)
+    (path / "checkpoint-2").mkdir()
+    if how == "success":
+        run_dir.set_status("success")
+    status = json.loads((path / "status.json").read_text())
+    if how == "kill -9":  # no process left, status still 'running'
+        (path / "status.json").write_text(json.dumps({**status, "pid": 2**22 + 12345}))
+    run_dir.forget_current()
+    if how == "kill -9":
+        assert run_dir.create_run_dir(str(tmp_path / "r"), "sft", CFG, continues=True) == path
+        assert (path / "checkpoint-2").is_dir() and run_dir.read_status(path)["pid"] == os.getpid()
+    else:
+        with pytest.raises(ConfigError, match="already holds a run"):
+            run_dir.create_run_dir(str(tmp_path / "r"), "sft", CFG, continues=True)
+        assert run_dir.read_status(path)["state"] == status["state"]

@@ -1,4 +1,5 @@
-"""What a resume must agree with: the checkpoint's command, its step and its run's config.
+"""What a resume must agree with: the checkpoint's command, its step and its run's config;
+and where ``train.resume_from=latest`` continues from.
 
 Exact continuation needs the same data, model, batch layout, optimizer and algorithm, so a
 resume that changes any of them is refused, naming the keys, unless they are listed in
@@ -11,7 +12,12 @@ from pathlib import Path
 
 import yaml
 
-from exactrl.distributed.checkpoint import CheckpointError, check_resumable
+from exactrl.distributed.checkpoint import (
+    CheckpointError,
+    check_resumable,
+    complete_checkpoints,
+)
+from exactrl.distributed.launch import is_main
 
 # How long to run, how often to log/save/evaluate, where to write (output_dir, log.*) and what to evaluate on,
 # how checks react, and how a step is split into micro-batches (the gradient is the same).
@@ -46,6 +52,28 @@ def changed_keys(saved: dict, now: dict, allowed: list[str]) -> list[str]:
     free = (*MAY_CHANGE, *allowed)
     return [k for k in sorted(a.keys() | b.keys())
             if a.get(k) != b.get(k) and not any(k == f or (f.endswith(".") and k.startswith(f)) for f in free)]
+
+
+def prepare_resume(cfg, command: str, steps: int) -> bool:
+    """Decide ``train.resume_from=latest`` and check any resume. Returns whether this launch
+    continues the run already in output_dir (``latest``), which may then write into it.
+
+    ``latest`` becomes the newest complete checkpoint-N of output_dir (a checkpoint appears only
+    once fully written, exactrl/distributed/checkpoint.py), or, with none yet, nothing: the run
+    starts at step 0 with a notice (as verl's resume_mode=auto), so the same command relaunched
+    after a preemption always continues. The resolved path is what config.yaml records."""
+    t = cfg.train
+    latest = t.resume_from == "latest"
+    if latest:
+        run_dir = Path(cfg.output_dir.format(command=command))
+        done = complete_checkpoints(run_dir) if run_dir.is_dir() else []
+        t.resume_from = str(done[-1]) if done else None
+        if is_main():
+            print(f"train.resume_from=latest: continuing '{run_dir}' from {done[-1].name}" if done else
+                  f"train.resume_from=latest: no checkpoint in '{run_dir}' yet; starting from step 0")
+    if t.resume_from:
+        check_resume(cfg, command, steps)
+    return latest
 
 
 def check_resume(cfg, command: str, steps: int) -> None:

@@ -34,7 +34,7 @@ from exactrl.advantages.estimators import EPS, whiten
 from exactrl.algorithms.sft import resolve
 from exactrl.algorithms.common import check_data_size, check_world, seed_everything
 from exactrl.algorithms.registry import ALGORITHMS
-from exactrl.algorithms.resume import check_resume
+from exactrl.algorithms.resume import prepare_resume
 from exactrl.checks.on_policy import OnPolicyCheckError, check_on_policy
 from exactrl.config.schema import RLConfig
 from exactrl.data.batch import Sample, collate
@@ -239,9 +239,8 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     rollouts = math.ceil(t.max_steps / steps_per_rollout) if t.max_steps else max(1, math.ceil(t.epochs * len(prompts) / prompts_per_rollout))
     steps = rollouts * steps_per_rollout
     check_data_size(len(prompts), prompts_per_rollout, "prompts", train_path)
-    if t.resume_from:
-        check_resume(cfg, "rl", steps)
-    ctx = RunContext(cfg, "rl", phase, run_dir, {"train": train_path, "eval": eval_path}, tok, eval_set)
+    continues = prepare_resume(cfg, "rl", steps)
+    ctx = RunContext(cfg, "rl", phase, run_dir, {"train": train_path, "eval": eval_path}, tok, eval_set, continues)
 
     # The workers: the policy, the frozen reference (a KL term needs one), the critic (ppo).
     # With LoRA the reference is the policy's own model with its adapters off: no second copy.

@@ -19,7 +19,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from exactrl.algorithms.common import check_data_size, check_world, seed_everything, steps_for
-from exactrl.algorithms.resume import check_resume
+from exactrl.algorithms.resume import prepare_resume
 from exactrl.config.schema import DemoConfig, SFTConfig
 from exactrl.data.batching import StepSampler, collate_sft
 from exactrl.data.encode import load_sft, use_chat_template
@@ -76,9 +76,8 @@ def train_sft(cfg: SFTConfig, run_dir: Path | None = None, spec: BuiltinSpec = B
     eval_set = load_eval_set(cfg, tok, eval_path)
     steps = steps_for(t, len(examples), t.global_batch_size)
     check_data_size(len(examples), t.global_batch_size, "samples", train_path)
-    if t.resume_from:
-        check_resume(cfg, "sft", steps)
-    ctx = RunContext(cfg, "sft", phase, run_dir, {"train": train_path, "eval": eval_path}, tok, eval_set)
+    continues = prepare_resume(cfg, "sft", steps)
+    ctx = RunContext(cfg, "sft", phase, run_dir, {"train": train_path, "eval": eval_path}, tok, eval_set, continues)
     model = load_model(cfg, model_path, ctx.run_dir, phase, "policy", cfg.data.max_length, checkpoint=t.resume_from)
     policy = Worker("policy", model, build_engine(model, cfg, steps), pad_id=tok.pad_token_id, packed=t.padding_free)
     start = resume(t.resume_from, policy.engine)["step"] if t.resume_from else 0

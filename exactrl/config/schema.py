@@ -89,7 +89,7 @@ class TrainConfig(Section):
     log_every: int = Field(10, gt=0, description="Steps between metric log lines.")
     eval_every: int = Field(0, ge=0, description="Steps between evaluations (0 = only at the end).")
     save_every: int = Field(0, ge=0, description="Steps between checkpoints (0 = only the final model).")
-    resume_from: str | None = Field(None, description="A checkpoint-N directory to continue from (model, optimizer, scheduler, RNG, data position).")
+    resume_from: str | None = Field(None, description="A checkpoint-N directory to continue from (model, optimizer, scheduler, RNG, data position), or 'latest': continue this run in its own output_dir (a fixed path, without {time}) from its newest complete checkpoint, or start it from step 0 with a notice when it has none yet -- run the same command again after a preemption.")
     resume_allow_changes: list[str] = Field([], description="Keys that may differ from the resumed checkpoint's run config (e.g. [train.global_batch_size]); others refuse the resume, as exact continuation needs the same data and layout. Always free: how long to run, logging/saving/eval cadence, output_dir, eval data, audit.*, log.*, train.micro_batch_size. Never allowed: model.path, model.lora.rank, model.lora.target_modules, critic.path (the checkpoint's tensors depend on them).")
     save_total_limit: int | None = Field(None, gt=0, description="Keep only the latest N checkpoints (an older one is deleted after the new one is complete); unset = keep all.")
     gradient_checkpointing: bool = Field(False, description="Recompute each decoder layer's activations during backward instead of storing them (Hugging Face's gradient_checkpointing_enable, non-reentrant): less memory, about one more forward per step; gradients unchanged.")
@@ -168,6 +168,13 @@ class CommonConfig(Section):
     @model_validator(mode="after")
     def _batch_sizes_divide(self):
         check_layout(self, self.distributed.nproc_per_node)
+        return self
+
+    @model_validator(mode="after")
+    def _latest_needs_a_fixed_output_dir(self):
+        if self.train.resume_from == "latest" and "{time}" in self.output_dir:
+            raise ValueError(f"train.resume_from=latest continues the run in output_dir, but output_dir={self.output_dir!r} "
+                             "names a new directory each launch ({time}); set a fixed one such as output_dir=runs/my-run")
         return self
 
 
@@ -384,6 +391,53 @@ def check_rl_layout(cfg: "RLConfig", world: int) -> None:
                          f"does not spread evenly over {world} ranks; each rank samples whole groups for an equal share")
 
 
+class EvalModelConfig(Section):
+    path: str | None = Field(None, description="The model to evaluate: a run's final/, checkpoint-N/ or final/merged/, a LoRA run's adapter directory (final/ or checkpoint-N/, on the base its adapter_config.json records), any local Hugging Face causal LM directory, or 'builtin' / 'builtin-sft'. Required.")
+    base: str | None = Field(None, description="A LoRA adapter's base model directory; unset = the one the adapter's adapter_config.json records.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the model generates: auto = cuda when available, else cpu.")
+
+
+class EvalDataConfig(Section):
+    eval: str = Field("builtin", description="The eval set: JSONL of {prompt, answer} rows (prompt: text or chat messages), or 'builtin' (the built-in problems).")
+    eval_size: int = Field(2000, gt=0, description="How many eval rows to use (the first N), as data.eval_size of a training run.")
+    max_length: int = Field(256, gt=0, description="Longest prompt in tokens; longer rows are an error, never truncated silently.")
+
+
+class PassAtKConfig(Section):
+    n: int = Field(0, ge=0, description="Sampled responses per prompt for pass@k (0 = greedy accuracy only); must be >= every k.")
+    k: list[int] = Field([1], description="The k of pass@k, each estimated without bias from the n samples (Chen et al. 2021): the mean over prompts of 1 - C(n-c, k) / C(n, k), c the prompt's correct samples.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the pass@k samples.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling of the pass@k samples.")
+    seed: int = Field(0, description="Seeds the pass@k samples.")
+
+
+class EvalScoringConfig(EvalConfig):
+    reward_fn: str | None = Field(None, description="module:function (or http://...) that scores each answer, as reward.fn takes; accuracy = share with reward >= 1. Unset: the built-in checker (data.eval=builtin only).")
+
+
+class EvalCommandConfig(Section):
+    """`exactrl eval`: a model, an eval set and a reward -> greedy accuracy with its 95% interval, pass@k, a report."""
+
+    model: EvalModelConfig = EvalModelConfig()
+    data: EvalDataConfig = EvalDataConfig()
+    eval: EvalScoringConfig = Field(default_factory=EvalScoringConfig, description="Generation budget, batch size and the reward, as in a training run's final evaluation.")
+    pass_at_k: PassAtKConfig = PassAtKConfig()
+    output_dir: str = Field("runs/{command}-{time}", description="Report directory (results.json, report.md, samples.jsonl); {command} and {time} are filled in.")
+
+    @model_validator(mode="after")
+    def _scorable(self):
+        if self.data.eval != "builtin" and self.eval.reward_fn is None:
+            raise ValueError(f"data.eval={self.data.eval} needs eval.reward_fn=module:function to score it "
+                             "(the built-in checker only reads the built-in task's '#### n' answers)")
+        p = self.pass_at_k
+        if p.n and (not p.k or min(p.k) < 1 or max(p.k) > p.n):
+            raise ValueError(f"pass_at_k.k={p.k}: each k must be between 1 and pass_at_k.n={p.n}")
+        unused = [f"pass_at_k.{k}" for k in sorted(p.model_fields_set) if k != "n" and getattr(p, k) != PassAtKConfig.model_fields[k].default]
+        if not p.n and unused:
+            raise ValueError(f"{', '.join(unused)} set, but pass_at_k.n=0 draws no samples; set pass_at_k.n (samples per prompt)")
+        return self
+
+
 # Which algorithms use which settings (algorithms/registry.py declares the same; tests check they agree).
 CRITIC_ALGOS = ("ppo",)  # train a critic (critic.*) and estimate advantages with GAE (algo.gae.*)
 STD_ALGOS = ("grpo", "gspo", "dapo")  # the grpo estimator: group-centred rewards / group std
@@ -514,6 +568,18 @@ class DemoConfig(Section):
     sft: SFTConfig = Field(default_factory=_demo_sft, description="The SFT phase (model and data are the built-in task's).")
     rl: RLConfig = Field(default_factory=_demo_rl, description="The GRPO phase, from the SFT model.")
     output_dir: str = Field("runs/demo-{time}", description="Run directory; {time} is filled in.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_latest(cls, data):
+        # Before the phases' own checks: the demo runs both in a run directory of its own.
+        for phase in ("sft", "rl"):
+            section = data.get(phase) if isinstance(data, dict) else None
+            train = section.get("train") if isinstance(section, dict) else None
+            if isinstance(train, dict) and train.get("resume_from") == "latest":
+                raise ValueError(f"{phase}.train.resume_from=latest: the demo runs its phases in a new run directory "
+                                 f"each time, so there is no run to continue; continue a run with `exactrl {phase}` instead")
+        return data
 
     @model_validator(mode="after")
     def _full_models(self):

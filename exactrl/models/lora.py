@@ -8,6 +8,8 @@ train, are checkpointed and saved.
 * ``write_adapter`` / ``write_merged``: the adapter in peft's format (adapter_config.json,
   adapter_model.safetensors), and optionally the base with the adapters merged in, built
   from the saved weights on a fresh copy so the live training model is never altered.
+* ``load_adapted`` / ``merge_adapter``: a saved adapter on its base model, for `exactrl eval`
+  and `exactrl merge` (which writes what merge_on_save writes, after the run).
 
 peft is an optional extra (``pip install exactrl[lora]``); it is imported only when asked for.
 """
@@ -16,13 +18,17 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
+import os
+import shutil
 import sys
 import warnings
 from pathlib import Path
 
 import torch
 
-from exactrl.models.loading import ModelLoadError
+from exactrl.config.loader import ConfigError
+from exactrl.models.loading import ModelLoadError, load_causal_lm
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -138,3 +144,82 @@ def write_merged(directory: Path, model, state_dict: dict | None = None) -> None
             fresh = peft.get_peft_model(fresh, copy.deepcopy(model.peft_config[model.active_adapter]))
     fresh.load_state_dict(model.state_dict() if state_dict is None else state_dict, strict=True)
     fresh.merge_and_unload().save_pretrained(directory, safe_serialization=True)
+
+
+def is_adapter_dir(directory: str | Path) -> bool:
+    """A saved adapter without a model of its own (a LoRA run's final/ or checkpoint-N/)."""
+    p = Path(directory)
+    return (p / ADAPTER_CONFIG).is_file() and not (p / "config.json").is_file()
+
+
+def adapter_base(directory: Path, base: str | Path | None, how: str) -> Path:
+    """The base model directory of the adapter in ``directory``: ``base``, else the one its
+    adapter_config.json records (peft's base_model_name_or_path: the directory the run loaded).
+    ``how``: how the user gives another base (a flag or a key), for the messages."""
+    config = directory / ADAPTER_CONFIG
+    if not config.is_file() or not (directory / ADAPTER_WEIGHTS).is_file():
+        raise LoraError(f"'{directory}' is not a LoRA adapter directory (it needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}): "
+                        "give the final/ or checkpoint-N/ of a run with model.lora.rank > 0")
+    where = f"given with {how}"
+    if base is None:
+        try:
+            base = json.loads(config.read_text()).get("base_model_name_or_path")
+        except (OSError, ValueError, AttributeError) as e:
+            raise LoraError(f"'{config}' cannot be read ({e}); give the base model with {how}") from None
+        if not base:
+            raise LoraError(f"'{config}' records no base model (base_model_name_or_path); give it with {how}")
+        where = f"recorded in {config}"
+    if not (Path(base) / "config.json").is_file():
+        raise LoraError(f"the adapter's base model '{base}' ({where}) is not a Hugging Face model directory here; "
+                        f"give the base it was trained on with {how}")
+    return Path(base)
+
+
+def load_adapted(directory: str | Path, base: str | Path | None = None, how: str = "--base PATH", device=None):
+    """The adapter saved in ``directory`` on its base model (see adapter_base), frozen, as a peft model."""
+    peft = _peft()
+    directory = Path(directory)
+    base_dir = adapter_base(directory, base, how)
+    model = load_causal_lm(base_dir, trainable=False, device=device)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            warnings.filterwarnings("ignore", message=".*base_model_name_or_path.*was renamed")  # the base asked for
+            model = peft.PeftModel.from_pretrained(model, str(directory), is_trainable=False)
+    except (RuntimeError, ValueError, KeyError) as e:  # shapes or module names of another base
+        lines = [line.strip() for line in str(e).strip().splitlines()] or [type(e).__name__]
+        reason = next((line for line in lines if "mismatch" in line), lines[0])[:300]
+        raise LoraError(f"the adapter in '{directory}' does not fit the base model '{base_dir}' ({reason}); "
+                        f"give the base it was trained on with {how}") from None
+    # peft loads non-strictly: an adapter for layers the base lacks would be dropped without a word.
+    from safetensors import safe_open
+
+    with safe_open(str(directory / ADAPTER_WEIGHTS), "pt") as f:
+        saved = set(f.keys())
+    loaded = set(peft.get_peft_model_state_dict(model, save_embedding_layers=False))
+    if saved != loaded:
+        raise LoraError(f"the adapter in '{directory}' does not fit the base model '{base_dir}' ({len(saved - loaded)} of its "
+                        f"{len(saved)} tensors have no place in it, {len(loaded - saved)} adapter tensors would stay "
+                        f"untrained); give the base it was trained on with {how}")
+    return model
+
+
+def merge_adapter(directory: str | Path, output: str | Path, base: str | Path | None = None) -> Path:
+    """Write the base model with the adapter in ``directory`` merged in (write_merged, as
+    model.lora.merge_on_save) and the adapter's tokenizer to ``output``, which must not hold
+    anything yet; written under a temporary name and renamed into place when complete."""
+    from transformers import AutoTokenizer
+
+    directory, output = Path(directory), Path(output)
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise ConfigError(f"output '{output}' already exists and is not empty; choose another (nothing was overwritten)")
+    model = load_adapted(directory, base)
+    has_tokenizer = (directory / "tokenizer_config.json").is_file()
+    tokenizer = AutoTokenizer.from_pretrained(str(directory if has_tokenizer else adapter_base(directory, base, "--base PATH")))
+    tmp = output.with_name(f".{output.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    write_merged(tmp, model)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, output)  # onto a missing or empty directory
+    return output

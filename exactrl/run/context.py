@@ -16,6 +16,7 @@ Under several processes only the main one writes; the others share the directory
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -33,16 +34,26 @@ class EvaluationError(RuntimeError):
     """The final evaluation failed after the trained model was saved."""
 
 
-def open_run(cfg, command: str, run_dir: Path | None, data_files: dict) -> tuple[Path, MetricsLog]:
+def _earlier_attempts(run_dir: Path) -> dict:
+    """A continued run's manifest keeps each earlier launch's (its versions or hardware may differ)."""
+    try:
+        old = json.loads((run_dir / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {"previous_attempts": [*old.pop("previous_attempts", []), old]}
+
+
+def open_run(cfg, command: str, run_dir: Path | None, data_files: dict, continues: bool = False) -> tuple[Path, MetricsLog]:
     """Create (or reuse, for a demo phase) the run directory; write config and manifest; open the
-    metric sinks (metrics.jsonl and the trackers log.* asks for, exactrl/tracking.py)."""
+    metric sinks (metrics.jsonl and the trackers log.* asks for, exactrl/tracking.py).
+    ``continues``: this launch continues the run in output_dir (train.resume_from=latest)."""
     require_trackers(cfg.log, reach_servers=is_main())
     if not is_main():
         path = run_dir or Path(broadcast_str(""))
         return path, MetricsLog(None)
     if run_dir is None:
-        run_dir = create_run_dir(cfg.output_dir, command, cfg)
-        write_manifest(run_dir, cfg.train.seed, data_files)
+        run_dir = create_run_dir(cfg.output_dir, command, cfg, continues)
+        write_manifest(run_dir, cfg.train.seed, data_files, _earlier_attempts(run_dir) if continues else None)
     if world_size() > 1:
         broadcast_str(str(run_dir))
     return run_dir, open_metrics(cfg, run_dir, f"{run_dir.name}-{command}")
@@ -55,9 +66,9 @@ def should(every: int, step: int, last: int) -> bool:
 
 class RunContext:
     def __init__(self, cfg, command: str, phase: str, run_dir: Path | None, data_files: dict, tokenizer,
-                 eval_set: EvalSet | None):
+                 eval_set: EvalSet | None, continues: bool = False):
         self.cfg, self.phase, self.tokenizer, self.eval_set = cfg, phase, tokenizer, eval_set
-        self.run_dir, self.log = open_run(cfg, command, run_dir, data_files)
+        self.run_dir, self.log = open_run(cfg, command, run_dir, data_files, continues)
         self.steps, self.bar = 0, None
 
     def start(self, steps: int, first_step: int = 0) -> None:

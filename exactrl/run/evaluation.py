@@ -49,22 +49,56 @@ def wilson_interval(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
 
 def evaluate_accuracy(model, tokenizer, prompts: list[Prompt], reward: Reward, *, batch_size: int, max_new_tokens: int,
                       greedy: bool = True, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                      stop: tuple[str, ...] = (), timeout: float = DEFAULT_TIMEOUT,
-                      fallback: float | None = None) -> Accuracy:
+                      stop: tuple[str, ...] = (), timeout: float = DEFAULT_TIMEOUT, fallback: float | None = None,
+                      on_batch=None) -> Accuracy:
     """Share of prompts whose (greedy or sampled) answer gets full reward (>= 1) from ``reward``,
-    scored ``batch_size`` answers per call, each call under the run's reward.timeout and reward.fallback."""
+    decoded and scored ``batch_size`` prompts at a time, each call under the run's reward.timeout
+    and reward.fallback. ``on_batch(prompts, generations, rewards)`` after each batch."""
     t0 = time.perf_counter()
-    gens = HFEngine(model, tokenizer, batch_size).generate(
-        [p.input_ids for p in prompts], greedy=greedy, temperature=temperature, top_p=top_p, top_k=top_k, stop=stop,
-        max_new_tokens=max_new_tokens)
-    rewards, failures = [], []
+    engine = HFEngine(model, tokenizer, batch_size)
+    rewards, failures, tokens = [], [], 0
     for i in range(0, len(prompts), batch_size):
-        chunk, answered = prompts[i : i + batch_size], gens[i : i + batch_size]
-        rewards += score(reward, [p.text for p in chunk], [g.text for g in answered], [p.answer for p in chunk],
-                         [p.source for p in chunk], timeout, fallback, failures)
+        chunk = prompts[i : i + batch_size]
+        gens = engine.generate([p.input_ids for p in chunk], greedy=greedy, temperature=temperature, top_p=top_p,
+                               top_k=top_k, stop=stop, max_new_tokens=max_new_tokens)
+        values = score(reward, [p.text for p in chunk], [g.text for g in gens], [p.answer for p in chunk],
+                       [p.source for p in chunk], timeout, fallback, failures)
+        rewards += values
+        tokens += sum(len(g.response_ids) for g in gens)
+        if on_batch is not None:
+            on_batch(chunk, gens, values)
     k = sum(r >= 1.0 for r in rewards)
     return Accuracy(k / len(prompts), wilson_interval(k, len(prompts)), k, len(prompts), time.perf_counter() - t0,
-                    sum(len(g.response_ids) for g in gens), len(failures))
+                    tokens, len(failures))
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one prompt from ``n`` samples of which ``c`` are correct (Chen et al.
+    2021, "Evaluating Large Language Models Trained on Code", eq. 1): 1 - C(n-c, k) / C(n, k),
+    the chance that k of the n samples drawn without replacement include a correct one."""
+    if not (1 <= k <= n and 0 <= c <= n):
+        raise ValueError(f"pass@k needs 1 <= k <= n and 0 <= c <= n (n={n}, c={c}, k={k})")
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)  # exact integers; one rounding in the division
+
+
+def correct_samples(model, tokenizer, prompts: list[Prompt], reward: Reward, n: int, *, batch_size: int,
+                    max_new_tokens: int, temperature: float, top_p: float, timeout: float = DEFAULT_TIMEOUT,
+                    on_batch=None) -> list[int]:
+    """How many of ``n`` sampled answers per prompt get full reward (>= 1), one count per prompt,
+    about ``batch_size`` sequences decoded together. ``on_batch(prompts)`` after each batch."""
+    engine, counts = HFEngine(model, tokenizer, batch_size), []
+    step = max(1, batch_size // n)
+    for i in range(0, len(prompts), step):
+        chunk = prompts[i : i + step]
+        gens = engine.generate([p.input_ids for p in chunk], n=n, temperature=temperature, top_p=top_p,
+                               max_new_tokens=max_new_tokens)  # each prompt's n samples together, in order
+        values = score(reward, [p.text for p in chunk for _ in range(n)], [g.text for g in gens],
+                       [p.answer for p in chunk for _ in range(n)], [f"{p.source} sample {j}" for p in chunk for j in range(n)],
+                       timeout)
+        counts += [sum(v >= 1.0 for v in values[j * n : (j + 1) * n]) for j in range(len(chunk))]
+        if on_batch is not None:
+            on_batch(chunk)
+    return counts
 
 
 BUILTIN_CHECKER = "exactrl.tasks.arithmetic:reward"

@@ -395,12 +395,16 @@ class EvalModelConfig(Section):
     path: str | None = Field(None, description="The model to evaluate: a run's final/, checkpoint-N/ or final/merged/, a LoRA run's adapter directory (final/ or checkpoint-N/, on the base its adapter_config.json records), any local Hugging Face causal LM directory, or 'builtin' / 'builtin-sft'. Required.")
     base: str | None = Field(None, description="A LoRA adapter's base model directory; unset = the one the adapter's adapter_config.json records.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the model generates: auto = cuda when available, else cpu.")
+    trust_remote_code: bool = Field(False, description="Let from_pretrained run the model directory's own Python code (an auto_map), as model.trust_remote_code of a training run; false: such a directory is refused in one line.")
 
 
 class EvalDataConfig(Section):
-    eval: str = Field("builtin", description="The eval set: JSONL of {prompt, answer} rows (prompt: text or chat messages), or 'builtin' (the built-in problems).")
+    eval: str = Field("builtin", description="The eval set: {prompt, answer} rows (prompt: text or chat messages) in a file or directory as data.train of a training run takes (JSONL, Parquet, Arrow, save_to_disk), or 'builtin' (the built-in problems).")
     eval_size: int = Field(2000, gt=0, description="How many eval rows to use (the first N), as data.eval_size of a training run.")
-    max_length: int = Field(256, gt=0, description="Longest prompt in tokens; longer rows are an error, never truncated silently.")
+    max_length: int = Field(256, gt=0, description="Longest prompt in tokens; longer rows are an error (or dropped, data.over_length), never truncated silently.")
+    max_prompt_length: int | None = Field(None, gt=0, description="Longest prompt in tokens, as data.max_prompt_length of a training run. Unset = only data.max_length limits.")
+    over_length: Literal["error", "drop"] = Field("error", description="A prompt past data.max_length or data.max_prompt_length: 'error' stops naming the row and its length; 'drop' leaves it out and says how many were dropped (accuracy is then over the rest).")
+    chat_template: str | None = Field(None, description="A Jinja chat template (a file path or the text) used instead of the tokenizer's own for chat-formatted prompts, as data.chat_template of a training run. Unset = the tokenizer's.")
 
 
 class PassAtKConfig(Section):

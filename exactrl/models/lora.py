@@ -175,12 +175,13 @@ def adapter_base(directory: Path, base: str | Path | None, how: str) -> Path:
     return Path(base)
 
 
-def load_adapted(directory: str | Path, base: str | Path | None = None, how: str = "--base PATH", device=None):
+def load_adapted(directory: str | Path, base: str | Path | None = None, how: str = "--base PATH", device=None,
+                 trust_remote_code: bool = False):
     """The adapter saved in ``directory`` on its base model (see adapter_base), frozen, as a peft model."""
     peft = _peft()
     directory = Path(directory)
     base_dir = adapter_base(directory, base, how)
-    model = load_causal_lm(base_dir, trainable=False, device=device)
+    model = load_causal_lm(base_dir, trainable=False, device=device, trust_remote_code=trust_remote_code)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)

@@ -20,6 +20,7 @@ from exactrl.algorithms.sft import resolve
 from exactrl.audit.manifest import write_manifest
 from exactrl.config.loader import ConfigError
 from exactrl.config.schema import EvalCommandConfig
+from exactrl.data.encode import use_chat_template
 from exactrl.device import use_device
 from exactrl.models.loading import load_causal_lm, load_tokenizer
 from exactrl.models.lora import adapter_base, is_adapter_dir, load_adapted
@@ -38,10 +39,11 @@ BASE_KEY = "model.base=PATH"
 
 def _load(cfg: EvalCommandConfig, path: str, device):
     """The model at ``path`` (a LoRA adapter on its base), and the directory its tokenizer is read from."""
+    trust = cfg.model.trust_remote_code
     if not is_adapter_dir(path):
-        return (lambda: load_causal_lm(path, trainable=False, device=device)), path
+        return (lambda: load_causal_lm(path, trainable=False, device=device, trust_remote_code=trust)), path
     tokenizer_dir = path if (Path(path) / "tokenizer_config.json").is_file() else adapter_base(Path(path), cfg.model.base, BASE_KEY)
-    return (lambda: load_adapted(path, cfg.model.base, BASE_KEY, device)), tokenizer_dir
+    return (lambda: load_adapted(path, cfg.model.base, BASE_KEY, device, trust)), tokenizer_dir
 
 
 def run_eval(cfg: EvalCommandConfig, console: Console | None = None) -> dict:
@@ -54,7 +56,9 @@ def run_eval(cfg: EvalCommandConfig, console: Console | None = None) -> dict:
     device = use_device(cfg.model.device)
     model_path, data_path = resolve(cfg.model.path, "model"), resolve(cfg.data.eval, "eval")
     load, tokenizer_dir = _load(cfg, model_path, device)
-    tok = load_tokenizer(tokenizer_dir)
+    tok = load_tokenizer(tokenizer_dir, cfg.model.trust_remote_code)
+    if cfg.data.chat_template:
+        use_chat_template(tok, cfg.data.chat_template)
     # The data and the reward are checked before the model loads: a bad row fails in seconds.
     eval_set = load_eval_set(cfg, tok, data_path)
     try:

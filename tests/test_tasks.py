@@ -201,3 +201,15 @@ def test_ensure_builtin_builds_once_and_reuses(tmp_path, monkeypatch):
 def test_ensure_builtin_key_depends_on_spec(tmp_path):
     a = BuiltinSpec(n_sft=50, n_rl=50, n_eval=20)
     assert ensure_builtin(a, cache=tmp_path).root != ensure_builtin(BuiltinSpec(n_sft=50, n_rl=50, n_eval=20, seed=1), cache=tmp_path).root
+
+
+def test_building_the_tiny_model_leaves_the_callers_random_state_alone():
+    # A run seeds, then resolves model.path=builtin, which builds the model on first use only: the build
+    # must not reseed the run (it did: a fresh cache and a warm one gave different weights, issue 21).
+    torch.manual_seed(1234)
+    expected = torch.rand(4)
+    torch.manual_seed(1234)
+    first = build_tiny_model(len(CHARS) + 3, 0, 1, 2, seed=0)
+    assert torch.equal(torch.rand(4), expected)
+    again = build_tiny_model(len(CHARS) + 3, 0, 1, 2, seed=0)  # its own seed still decides its weights
+    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), again.state_dict().values()))

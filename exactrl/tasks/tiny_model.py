@@ -23,8 +23,11 @@ def build_tiny_model(vocab_size: int, pad_id: int, bos_id: int, eos_id: int, see
         eos_token_id=eos_id,
         **{**TINY, **overrides},
     )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(cfg)
+    # Its own seed, and the caller's random state untouched: a run that builds the built-in model on
+    # first use must draw what a run that finds it cached draws.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(cfg)
 
 
 def save_tiny_model(path: str | Path, tokenizer, seed: int = 0, **overrides) -> None:

@@ -39,7 +39,7 @@ from exactrl.checks.on_policy import OnPolicyCheckError, check_on_policy
 from exactrl.config.schema import RLConfig
 from exactrl.data.batch import Sample, collate
 from exactrl.data.batching import StepSampler, pad_right
-from exactrl.data.encode import load_prompts, use_chat_template
+from exactrl.data.encode import load_prompts
 from exactrl.distributed.checkpoint import resume
 from exactrl.distributed.engine import build_engine
 from exactrl.distributed.launch import is_main, rank
@@ -224,9 +224,7 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     a, t, alg = cfg.algo, cfg.train, ALGORITHMS.lookup(cfg.algo.name)
     model_path = model_path or resolve(cfg.model.path, "model", spec)
     train_path, eval_path = resolve(cfg.data.train, "rl_train", spec), resolve(eval_data(cfg), "eval", spec)
-    tok = load_tokenizer(model_path, cfg.model.trust_remote_code)
-    if cfg.data.chat_template:
-        use_chat_template(tok, cfg.data.chat_template)
+    tok = load_tokenizer(model_path, cfg.model.trust_remote_code, cfg.data.chat_template)
     prompts, note = load_prompts(train_path, tok, cfg.data)
     if note and is_main():
         print(note)

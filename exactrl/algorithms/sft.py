@@ -22,7 +22,7 @@ from exactrl.algorithms.common import check_data_size, check_world, seed_everyth
 from exactrl.algorithms.resume import prepare_resume
 from exactrl.config.schema import DemoConfig, SFTConfig
 from exactrl.data.batching import StepSampler, collate_sft
-from exactrl.data.encode import load_sft, use_chat_template
+from exactrl.data.encode import load_sft
 from exactrl.distributed.checkpoint import resume
 from exactrl.distributed.engine import build_engine
 from exactrl.distributed.launch import is_main
@@ -66,9 +66,7 @@ def train_sft(cfg: SFTConfig, run_dir: Path | None = None, spec: BuiltinSpec = B
     t = cfg.train
     model_path = resolve(cfg.model.path, "model", spec)
     train_path, eval_path = resolve(cfg.data.train, "sft_train", spec), resolve(eval_data(cfg), "eval", spec)
-    tok = load_tokenizer(model_path, cfg.model.trust_remote_code)
-    if cfg.data.chat_template:
-        use_chat_template(tok, cfg.data.chat_template)
+    tok = load_tokenizer(model_path, cfg.model.trust_remote_code, cfg.data.chat_template)
     # All data is read and checked before the model loads: a bad row fails in seconds.
     examples, note = load_sft(train_path, tok, cfg.data)
     if note and is_main():

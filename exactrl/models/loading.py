@@ -8,6 +8,7 @@ import torch
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from exactrl.data.encode import use_chat_template
 from exactrl.device import place
 from exactrl.models import packing
 
@@ -27,7 +28,8 @@ def _load_error(what: str, p: Path, e: Exception, trust_remote_code: bool) -> Mo
     return ModelLoadError(f"cannot load {what} '{p}': {' '.join(str(e).split())}")
 
 
-def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False, chat_template: str | None = None):
+    """The tokenizer in ``path``; ``chat_template`` (data.chat_template: Jinja text or a file) replaces its own."""
     p = Path(path)
     if not p.is_dir():
         raise ModelLoadError(f"model.path '{p}' is not a directory (exactrl loads local Hugging Face checkpoints)")
@@ -40,6 +42,8 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
         tok.pad_token = tok.eos_token
     if tok.eos_token_id is None:
         raise ModelLoadError(f"the tokenizer in '{p}' has no EOS token; set eos_token in its tokenizer_config.json")
+    if chat_template:
+        use_chat_template(tok, chat_template)
     return tok
 
 

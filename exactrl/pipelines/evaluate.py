@@ -20,7 +20,6 @@ from exactrl.algorithms.sft import resolve
 from exactrl.audit.manifest import write_manifest
 from exactrl.config.loader import ConfigError
 from exactrl.config.schema import EvalCommandConfig
-from exactrl.data.encode import use_chat_template
 from exactrl.device import use_device
 from exactrl.models.loading import load_causal_lm, load_tokenizer
 from exactrl.models.lora import adapter_base, is_adapter_dir, load_adapted
@@ -56,9 +55,7 @@ def run_eval(cfg: EvalCommandConfig, console: Console | None = None) -> dict:
     device = use_device(cfg.model.device)
     model_path, data_path = resolve(cfg.model.path, "model"), resolve(cfg.data.eval, "eval")
     load, tokenizer_dir = _load(cfg, model_path, device)
-    tok = load_tokenizer(tokenizer_dir, cfg.model.trust_remote_code)
-    if cfg.data.chat_template:
-        use_chat_template(tok, cfg.data.chat_template)
+    tok = load_tokenizer(tokenizer_dir, cfg.model.trust_remote_code, cfg.data.chat_template)
     # The data and the reward are checked before the model loads: a bad row fails in seconds.
     eval_set = load_eval_set(cfg, tok, data_path)
     try:

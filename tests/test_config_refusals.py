@@ -54,9 +54,6 @@ def test_the_same_key_in_two_sections_is_no_duplicate(tmp_path):
     (RLConfig, ["algo.name=rloo", "algo.std_normalize=false"], ("algo.std_normalize=false has no effect: algo.name=rloo "
      "does not divide by the group std")),
     (RLConfig, ["algo.gamma=0.9"], "algo.gamma=0.9 has no effect: algo.name=grpo does not discount returns"),
-    (SFTConfig, ["data.eval=null", "eval.max_new_tokens=10"], "eval.max_new_tokens=10 has no effect: this run does not "
-     "evaluate (data.eval is null, or auto with training data of your own)"),
-    (RLConfig, ["data.train=rows.jsonl", "train.eval_every=5"], "train.eval_every=5 has no effect: this run does not evaluate"),
     (RLConfig, ["algo.kl_estimator=k1"], "algo.kl_estimator=k1 has no effect: there is no KL term (algo.kl_coef=0)"),
     (RLConfig, ["algo.kl_coef=0.1", "algo.kl_in_reward=true", "algo.kl_estimator=k2"],
      "algo.kl_estimator=k2 has no effect: the KL in the reward is k1 per token"),

@@ -50,9 +50,7 @@ def rl(files, name, *overrides, timeout=300):
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
     args = ["rl", f"model.path={files['model']}", f"data.train={files['train']}", "data.eval=null", "train.max_steps=2",
             "train.global_batch_size=8", "train.micro_batch_size=4", "algo.group_size=4", "rollout.max_new_tokens=8",
-            "train.log_every=1", f"output_dir={out}", *overrides]
-    if any(o.startswith("data.eval=") and o not in ("data.eval=null", "data.eval=auto") for o in overrides):
-        args.append("eval.max_new_tokens=8")  # only a run that evaluates may set it
+            "eval.max_new_tokens=8", "train.log_every=1", f"output_dir={out}", *overrides]
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "exactrl.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)

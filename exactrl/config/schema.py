@@ -506,8 +506,6 @@ USED_WHEN = [
              "is off (train.generation_check=off)", "turn it on"),
     UsedWhen("train.save_total_limit", lambda c: c.train.save_every > 0, "no checkpoints are taken "
              "(train.save_every=0)", "set train.save_every"),
-    *(UsedWhen(key, lambda c: _evaluates(c), "this run does not evaluate (data.eval is null, or auto with training data of your "
-               "own)", "set data.eval to an eval file or builtin") for key in ("eval.", "train.eval_every")),
     UsedWhen("audit.canary_tol", lambda c: c.audit.canary != "off", "the canary is off (audit.canary=off)",
              "turn it on"),
     *(UsedWhen(f"log.wandb.{key}", lambda c: c.log.wandb.project is not None, "W&B is off (log.wandb.project unset)",
@@ -528,11 +526,6 @@ USED_WHEN = [
                  f"the learning rate is constant ({section}scheduler=constant)", f"set {section}scheduler=linear or cosine"),
     )),
 ]
-
-
-def _evaluates(cfg: CommonConfig) -> bool:
-    """data.eval names an eval set: a file, builtin, or auto with the built-in training data."""
-    return cfg.data.eval is not None and (cfg.data.eval != "auto" or cfg.data.train == "builtin")
 
 
 def _optim(cfg: CommonConfig, section: str) -> OptimConfig:

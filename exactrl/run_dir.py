@@ -17,6 +17,7 @@ not (killed, or stopped by a peer's failure), records the end in status.json its
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
@@ -84,8 +85,20 @@ def _refusal(path: Path, status: dict | None) -> str:
 
 def _claim(path: Path, continues: bool = False) -> bool:
     """Create status.json exclusively; take over a failed, empty attempt (or, ``continues``, the
-    ended run itself) by renaming its status away first (a rename succeeds for one process only).
-    Returns whether an earlier attempt's files were kept."""
+    ended run itself) by renaming its status away first. The whole read-judge-rename-create runs
+    under an exclusive lock on the directory: without it a second claimant that had read the old
+    status could rename the winner's new one away and win too (flock is released when its holder
+    exits, so a killed claimant leaves no stale lock). Returns whether an earlier attempt's files
+    were kept."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return _claim_locked(path, continues)
+    finally:
+        os.close(fd)
+
+
+def _claim_locked(path: Path, continues: bool) -> bool:
     kept = False
     if any(path.iterdir()):
         status = read_status(path)

@@ -31,7 +31,13 @@ COMMANDS = {"sft": SFTConfig, "rl": RLConfig, "demo": DemoConfig, "eval": EvalCo
 
 def _quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import torch
     import transformers
+
+    if not torch.cuda.is_available():
+        # As exactrl/device.py tells DeepSpeed, but before anything a command does first (the demo saves the
+        # built-in model, and accelerate imports DeepSpeed in save_pretrained, before any device is chosen).
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()

@@ -106,6 +106,7 @@ def test_demo_smoke_writes_complete_run_directory(workdir):
     for name in ("config.yaml", "manifest.json", "metrics.jsonl", "plot.png", "report.md", "sft_model/config.json", "rl_model/config.json"):
         assert (out / name).exists(), name
     assert "after sft" in proc.stdout and "after rl" in proc.stdout
+    assert "Setting accelerator" not in proc.stdout + proc.stderr  # DeepSpeed's probe line (issue 21)
 
 
 def test_sft_relaunches_itself_under_torchrun_with_fsdp2(workdir):

@@ -127,7 +127,7 @@ def test_which_algorithms_use_a_setting_agrees_with_the_registry():
     """schema.py's lists of which algorithms use critic.* / algo.gae.*, algo.std_normalize and
     algo.gamma (config cannot import the registry) say what the registry's entries do."""
     from exactrl.algorithms.registry import ALGORITHMS
-    from exactrl.config.schema import CRITIC_ALGOS, DISCOUNT_ALGOS, STD_ALGOS
+    from exactrl.config.used import CRITIC_ALGOS, DISCOUNT_ALGOS, STD_ALGOS
 
     assert {a.name for a in ALGORITHMS.values() if a.critic} == {a.name for a in ALGORITHMS.values() if a.config == "gae"}
     assert {a.name for a in ALGORITHMS.values() if a.critic} == set(CRITIC_ALGOS)

@@ -160,7 +160,8 @@ def test_rl_max_steps_must_be_whole_rollouts():
 def test_the_tables_name_real_keys():
     """A row of USED_WHEN or ALIASES with a misspelt key would never act."""
     from exactrl.config.loader import valid_keys
-    from exactrl.config.schema import ALIASES, USED_WHEN
+    from exactrl.config.schema import ALIASES
+    from exactrl.config.used import USED_WHEN
 
     keys = set(valid_keys(SFTConfig)) | set(valid_keys(RLConfig))
     sections = {k.rsplit(".", i)[0] + "." for k in keys for i in range(1, k.count(".") + 1)}

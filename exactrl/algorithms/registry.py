@@ -23,7 +23,7 @@ class Algorithm:
     rollout: Callable = plain_rollout  # (generator, prompts, indices, rollout, rewards, cfg) -> (samples, stats)
     loss_agg: str | None = None  # the aggregation the method's paper prescribes; others get a warning
     group_baseline: bool = True  # compares responses to the same prompt (schema.py's GROUP_ALGOS: algo.group_size >= 2)
-    config: str | None = None  # its own sub-section of algo (algo.gae, algo.dapo); set under another algorithm it is refused (schema.USED_WHEN)
+    config: str | None = None  # its own sub-section of algo (algo.gae, algo.dapo); set under another algorithm it is refused (config/used.py)
 
 
 ALGORITHMS: Registry[Algorithm] = Registry("algo.name")

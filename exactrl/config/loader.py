@@ -15,7 +15,8 @@ from typing import Any, TypeVar, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from exactrl.config.schema import ALIASES, RENAMED, USED_WHEN, CommonConfig
+from exactrl.config.schema import ALIASES, RENAMED, CommonConfig
+from exactrl.config.used import USED_WHEN
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -307,7 +308,7 @@ def _show(value: Any) -> str:
 def check_used(cfg: BaseModel, defaults: BaseModel, keys: list[str] | None = None, origins: dict[str, str] | None = None,
                prefix: str = "") -> None:
     """Refuse a key set to other than the command's default (``defaults``; a resolved config.yaml
-    holds every key, those at their defaults pass) that this run cannot use (schema.USED_WHEN),
+    holds every key, those at their defaults pass) that this run cannot use (config/used.py),
     naming where it was set (``origins``, as load_config records them). The demo's phases, each
     a whole command's config, are checked against their own defaults."""
     keys = keys if keys is not None else valid_keys(type(cfg))

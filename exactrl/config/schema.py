@@ -6,8 +6,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Annotated, Literal, NamedTuple
+from typing import Annotated, Literal
 
 from pydantic import (
     BaseModel,
@@ -440,96 +439,6 @@ class EvalCommandConfig(Section):
         if not p.n and unused:
             raise ValueError(f"{', '.join(unused)} set, but pass_at_k.n=0 draws no samples; set pass_at_k.n (samples per prompt)")
         return self
-
-
-# Which algorithms use which settings (algorithms/registry.py declares the same; tests check they agree).
-CRITIC_ALGOS = ("ppo",)  # train a critic (critic.*) and estimate advantages with GAE (algo.gae.*)
-STD_ALGOS = ("grpo", "gspo", "dapo")  # the grpo estimator: group-centred rewards / group std
-DISCOUNT_ALGOS = ("ppo", "reinforce_pp", "reinforce_pp_baseline")  # returns to go, discounted by algo.gamma
-
-
-class UsedWhen(NamedTuple):
-    """A key (or 'section.') that only some runs use: ``used(config)`` says whether this one does,
-    ``why_not`` (formatted with c=the config) why it does not, and ``fix`` what would use it."""
-
-    key: str
-    used: Callable[[CommonConfig], bool]
-    why_not: str
-    fix: str
-
-
-# No setting that silently does nothing (DESIGN.md): a key below set to other than the command's
-# default in a run that cannot use it is refused (config/loader.py, check_used). A new key whose
-# effect depends on another joins with one row; rows whose key a command lacks are skipped.
-USED_WHEN = [
-    UsedWhen("model.lora.", lambda c: c.model.lora.rank > 0, "LoRA is off (model.lora.rank=0)", "set model.lora.rank > 0"),
-    UsedWhen("critic.", lambda c: c.algo.name in CRITIC_ALGOS, "only ppo trains a critic (algo.name={c.algo.name})",
-             "set algo.name=ppo"),
-    UsedWhen("algo.gae.", lambda c: c.algo.name in CRITIC_ALGOS, "only ppo estimates advantages with GAE "
-             "(algo.name={c.algo.name})", "set algo.name=ppo"),
-    UsedWhen("algo.dapo.", lambda c: c.algo.name == "dapo", "dynamic sampling is dapo's (algo.name={c.algo.name})",
-             "set algo.name=dapo"),
-    UsedWhen("algo.std_normalize", lambda c: c.algo.name in STD_ALGOS, "algo.name={c.algo.name} does not divide by the "
-             "group std (only " + ", ".join(STD_ALGOS) + " do)", "use one of those"),
-    UsedWhen("algo.gamma", lambda c: c.algo.name in DISCOUNT_ALGOS, "algo.name={c.algo.name} does not discount returns "
-             "(only " + ", ".join(DISCOUNT_ALGOS) + " do)", "use one of those"),
-    UsedWhen("algo.kl_target", lambda c: c.algo.kl_coef > 0, "there is no KL term (algo.kl_coef=0)",
-             "set a starting algo.kl_coef > 0 (the adaptive controller scales it)"),
-    UsedWhen("algo.kl_in_reward", lambda c: c.algo.kl_coef > 0, "there is no KL term (algo.kl_coef=0)",
-             "set algo.kl_coef > 0"),
-    UsedWhen("algo.kl_estimator", lambda c: c.algo.kl_coef > 0, "there is no KL term (algo.kl_coef=0)",
-             "set algo.kl_coef > 0"),
-    UsedWhen("algo.kl_estimator", lambda c: not c.algo.kl_in_reward, "the KL in the reward is k1 per token "
-             "(algo.kl_in_reward=true)", "set algo.kl_in_reward=false"),
-    UsedWhen("algo.kl_horizon", lambda c: c.algo.kl_target is not None, "the KL coefficient is fixed (algo.kl_target "
-             "unset)", "set algo.kl_target"),
-    UsedWhen("algo.overlong_penalty", lambda c: c.algo.overlong_buffer > 0, "the overlong penalty is off "
-             "(algo.overlong_buffer=0)", "set algo.overlong_buffer > 0"),
-    UsedWhen("algo.clip_eps", lambda c: c.algo.policy_loss != "reinforce", "algo.policy_loss=reinforce does not clip",
-             "use another algo.policy_loss"),
-    UsedWhen("algo.clip_eps_high", lambda c: c.algo.policy_loss != "reinforce", "algo.policy_loss=reinforce does "
-             "not clip", "use another algo.policy_loss"),
-    UsedWhen("algo.ratio_tol", lambda c: c.algo.ratio_check != "off", "the on-policy check is off "
-             "(algo.ratio_check=off)", "set algo.ratio_check=error or warn"),
-    UsedWhen("reward.fn", lambda c: c.reward.url is None, "reward.url replaces it", "list the URL in reward.fn instead"),
-    UsedWhen("deepspeed.", lambda c: c.distributed.backend == "deepspeed", "the train engine is not DeepSpeed "
-             "(distributed.backend={c.distributed.backend})", "set distributed.backend=deepspeed"),
-    UsedWhen("distributed.fsdp_cpu_offload", lambda c: c.distributed.backend == "fsdp2", "the train engine is not "
-             "FSDP2 (distributed.backend={c.distributed.backend}; DeepSpeed has deepspeed.offload_*)",
-             "set distributed.backend=fsdp2"),
-    UsedWhen("train.loss_agg_norm", lambda c: c.train.loss_agg == "seq-mean-token-sum-norm", "only "
-             "train.loss_agg=seq-mean-token-sum-norm has a constant normaliser (train.loss_agg={c.train.loss_agg})",
-             "set that train.loss_agg"),
-    UsedWhen("train.packing_check_tol", lambda c: c.train.packing_check != "off", "the packing self-check is off "
-             "(train.packing_check=off)", "turn it on"),
-    UsedWhen("train.generation_check_tol", lambda c: c.train.generation_check != "off", "the generation self-check "
-             "is off (train.generation_check=off)", "turn it on"),
-    UsedWhen("train.save_total_limit", lambda c: c.train.save_every > 0, "no checkpoints are taken "
-             "(train.save_every=0)", "set train.save_every"),
-    UsedWhen("audit.canary_tol", lambda c: c.audit.canary != "off", "the canary is off (audit.canary=off)",
-             "turn it on"),
-    *(UsedWhen(f"log.wandb.{key}", lambda c: c.log.wandb.project is not None, "W&B is off (log.wandb.project unset)",
-               "set log.wandb.project") for key in ("entity", "name")),
-    # mode=online passes: every run's config.yaml held it while it was the default, and a replay of one must load.
-    UsedWhen("log.wandb.mode", lambda c: c.log.wandb.project is not None or c.log.wandb.mode == "online",
-             "W&B is off (log.wandb.project unset)", "set log.wandb.project"),
-    UsedWhen("log.mlflow.experiment", lambda c: c.log.mlflow.uri is not None, "MLflow is off (log.mlflow.uri unset)",
-             "set log.mlflow.uri"),
-    *(row for section in ("optim.", "critic.optim.") for row in (
-        UsedWhen(section + "momentum", lambda c, s=section: _optim(c, s).name == "sgd",
-                 f"{section}name=adamw has no momentum setting (its betas are {section}betas)", f"set {section}name=sgd"),
-        UsedWhen(section + "betas", lambda c, s=section: _optim(c, s).name == "adamw",
-                 f"{section}name=sgd has no betas (its momentum is {section}momentum)", f"set {section}name=adamw"),
-        UsedWhen(section + "eps", lambda c, s=section: _optim(c, s).name == "adamw", f"{section}name=sgd has no eps",
-                 f"set {section}name=adamw"),
-        UsedWhen(section + "min_lr_ratio", lambda c, s=section: _optim(c, s).scheduler != "constant",
-                 f"the learning rate is constant ({section}scheduler=constant)", f"set {section}scheduler=linear or cosine"),
-    )),
-]
-
-
-def _optim(cfg: CommonConfig, section: str) -> OptimConfig:
-    return cfg.critic.optim if section == "critic.optim." else cfg.optim
 
 
 class TaskConfig(Section):

@@ -15,6 +15,7 @@ boundary moves the update by tens of percent.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -54,3 +55,24 @@ def test_every_engine_stage_and_nominal_k(world, tmp_path):
     r = run_cases("all", world, tmp_path / "results.json", ds_env(), script=SCRIPT)
     assert len(r["cases"]) == (30 if world == 1 else 27)
     check(r, world)
+
+
+@pytest.mark.parametrize("given,refused", [({"managed_gradient_accumulation": False}, "managed_gradient_accumulation=false makes"),
+                                           ({"gradient_accumulation_steps": 3}, "gradient_accumulation_steps=3 contradicts"),
+                                           ({"managed_gradient_accumulation": True}, None)])
+def test_a_users_deepspeed_json_that_would_move_the_boundary_is_refused(tmp_path, given, refused):
+    """DeepSpeed's unmanaged accumulation refuses set_gradient_accumulation_boundary with an assertion
+    deep in its engine: say so in one line, naming the file and the key, before DeepSpeed starts."""
+    from exactrl.config import SFTConfig, load_config
+    from exactrl.config.loader import ConfigError
+    from exactrl.distributed.deepspeed_engine import ds_config
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(given))
+    cfg = load_config(SFTConfig, None, ["distributed.backend=deepspeed", f"deepspeed.config={path}",
+                                        "train.global_batch_size=8", "train.micro_batch_size=2"])
+    if refused is None:
+        assert ds_config(cfg, 2)["gradient_accumulation_steps"] == 2
+        return
+    with pytest.raises(ConfigError, match=f"^{path}: {refused}"):
+        ds_config(cfg, 2)

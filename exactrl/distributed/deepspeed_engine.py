@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from exactrl.checks.canary import Canary
+from exactrl.config.loader import ConfigError
 from exactrl.distributed.checkpoint import save_pretrained
 from exactrl.device import place, process_device, process_group_backend
 from exactrl.distributed.engine import NonFiniteError, SingleEngine, enable_gradient_checkpointing, nonfinite_message
@@ -82,8 +83,13 @@ def ds_config(cfg, world: int) -> dict:
     for key, value in (("train_batch_size", t.global_batch_size), ("train_micro_batch_size_per_gpu", t.micro_batch_size),
                        ("gradient_accumulation_steps", k)):
         if base.get(key, "auto") not in ("auto", value):
-            raise ValueError(f"{d.config}: {key}={base[key]} contradicts train.* (which give {value}); remove it or set it to \"auto\"")
+            raise ConfigError(f"{d.config}: {key}={base[key]} contradicts train.* (which give {value}); remove it or set it to \"auto\"")
         base[key] = value
+    if base.get("managed_gradient_accumulation", True) is not True:
+        # DeepSpeed >= 0.19 refuses set_gradient_accumulation_boundary in that mode (an assertion deep in its engine).
+        raise ConfigError(f"{d.config}: managed_gradient_accumulation={json.dumps(base['managed_gradient_accumulation'])} "
+                          "makes DeepSpeed's step() the accumulation boundary, but exactrl marks it at each step's last "
+                          "backward (set_gradient_accumulation_boundary); remove the key or set it to true")
     base["gradient_clipping"] = t.max_grad_norm
     # exactrl's own torch optimizer (so SGD/AdamW match torch exactly), also under offload.
     base.setdefault("zero_force_ds_cpu_optimizer", False)

@@ -6,7 +6,7 @@ it with the canary off, and the canary stopped step 0 ("carries 0 ... over 1 mic
 
 Fast: FSDP2 and DeepSpeed ZeRO-2 + offload_optimizer cpu, ZeRO-1 + offload, ZeRO-3 + offload of
 the optimizer and parameters. Slow: the single engine, every stage x offload, and nominal
-accumulation steps 1, 2 and 4.
+accumulation steps 1, 2 and 4; and DeepSpeed 0.18.5, whose offload bug follows each step's count.
 
 fp32 throughout; the bound, 1e-6 of the update, leaves room for the summation order alone (a
 micro-batch's squared errors summed apart from the others, measured ~2e-7), while a misplaced
@@ -16,6 +16,8 @@ boundary moves the update by tens of percent.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -76,3 +78,24 @@ def test_a_users_deepspeed_json_that_would_move_the_boundary_is_refused(tmp_path
         return
     with pytest.raises(ConfigError, match=f"^{path}: {refused}"):
         ds_config(cfg, 2)
+
+
+@pytest.mark.slow  # ~30 s: one process on the throw-away DeepSpeed 0.18.5 environment
+def test_on_a_deepspeed_with_the_offload_bug_the_canary_stops_the_first_step_it_corrupts(tmp_path):
+    """DeepSpeed 0.18.5 (tests/old_deepspeed.py), steps of 1, 2, 3 micro-batches, the boundary placed by exactrl.
+    ZeRO-2 + offload_optimizer cpu keeps about g_first + g_last of a step of 3 or more micro-batches whatever the
+    configured K (PR #6550), and only the last of several when the configured K is 1 (PR #7981): the bug follows
+    each step's count, not the config. ZeRO-1 + offload stays exact. The canary stops the first corrupted step."""
+    from old_deepspeed import ROOT, VERSION, old_deepspeed_python
+
+    out = tmp_path / "results.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **ds_env(VERSION)}
+    proc = subprocess.run([old_deepspeed_python(), str(SCRIPT), "old", "1", str(out)], env=env, capture_output=True,
+                          text=True, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    k1, k2, zero1 = json.loads(out.read_text())["cases"]
+    for case, step, seen, carried in ((k1, 1, 2, "0.5 "), (k2, 2, 3, "0.666667 ")):
+        assert all(abs(v - 1.0) <= 1e-5 for v in case["canary"]) and len(case["canary"]) == step, case
+        assert f"canary failed at optimizer step {step}: the accumulated gradient carries {carried}" in case["stopped"], case
+        assert f"over {seen} micro-batches; backend=deepspeed, ZeRO stage 2, offload_optimizer cpu, K={seen}," in case["stopped"]
+    assert zero1["stopped"] is None and zero1["micro_batches"] == [1, 2, 3] and zero1["rel_err"] <= TOL, zero1

@@ -2,7 +2,7 @@
 every engine, against one full-batch pass; run by tests/test_variable_micro_batches.py (under
 torchrun for world size 2, or as one process); writes one JSON result file.
 
-usage: python variable_micro.py {ci,all} WORLD OUT.json
+usage: python variable_micro.py {ci,all,old} WORLD OUT.json
 
 Mixed-policy methods (HPT, ReLIFT) give a step as many micro-batches as its data needs, so the
 engine learns each step's count from ``engine.begin_step`` and DeepSpeed's configured
@@ -11,6 +11,9 @@ case drives the engine interface (begin_step, forward, backward, step) over four
 small fp32 MLP regression, micro-batch c of a step on rank c % world as the step plan lays it
 out, each micro-batch's loss its sum of squared errors over the step's sample count; the
 reference is plain torch SGD on each step's whole batch, its mean squared error in one forward.
+
+``old`` runs on a DeepSpeed with the CPU-offload accumulation bug (0.15.2-0.18.x, one process):
+steps of 1, 2, 3 micro-batches until the canary stops one.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 import torch.distributed as dist
 from equivalence import relative_error
 
+from exactrl.checks.canary import CanaryError
 from exactrl.config import SFTConfig, load_config
 from exactrl.distributed.engine import SampleAccountingError, build_engine
 from exactrl.distributed.launch import shutdown
@@ -49,9 +53,9 @@ class Regression(torch.nn.Module):
         return self.net(x)
 
 
-def steps(world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def steps(world: int, counts=COUNTS) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
-    return [(torch.randn(n * MICRO * world, DIM, generator=g), torch.randn(n * MICRO * world, 1, generator=g)) for n in COUNTS]
+    return [(torch.randn(n * MICRO * world, DIM, generator=g), torch.randn(n * MICRO * world, 1, generator=g)) for n in counts]
 
 
 def reference(data) -> dict:
@@ -70,7 +74,8 @@ def config(backend: str, extra: list[str], world: int, nominal_k: int):
                                          "train.max_grad_norm=0", "optim.name=sgd", f"optim.lr={LR}", "optim.scheduler=constant"])
 
 
-def exactrl_run(cfg, data) -> tuple[dict, list[dict]]:
+def exactrl_run(cfg, data) -> tuple[dict | None, list[dict], int, str | None]:
+    """(final weights, each step's stats, rank, the canary's message if it stopped a step)."""
     from equivalence import full_state
 
     model = Regression()
@@ -82,8 +87,11 @@ def exactrl_run(cfg, data) -> tuple[dict, list[dict]]:
         for mb in plan.micro_batches:
             loss = ((engine.forward(model, x=x[list(mb)]) - y[list(mb)]) ** 2).sum() / len(x)
             engine.backward(loss, len(mb) / len(x), len(mb))
-        stats.append(engine.step(plan))
-    return full_state(engine, model), stats, engine.rank
+        try:
+            stats.append(engine.step(plan))
+        except CanaryError as e:
+            return None, stats, engine.rank, str(e)
+    return full_state(engine, model), stats, engine.rank, None
 
 
 def unequal_counts(cfg) -> str:
@@ -97,18 +105,19 @@ def unequal_counts(cfg) -> str:
 
 
 def main(which: str, world: int, out_path: str) -> None:
-    data = steps(world)
+    data = steps(world, (1, 2, 3) if which == "old" else COUNTS)
+    layouts = {"ci": [(b, e, 2) for b, e in CI], "all": [(b, e, k) for b, e in ALL for k in (1, 2, 4)],
+               "old": [("deepspeed", CI[1][1], 1), ("deepspeed", CI[1][1], 2), ("deepspeed", CI[2][1], 1)]}[which]
     results = []
-    for backend, extra in CI if which == "ci" else ALL:
-        for nominal_k in (2,) if which == "ci" else (1, 2, 4):
-            if backend == "single" and world > 1:
-                continue
-            got, stats, rank = exactrl_run(config(backend, extra, world, nominal_k), data)
-            if rank == 0:
-                results.append({"backend": backend, "config": " ".join(extra), "nominal_k": nominal_k,
-                                "rel_err": relative_error(got, reference(data), Regression().state_dict()),
-                                "canary": [s["canary"] for s in stats], "micro_batches": [s["micro_batches"] for s in stats]})
-    unequal = {b: unequal_counts(config(b, e, world, 2)) for b, e in CI[:2]} if world > 1 else {}
+    for backend, extra, nominal_k in layouts:
+        if backend == "single" and world > 1:
+            continue
+        got, stats, rank, stopped = exactrl_run(config(backend, extra, world, nominal_k), data)
+        if rank == 0:
+            results.append({"backend": backend, "config": " ".join(extra), "nominal_k": nominal_k, "stopped": stopped,
+                            "rel_err": None if got is None else relative_error(got, reference(data), Regression().state_dict()),
+                            "canary": [s["canary"] for s in stats], "micro_batches": [s["micro_batches"] for s in stats]})
+    unequal = {b: unequal_counts(config(b, e, world, 2)) for b, e in CI[:2]} if world > 1 and which != "old" else {}
     if not dist.is_initialized() or dist.get_rank() == 0:
         Path(out_path).write_text(json.dumps({"cases": results, "unequal": unequal}))
     shutdown()

@@ -55,6 +55,7 @@ class Trainer:
         batch = [self.examples[i] for i in self.sampler.batch(step)]
         t0 = time.perf_counter()
         plan = plan_step([e.loss_tokens for e in batch], self.micro, "token-mean", lengths=[len(e.input_ids) for e in batch])
+        self.engine.begin_step(len(plan.micro_batches))
         for mb in plan.micro_batches:
             loss, share = sft_micro_batch_loss(self.model, self.engine, [batch[i] for i in mb], self.tok.pad_token_id, plan.normalizer)
             self.engine.backward(loss, share, len(mb))

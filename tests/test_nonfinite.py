@@ -27,6 +27,7 @@ def examples(tokenizer):
 
 def run_step(engine, model, tokenizer, exs, poison: float | None = None):
     plan = plan_step([e.loss_tokens for e in exs], 2, "token-mean")
+    engine.begin_step(len(plan.micro_batches))
     for i, mb in enumerate(plan.micro_batches):
         loss, share = sft_micro_batch_loss(model, engine, [exs[j] for j in mb], tokenizer.pad_token_id, plan.normalizer)
         engine.backward(loss * poison if poison is not None and i == 1 else loss, share, len(mb))

@@ -94,6 +94,7 @@ class Worker:
         ``before_step(parts)`` sees this rank's micro-batch metrics once all are backpropagated
         and may stop the step before it is applied (the on-policy check does)."""
         total, parts = 0.0, []
+        self.engine.begin_step(len(plan.micro_batches))
         for mb in plan.micro_batches:
             loss, share, metrics = loss_fn(self, [batch[i] for i in mb], plan.normalizer)
             self.engine.backward(loss, share, num_samples=len(mb))

@@ -105,6 +105,7 @@ def exactrl_run(model, steps, tok, cfg, fault=None):
     for exs in steps:
         plan = plan_step([e.loss_tokens for e in exs], t.micro_batch_size, t.loss_agg, NORM_LEN,
                          lengths=[len(e.input_ids) for e in exs], world_size=engine.world_size, rank=engine.rank)
+        engine.begin_step(len(plan.micro_batches))
         for i, mb in enumerate(plan.micro_batches):
             batch = [exs[j] for j in mb]
             norm = plan.normalizer

@@ -213,6 +213,7 @@ def exactrl_run(case, samples, tok, layout) -> dict:
     engine = build_engine(model, cfg, total_steps=2)
     for _ in range(2):
         plan = step_plan(samples, cfg, engine)
+        engine.begin_step(len(plan.micro_batches))
         for mb in plan.micro_batches:
             loss, share, _ = policy_micro_batch_loss(model, engine, [samples[i] for i in mb], plan.normalizer, cfg, tok.pad_token_id)
             engine.backward(loss, share, len(mb))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import re
 import warnings
 from pathlib import Path
 
@@ -168,7 +169,7 @@ class SingleEngine:
         self.skipped += skipped
         # A skipped step still moves the schedule and the step count, so step N stays step N on resume.
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()` before")
+            warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()` before"))
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1

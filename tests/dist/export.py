@@ -32,7 +32,7 @@ from exactrl.tasks.tiny_model import build_tiny_model
 from exactrl.tasks.tokenizer import build_tokenizer
 from exactrl.workers.worker import Worker
 
-SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, intermediate_size=64)
+SMALL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "intermediate_size": 64}
 LAYOUTS = {"single": [[]], "fsdp2": [[]], "deepspeed": [["deepspeed.zero_stage=2"], ["deepspeed.zero_stage=3"]]}
 
 
@@ -98,7 +98,7 @@ def main(backend: str, world: int, out_path: str) -> None:
         dist.all_gather_object(every, results)
         results = [r for part in every for r in part]
     if world == 1 or dist.get_rank() == 0:
-        json.dump(results, open(out_path, "w"))
+        Path(out_path).write_text(json.dumps(results))
     shutdown()
 
 

@@ -27,9 +27,10 @@ from pathlib import Path
 from exactrl.config.loader import ConfigError, dump_config
 
 STATUS = "status.json"
+MANIFEST_LOCK = ".manifest.json.lock"  # held while manifest.json is updated (exactrl/audit/manifest.py)
 FAILED_STATES = ("error", "interrupted", "canary", "check", "nonfinite")
 # What a run leaves before its first saved or logged result; nothing in them is lost by reuse.
-SCAFFOLD = {STATUS, "config.yaml", ".config.yaml.tmp", "manifest.json", "metrics.jsonl", f".{STATUS}.tmp"}
+SCAFFOLD = {STATUS, "config.yaml", ".config.yaml.tmp", "manifest.json", MANIFEST_LOCK, "metrics.jsonl", f".{STATUS}.tmp"}
 
 _current: Path | None = None  # the run directory this process created (its status is ours to write)
 LAUNCH_DIR = "EXACTRL_LAUNCH_DIR"

@@ -127,12 +127,12 @@ def test_sigterm_is_recorded_and_exits_143(tmp_path, cache):
 
 
 def test_sigint_is_recorded_and_exits_130(tmp_path, cache, monkeypatch):
-    from exactrl.algorithms import sft
+    from exactrl.workers import worker
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(sft, "build_engine", interrupted)  # Ctrl-C while the model loads
+    monkeypatch.setattr(worker, "build_engine", interrupted)  # Ctrl-C while the model loads
     out = tmp_path / "run"
     proc = exactrl(["sft", *TINY, "train.max_steps=1", f"output_dir={out}"], tmp_path, cache)
     assert proc.returncode == 130 and "interrupted: SIGINT" in proc.stderr

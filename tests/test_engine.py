@@ -13,6 +13,7 @@ from exactrl.data.jsonl import Row
 from exactrl.distributed.checkpoint import _atomic_dir, save_checkpoint
 from exactrl.distributed.engine import SampleAccountingError, build_engine
 from exactrl.distributed.step_plan import plan_step
+from exactrl.workers.worker import Worker
 
 COMPLETIONS = ["1", "2+2+0=04 #### 04", "#### 77", "9+9+0=18 1+1+1=03 #### 318", "x", "12345678901234567890", "ab", "#### 1"]
 
@@ -136,8 +137,8 @@ def test_a_step_is_begun_with_its_micro_batch_count_and_held_to_it(tokenizer, ma
 def test_checkpoint_write_is_atomic(tmp_path, tokenizer, make_model):
     model = make_model(8)
     cfg = load_config(SFTConfig, None, [])
-    engine = build_engine(model, cfg, total_steps=1)
-    ck = save_checkpoint(tmp_path / "checkpoint-1", model, tokenizer, engine, {"step": 1})
+    policy = Worker("policy", model, build_engine(model, cfg, total_steps=1), pad_id=tokenizer.pad_token_id)
+    ck = save_checkpoint(tmp_path / "checkpoint-1", tokenizer, {"policy": policy}, {"step": 1}, "sft")
     before = sorted(p.name for p in ck.iterdir())
     assert {"model.safetensors", "config.json", "tokenizer.json", "trainer_state.pt"} <= set(before)
 

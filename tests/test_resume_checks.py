@@ -7,12 +7,13 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import torch
 
 from exactrl.algorithms.rl import train_rl
 from exactrl.algorithms.sft import train_sft
 from exactrl.config import RLConfig, SFTConfig, load_config
 from exactrl.config.loader import ConfigError
-from exactrl.distributed.checkpoint import CheckpointError
+from exactrl.distributed.checkpoint import STATE_FILE, CheckpointError
 from exactrl.tasks.builtin import BuiltinSpec
 
 SPEC = BuiltinSpec(n_sft=64, n_rl=16, n_eval=8)
@@ -90,6 +91,20 @@ def test_an_sft_checkpoint_cannot_be_resumed_by_rl(tmp_path, sft_run):
                                        f"train.resume_from={sft_run / 'checkpoint-2'}", f"output_dir={tmp_path / 'rl'}"])
     with pytest.raises(CheckpointError, match=r"is an sft checkpoint and cannot be resumed by `exactrl rl`; .* set model.path="):
         train_rl(cfg, spec=SPEC)
+
+
+def test_the_checkpoint_names_its_command_and_an_old_one_is_inferred(tmp_path, sft_run):
+    """The command is stored, not guessed from what the position holds: a checkpoint that says
+    rl is refused by sft though it holds no rollout position (before, it was taken for sft's and
+    resumed); one from before the command was stored resumes as its contents say (no rollout: sft)."""
+    path = sft_run / "checkpoint-2" / STATE_FILE
+    state = torch.load(path, weights_only=True)
+    assert state["command"] == "sft"
+    torch.save({**state, "command": "rl"}, path)
+    with pytest.raises(CheckpointError, match=r"is an rl checkpoint and cannot be resumed by `exactrl sft`"):
+        resume_sft(tmp_path, sft_run / "checkpoint-2")
+    torch.save({k: v for k, v in state.items() if k != "command"}, path)
+    assert resume_sft(tmp_path, sft_run / "checkpoint-2").steps == 4
 
 
 def test_a_batch_larger_than_the_data_is_an_error(tmp_path):

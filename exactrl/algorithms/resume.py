@@ -81,7 +81,8 @@ def check_resume(cfg, command: str, steps: int) -> None:
     p = Path(cfg.train.resume_from)
     state = check_resumable(p)
     extra = state.get("extra", {})
-    was = "rl" if "rollout" in extra else "sft"
+    # The command that wrote it; a checkpoint from before it was stored is an rl one when it holds a rollout position.
+    was = state.get("command") or ("rl" if "rollout" in extra else "sft")
     if was != command:
         raise CheckpointError(f"train.resume_from: '{p}' is an {was} checkpoint and cannot be resumed by "
                               f"`exactrl {command}`; to start {command} from its weights, set model.path={p} instead")

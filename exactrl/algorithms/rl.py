@@ -41,14 +41,12 @@ from exactrl.data.batch import Sample, collate
 from exactrl.data.batching import StepSampler, pad_right
 from exactrl.data.encode import load_prompts
 from exactrl.distributed.checkpoint import resume
-from exactrl.distributed.engine import build_engine
 from exactrl.distributed.launch import is_main, rank
 from exactrl.distributed.step_plan import StepPlan, plan_step
 from exactrl.losses import aggregate, canary_share, masked_mean
 from exactrl.losses.policy import PolicyInput, get_policy_loss
 from exactrl.losses.token_losses import kl_penalty, token_entropy, token_logprobs
 from exactrl.models.loading import load_tokenizer
-from exactrl.models.lora import reference_mode
 from exactrl.models.packing import model_batch
 from exactrl.rewards import load_rewards, require_answers
 from exactrl.rollout.collect import RolloutError, collect_dynamic_rollout, collect_rollout, overlong_penalty
@@ -56,8 +54,7 @@ from exactrl.rollout.hf import HFEngine
 from exactrl.run.context import RunContext
 from exactrl.run.evaluation import eval_data, load_eval_set
 from exactrl.tasks.builtin import BuiltinSpec
-from exactrl.workers.critic import Critic
-from exactrl.workers.load import check_generator, load_model
+from exactrl.workers.load import check_generator
 from exactrl.workers.worker import Worker
 
 __all__ = ["OnPolicyCheckError", "RolloutError", "Sample", "check_on_policy", "collect_dynamic_rollout", "collect_rollout",
@@ -243,18 +240,14 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     # The workers: the policy, the frozen reference (a KL term needs one), the critic (ppo).
     # With LoRA the reference is the policy's own model with its adapters off: no second copy.
     longest, pad = cfg.data.max_length + cfg.rollout.max_new_tokens, tok.pad_token_id
-    model = load_model(cfg, model_path, ctx.run_dir, phase, "policy", longest, checkpoint=t.resume_from)
-    lora_ref = a.kl_coef > 0 and cfg.model.lora.rank > 0
-    ref_model = None
-    if a.kl_coef > 0:
-        ref_model = model if lora_ref else load_model(cfg, model_path, ctx.run_dir, phase, "reference", longest, trainable=False)
+    where = {"run_dir": ctx.run_dir, "phase": phase, "longest": longest, "pad_id": pad}
     warmup = min(cfg.critic.warmup_rollouts, rollouts) * steps_per_rollout if alg.critic else 0
-    engine = build_engine(model, cfg, max(1, steps - warmup))  # the policy's schedule starts after the critic's warm-up
-    policy = Worker("policy", model, engine, pad_id=pad, packed=t.padding_free, temperature=cfg.rollout.temperature)
-    reference = None if ref_model is None else Worker(
-        "reference", ref_model, pad_id=pad, packed=t.padding_free, temperature=cfg.rollout.temperature,
-        autocast=engine.autocast, logprob_chunk=engine.logprob_chunk, mode=(lambda: reference_mode(model)) if lora_ref else None)
-    critic = Critic.load(cfg, model_path, steps, pad, ctx.run_dir, phase, longest) if alg.critic else None
+    # the policy's schedule starts after the critic's warm-up
+    policy = Worker.build(cfg, "policy", model_path, total_steps=max(1, steps - warmup), checkpoint=t.resume_from, **where)
+    reference = Worker.build(cfg, "reference", model_path, policy=policy, **where) if a.kl_coef > 0 else None
+    critic = Worker.build(cfg, "critic", cfg.critic.path or model_path, total_steps=steps, checkpoint=t.resume_from,
+                          **where) if alg.critic else None
+    model, engine = policy.model, policy.engine
     # Several ranks holding shards of the parameters must run every forward together
     # (generate's synced_gpus keeps a rank whose responses have all ended stepping with the others).
     generator = HFEngine(model, tok, cfg.rollout.batch_size, synced=engine.synced_decoding)
@@ -264,9 +257,7 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     kl_control = AdaptiveKL(a.kl_coef, a.kl_target, a.kl_horizon)
     first_rollout = 0
     if t.resume_from:
-        position = resume(t.resume_from, engine)
-        if critic is not None:
-            critic.resume(Path(t.resume_from))
+        position = resume(t.resume_from, {"policy": policy, "critic": critic} if critic else {"policy": policy})
         first_rollout = position["rollout"] + 1
         group_rng.setstate(position["group_rng"])
         kl_control.coef = position.get("kl_coef", kl_control.coef)
@@ -278,7 +269,7 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     ctx.start(steps, step)
     for rollout in range(first_rollout, rollouts):
         # 1. sample and score a rollout with the policy's current weights
-        generator.load_weights(policy.export_weights())
+        policy.push_weights(generator)
         tg = time.perf_counter()
         samples, rstats = alg.rollout(generator, prompts, sampler.batch(rollout), rollout, reward_fns, cfg)
         gen_seconds = time.perf_counter() - tg

@@ -24,7 +24,6 @@ from exactrl.config.schema import DemoConfig, SFTConfig
 from exactrl.data.batching import StepSampler, collate_sft
 from exactrl.data.encode import load_sft
 from exactrl.distributed.checkpoint import resume
-from exactrl.distributed.engine import build_engine
 from exactrl.distributed.launch import is_main
 from exactrl.distributed.step_plan import plan_step
 from exactrl.losses import aggregate, canary_share
@@ -36,7 +35,7 @@ from exactrl.run.evaluation import eval_data, load_eval_set
 from exactrl.run_dir import LAUNCH_DIR
 from exactrl.tasks import builtin
 from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin
-from exactrl.workers.load import check_generator, load_model
+from exactrl.workers.load import check_generator
 from exactrl.workers.worker import Worker
 
 
@@ -76,9 +75,10 @@ def train_sft(cfg: SFTConfig, run_dir: Path | None = None, spec: BuiltinSpec = B
     check_data_size(len(examples), t.global_batch_size, "samples", train_path)
     continues = prepare_resume(cfg, "sft", steps)
     ctx = RunContext(cfg, "sft", phase, run_dir, {"train": train_path, "eval": eval_path}, tok, eval_set, continues)
-    model = load_model(cfg, model_path, ctx.run_dir, phase, "policy", cfg.data.max_length, checkpoint=t.resume_from)
-    policy = Worker("policy", model, build_engine(model, cfg, steps), pad_id=tok.pad_token_id, packed=t.padding_free)
-    start = resume(t.resume_from, policy.engine)["step"] if t.resume_from else 0
+    policy = Worker.build(cfg, "policy", model_path, run_dir=ctx.run_dir, phase=phase, longest=cfg.data.max_length,
+                          pad_id=tok.pad_token_id, total_steps=steps, checkpoint=t.resume_from)
+    model = policy.model
+    start = resume(t.resume_from, {"policy": policy})["step"] if t.resume_from else 0
     if eval_set is not None:  # evaluations decode greedily: checked before training, not after it (and after the
         # resume: FSDP2 leaves a forward-only call's root parameters unsharded, against which no state loads)
         check_generator(cfg, model, tok, ctx.run_dir, phase, sampled=False, synced=policy.engine.synced_decoding)

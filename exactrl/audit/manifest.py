@@ -9,9 +9,14 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from filelock import FileLock
+
+from exactrl.run_dir import MANIFEST_LOCK
 
 PACKAGES = ("exactrl", "torch", "transformers", "tokenizers", "deepspeed", "vllm", "ray", "peft", "accelerate")
 
@@ -72,15 +77,35 @@ def write_manifest(run_dir: Path, seed: int, data_files: dict[str, str | Path | 
         "command": sys.argv,
         **(extra or {}),
     }
-    (run_dir / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    _update(run_dir, lambda _: manifest, read=False)
     return manifest
 
 
 def record_check(run_dir: Path, name: str, result: dict) -> None:
     """Add a start-up check's figures to the run's manifest under ``checks.<name>``."""
-    path = run_dir / "manifest.json"
-    manifest = json.loads(path.read_text()) if path.is_file() else {}
-    manifest.setdefault("checks", {})[name] = result
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(manifest, indent=2))
-    tmp.replace(path)
+    def add(manifest: dict) -> dict:
+        manifest.setdefault("checks", {})[name] = result
+        return manifest
+
+    _update(run_dir, add)
+
+
+def _update(run_dir: Path, change: Callable[[dict], dict], read: bool = True) -> None:
+    """Replace manifest.json by ``change``(its content; {} when absent or not ``read``) under a
+    lock, through a temporary file of this writer's own: several processes (the ranks' checks,
+    a pipeline's phases) may update one manifest, and a read-modify-write without the lock
+    loses updates, while one shared temporary name lets a writer rename another's
+    half-written file into place."""
+    path = Path(run_dir) / "manifest.json"
+    with FileLock(Path(run_dir) / MANIFEST_LOCK):
+        manifest = json.loads(path.read_text()) if read and path.is_file() else {}
+        text = json.dumps(change(manifest), indent=2)
+        fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".manifest.", suffix=".tmp")
+        try:
+            os.fchmod(fd, 0o644)  # as a plain write would leave it (mkstemp's is 0600)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from exactrl.distributed.export import tied_copies
 from exactrl.distributed.launch import rank, world_size
 from exactrl.models import lora
 
@@ -59,8 +60,11 @@ def write_model(directory: Path, model, state_dict: dict | None = None) -> None:
     (exactrl/models/lora.py)."""
     if lora.is_peft(model):
         lora.write_adapter(directory, model, state_dict)
-    else:
-        model.save_pretrained(directory, state_dict=state_dict, safe_serialization=True)
+        return
+    if state_dict is not None:  # gathered from shards, a tied weight's copies are separate tensors save_pretrained keeps
+        copies = tied_copies(model)
+        state_dict = {k: v for k, v in state_dict.items() if k not in copies}
+    model.save_pretrained(directory, state_dict=state_dict, safe_serialization=True)
 
 
 def save_pretrained(path: Path, model, tokenizer, state_dict: dict | None = None, merge: bool = False) -> Path:
@@ -95,28 +99,29 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
 
 
-def save_checkpoint(path: Path, model, tokenizer, engine, extra: dict, others: dict | None = None) -> Path:
-    """Model (Hugging Face format), optimizer, scheduler, every rank's RNG states and the data
-    position (``extra``), written atomically. A collective under several processes: each rank
-    writes its part into one temporary directory, renamed into place when all are done.
-    ``others``: name -> (model, engine) of more trained models (a critic), each in a
-    subdirectory ``name/`` of the same checkpoint, loaded back with ``resume_engine``."""
-    me, world = rank(), world_size()
-    parts = [(None, model, engine)] + [(name, m, e) for name, (m, e) in (others or {}).items()]
-    states = [engine_.checkpoint_state() for _, _, engine_ in parts]  # collectives when sharded
-    if me == 0:
-        for (_, model_, _), (full_model, _) in zip(parts, states):
-            check_finite(full_model if full_model is not None else model_.state_dict(), path)
+def write_part(directory: Path, model, tokenizer, weights: dict | None, state: dict) -> None:
+    """One trained model's files in a checkpoint being written (on the main process): its weights
+    in Hugging Face format (``weights``: gathered from shards; None: the model's own), the
+    tokenizer, and ``state`` (its engine's optimizer/scheduler/step, the run's position...)."""
+    check_finite(weights if weights is not None else model.state_dict(), directory)
+    write_model(directory, model, weights)
+    tokenizer.save_pretrained(directory)
+    torch.save({**state, "world_size": world_size()}, directory / STATE_FILE)
+
+
+def save_checkpoint(path: Path, tokenizer, workers: dict, position: dict, command: str) -> Path:
+    """Every trained worker (``workers``: name -> worker, the policy first, the others each in a
+    subdirectory ``name/``), every rank's RNG states, the data position and the command that
+    wrote it (``position``, ``command``: what resume needs), written atomically. A collective
+    under several processes: each rank writes its part into one temporary directory, renamed
+    into place when all are done. Loaded back with ``resume``."""
+    me = rank()
 
     def write(tmp: Path):
-        for (name, model_, engine_), (full_model, engine_state) in zip(parts, states):
-            d = tmp / name if name else tmp
+        for i, (name, worker) in enumerate(workers.items()):
+            d = tmp / name if i else tmp
             d.mkdir(exist_ok=True)
-            engine_.save_shards(d)  # collective: a backend's own per-rank files (DeepSpeed)
-            if me == 0:
-                write_model(d, model_, full_model)
-                tokenizer.save_pretrained(d)
-                torch.save({"engine": engine_state, "world_size": world, "extra": extra if name is None else {}}, d / STATE_FILE)
+            worker.save_state(d, tokenizer, {"extra": {} if i else position, "command": command})
         torch.save(_rng_state(), tmp / f"rng-rank{me}.pt")
 
     return _atomic_dir(path, write, collective=True)
@@ -157,18 +162,14 @@ def check_resumable(path: str | Path) -> dict:
     return state
 
 
-def resume(path: str | Path, engine) -> dict:
-    """Load optimizer, scheduler and this rank's RNG state from checkpoint ``path`` into
-    ``engine`` and the global generators; return the data position (``extra``) saved with it.
-    The model weights are loaded by the caller, from the same directory, with from_pretrained
-    (a LoRA run's adapter: exactrl.models.lora.apply_lora)."""
-    p, state = Path(path), check_resumable(path)
-    engine.load_state_dict(state["engine"], p)
+def resume(path: str | Path, workers: dict) -> dict:
+    """Load each worker's optimizer, scheduler and step (``workers`` as save_checkpoint took
+    them) and this rank's RNG state from checkpoint ``path``; return the data position saved
+    with it. The model weights are loaded by the caller, from the same directory, with
+    from_pretrained (a LoRA run's adapter: exactrl.models.lora.apply_lora)."""
+    p = Path(path)
+    for i, (name, worker) in enumerate(workers.items()):
+        d = p / name if i else p
+        worker.load_state(d, check_resumable(d)["engine"])
     _set_rng_state(torch.load(p / f"rng-rank{rank()}.pt", weights_only=True))
-    return state["extra"]
-
-
-def resume_engine(path: str | Path, engine) -> None:
-    """Load a further model's optimizer and scheduler (``others`` of save_checkpoint) from its
-    subdirectory ``path`` of a checkpoint."""
-    engine.load_state_dict(check_resumable(path)["engine"], Path(path))
+    return check_resumable(p)["extra"]

@@ -102,8 +102,8 @@ class DeepSpeedEngine(SingleEngine):
     backend = "deepspeed"
 
     @classmethod
-    def from_config(cls, model, cfg, total_steps: int, device: torch.device) -> DeepSpeedEngine:
-        return cls(model, cfg.model, cfg.train, cfg.optim, cfg.audit, total_steps, cfg=cfg, device=device)
+    def from_config(cls, model, cfg, total_steps: int, device: torch.device, optim) -> DeepSpeedEngine:
+        return cls(model, cfg.model, cfg.train, optim, cfg.audit, total_steps, cfg=cfg, device=device)
 
     def __init__(self, model, model_cfg, train, optim, audit, total_steps: int, cfg=None, device=None):
         self.device = device or process_device()
@@ -198,6 +198,12 @@ class DeepSpeedEngine(SingleEngine):
         self._micro_seen = self._samples_seen = 0
         self._micro_planned = None
         return stats
+
+    def full_tensor(self, tensor):
+        if self.stage != 3 or not hasattr(tensor, "ds_id"):  # below ZeRO-3 every rank holds the whole parameters
+            return tensor
+        with self.deepspeed.zero.GatheredParameters([tensor]):  # all-gathers the partitions, released on exit
+            return tensor.data.clone()
 
     def full_model_state(self) -> dict:
         """The model's full weights (on rank 0 under ZeRO-3, where this is a collective)."""

@@ -32,8 +32,10 @@ import torch
 from exactrl.checks.canary import Canary
 from exactrl.config.loader import ConfigError
 from exactrl.config.schema import AuditConfig, ModelConfig, OptimConfig, TrainConfig
-from exactrl.distributed.checkpoint import NonFiniteError, save_pretrained
+from exactrl.distributed.checkpoint import NonFiniteError, save_pretrained, write_part
 from exactrl.device import place, process_device, use_device
+from exactrl.distributed.export import hf_tensors
+from exactrl.distributed.launch import is_main
 from exactrl.distributed.optim import build_optimizer, build_scheduler
 from exactrl.distributed.step_plan import StepPlan
 
@@ -80,8 +82,8 @@ class SingleEngine:
         return self.world_size > 1 and self.shards_parameters
 
     @classmethod
-    def from_config(cls, model: torch.nn.Module, cfg, total_steps: int, device: torch.device) -> SingleEngine:
-        return cls(model, cfg.model, cfg.train, cfg.optim, cfg.audit, total_steps, device=device)
+    def from_config(cls, model: torch.nn.Module, cfg, total_steps: int, device: torch.device, optim: OptimConfig) -> SingleEngine:
+        return cls(model, cfg.model, cfg.train, optim, cfg.audit, total_steps, device=device)
 
     def autocast(self):
         """bf16 compute for the forward passes under it; the weights, their gradients and the
@@ -203,6 +205,24 @@ class SingleEngine:
         """The model in Hugging Face format (on the main process)."""
         return save_pretrained(path, self.model, tokenizer, merge=self.merge_on_save)
 
+    def full_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The whole of one of the model's tensors from what this rank holds (a collective when sharded)."""
+        return tensor
+
+    def export_weights(self, adapters: bool = False):
+        """The model's full weights, one tensor at a time, named as its saved Hugging Face
+        checkpoint names them (a LoRA model merged, or with ``adapters`` its adapters alone):
+        exactrl/distributed/export.py. Every rank takes part when the weights are sharded."""
+        return hf_tensors(self.model, self.full_tensor, adapters)
+
+    def save_checkpoint(self, directory: Path, tokenizer, state: dict) -> None:
+        """This model's part of a checkpoint being written into ``directory`` (every rank calls
+        it): its weights, the tokenizer, its engine's state and the run's ``state``."""
+        weights, engine_state = self.checkpoint_state()  # collectives when sharded
+        self.save_shards(directory)
+        if is_main():
+            write_part(directory, self.model, tokenizer, weights, {"engine": engine_state, **state})
+
     def checkpoint_state(self) -> tuple[dict | None, dict]:
         """(full model weights, or None for the model's own state_dict; optimizer, scheduler
         and step) for a checkpoint. A collective when the model is sharded."""
@@ -251,8 +271,10 @@ ENGINES = {
 }
 
 
-def build_engine(model, cfg, total_steps: int) -> SingleEngine:
-    """The engine named by ``cfg.distributed.backend``, built from the run's config, on the
-    device distributed.device gives."""
+def build_engine(model, cfg, total_steps: int, optim: OptimConfig | None = None) -> SingleEngine:
+    """The engine named by ``cfg.distributed.backend``, built from the run's (validated) config,
+    on the device distributed.device gives; ``optim``: a section of that config other than
+    cfg.optim (the critic's critic.optim)."""
     module, name = ENGINES[cfg.distributed.backend].split(":")
-    return getattr(importlib.import_module(module), name).from_config(model, cfg, total_steps, use_device(cfg.distributed.device))
+    return getattr(importlib.import_module(module), name).from_config(model, cfg, total_steps, use_device(cfg.distributed.device),
+                                                                     optim or cfg.optim)

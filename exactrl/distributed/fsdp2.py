@@ -14,6 +14,7 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_optimizer_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from exactrl.distributed.checkpoint import save_pretrained
 from exactrl.distributed.engine import SingleEngine, prepare_model
@@ -26,8 +27,8 @@ class FSDP2Engine(SingleEngine):
     shards_parameters = True
 
     @classmethod
-    def from_config(cls, model, cfg, total_steps: int, device: torch.device) -> FSDP2Engine:
-        return cls(model, cfg.model, cfg.train, cfg.optim, cfg.audit, total_steps, device=device,
+    def from_config(cls, model, cfg, total_steps: int, device: torch.device, optim) -> FSDP2Engine:
+        return cls(model, cfg.model, cfg.train, optim, cfg.audit, total_steps, device=device,
                    cpu_offload=cfg.distributed.fsdp_cpu_offload)
 
     def __init__(self, model, model_cfg, train, optim, audit, total_steps: int, device=None, cpu_offload: bool = False):
@@ -46,6 +47,9 @@ class FSDP2Engine(SingleEngine):
         super().__init__(model, model_cfg, train, optim, audit, total_steps)
         if self.canary is not None:
             fully_shard(self.canary.module, **options)
+
+    def full_tensor(self, tensor):
+        return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # all-gathers the shards
 
     def save_pretrained(self, path: Path, tokenizer) -> Path:
         # A collective: every rank takes part, the main process writes.

@@ -307,18 +307,28 @@ class HFEngine:
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Take the trainer's weights; returns the new version. Sharing the trainer's model
         object (the in-process case), what arrives must be that model's own parameters: checked,
-        nothing copied. Other tensors are copied in and compared after the copy."""
+        nothing copied. A model of the generator's own takes full, Hugging Face-named tensors
+        (Worker.export_weights), one at a time: each is copied in and compared after the copy,
+        and every parameter of the generator's model must have arrived."""
         own = dict(self.model.named_parameters())
+        buffers = dict(self.model.named_buffers())  # a persistent buffer is part of the saved weights too
+        missing = set(own)
         for name, tensor in named:
-            param = own.get(name)
+            param = own.get(name, buffers.get(name))
             if param is None:
                 raise WeightSyncError(f"the generator's model has no parameter '{name}'")
+            missing.discard(name)
             if param is tensor:
                 continue
+            if param.shape != tensor.shape:
+                raise WeightSyncError(f"'{name}' arrived with shape {tuple(tensor.shape)}; the generator's is {tuple(param.shape)}")
             with torch.no_grad():
                 param.copy_(tensor)
-            if not torch.equal(param, tensor):
+            if not torch.equal(param, tensor.to(param.device, param.dtype)):
                 raise WeightSyncError(f"'{name}' differs from the trainer's after loading it into the generator")
+        if missing:
+            raise WeightSyncError(f"the trainer sent no '{min(missing)}' ({len(missing)} of the generator's parameters "
+                                  "did not arrive)")
         self.weights_version += 1
         return self.weights_version
 

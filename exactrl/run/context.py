@@ -67,7 +67,7 @@ def should(every: int, step: int, last: int) -> bool:
 class RunContext:
     def __init__(self, cfg, command: str, phase: str, run_dir: Path | None, data_files: dict, tokenizer,
                  eval_set: EvalSet | None, continues: bool = False):
-        self.cfg, self.phase, self.tokenizer, self.eval_set = cfg, phase, tokenizer, eval_set
+        self.cfg, self.command, self.phase, self.tokenizer, self.eval_set = cfg, command, phase, tokenizer, eval_set
         self.run_dir, self.log = open_run(cfg, command, run_dir, data_files, continues)
         self.steps, self.bar = 0, None
 
@@ -85,26 +85,25 @@ class RunContext:
 
     def step_done(self, step: int, workers: dict, position: dict, postfix: dict[str, str]) -> None:
         """After completed step ``step``: the bar, then the periodic evaluation and checkpoint.
-        ``workers``: name -> worker saved in a checkpoint, the policy under "policy" (None: absent);
+        ``workers``: name -> worker saved in a checkpoint, the policy first under "policy" (None: absent);
         ``position``: what a resumed run needs to continue exactly (step, RNG states...)."""
         # The figures first: update() is what prints a line (off a terminal, or past tqdm's mininterval), and a
         # line printed before set_postfix would carry the previous step's loss/reward.
         self.bar.set_postfix(**postfix, refresh=False)
         self.bar.update(1)
-        policy = workers["policy"]
         if self.eval_set and should(self.cfg.train.eval_every, step, self.steps):
-            self.evaluate(step, policy.model, say=self.bar.write)
+            self.evaluate(step, workers["policy"], say=self.bar.write)
         if should(self.cfg.train.save_every, step, self.steps):
-            others = {name: (w.model, w.engine) for name, w in workers.items() if name != "policy" and w is not None}
-            save_checkpoint(self.run_dir / f"checkpoint-{step}", policy.model, self.tokenizer, policy.engine, position, others)
+            present = {name: w for name, w in workers.items() if w is not None}
+            save_checkpoint(self.run_dir / f"checkpoint-{step}", self.tokenizer, present, position, self.command)
             if self.cfg.train.save_total_limit and is_main():  # only now is the new one complete
                 for old in complete_checkpoints(self.run_dir)[: -self.cfg.train.save_total_limit]:
                     shutil.rmtree(old)
 
-    def evaluate(self, step: int, model, say=print) -> Accuracy:
+    def evaluate(self, step: int, policy, say=print) -> Accuracy:
         # Every rank generates for the same prompts (a sharded model needs all ranks in each
         # forward); greedy decoding keeps them in lockstep.
-        acc = greedy_accuracy(self.cfg, model, self.tokenizer, self.eval_set)
+        acc = policy.apply(lambda model: greedy_accuracy(self.cfg, model, self.tokenizer, self.eval_set))
         self.write(step, {"eval_accuracy": acc.value, "eval_ci95": list(acc.ci95), "eval_reward_failures": acc.reward_failures})
         if is_main():
             failed = f" ({acc.reward_failures} scored reward.fallback: the reward failed on them)" if acc.reward_failures else ""
@@ -117,12 +116,12 @@ class RunContext:
         evaluation never costs the training. Returns the policy's directory."""
         self.bar.close()
         names = [name for name, w in saved.items() if w is not None]
-        final = saved[names[0]].engine.save_pretrained(self.run_dir / names[0], self.tokenizer)
+        final = saved[names[0]].save(self.run_dir / names[0], self.tokenizer)
         for name in names[1:]:
-            saved[name].engine.save_pretrained(self.run_dir / name, self.tokenizer)
+            saved[name].save(self.run_dir / name, self.tokenizer)
         try:
             if self.eval_set:
-                self.evaluate(self.steps, saved[names[0]].model)
+                self.evaluate(self.steps, saved[names[0]])
         except Exception as e:
             raise EvaluationError(f"the final evaluation failed: {e} (the trained model is saved in {final})") from e
         finally:

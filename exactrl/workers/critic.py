@@ -21,7 +21,6 @@ import torch
 
 from exactrl.config.schema import RLConfig
 from exactrl.data.batch import Sample, collate
-from exactrl.distributed.checkpoint import resume_engine
 from exactrl.distributed.engine import build_engine
 from exactrl.distributed.step_plan import StepPlan
 from exactrl.losses import aggregate, canary_share, masked_mean
@@ -40,27 +39,23 @@ def token_values(output_logits: torch.Tensor) -> torch.Tensor:
 
 class Critic(Worker):
     def __init__(self, cfg: RLConfig, model: torch.nn.Module, total_steps: int, pad_id: int):
-        engine = build_engine(model, cfg.model_copy(update={"optim": cfg.critic.optim}), total_steps)
+        # Its own optimizer section of the run's validated config, on the run's engine settings.
+        engine = build_engine(model, cfg, total_steps, optim=cfg.critic.optim)
         super().__init__("critic", model, engine, pad_id=pad_id, packed=cfg.train.padding_free)
         self.cfg = cfg
 
     @classmethod
-    def load(cls, cfg: RLConfig, policy_start: str, total_steps: int, pad_id: int, run_dir: Path, phase: str,
-             longest: int) -> Critic:
-        """From the checkpoint being resumed, else critic.path, else the policy's starting model;
-        packing self-checked like the policy."""
-        if cfg.train.resume_from:
-            path = Path(cfg.train.resume_from) / "critic"
-        else:
-            path = cfg.critic.path or policy_start
+    def _build(cls, cfg: RLConfig, role, path, *, run_dir: Path, phase: str, longest: int, pad_id: int, total_steps: int,
+               checkpoint: str | None, policy) -> Critic:
+        """From the checkpoint being resumed, else ``path`` (critic.path or the policy's starting
+        model); packing self-checked like the policy."""
+        if checkpoint:
+            path = Path(checkpoint) / "critic"
 
         def loader(p, trainable, attn, dropout, trust_remote_code):  # a value head is new: seeded; its dropout is off
             return load_value_model(p, init_seed=cfg.train.seed, attn=attn, trust_remote_code=trust_remote_code)
 
         return cls(cfg, load_model(cfg, path, run_dir, phase, "critic", longest, loader=loader), total_steps, pad_id)
-
-    def resume(self, checkpoint: Path) -> None:
-        resume_engine(checkpoint / "critic", self.engine)
 
     def token_field(self, name: str, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         if name != "values":

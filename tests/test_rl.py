@@ -214,8 +214,8 @@ def test_overlong_penalty_by_hand():
 class ScriptedEngine:
     """Answers prompt k with k's text repeated, except on odd prompts where each response differs."""
 
-    def generate(self, prompt_ids, params):
-        from exactrl.rollout.hf import Generation
+    def generate(self, prompt_ids, params, seeds=None):
+        from exactrl.rollout.generator import Generation
 
         out = []
         for i, ids in enumerate(prompt_ids):

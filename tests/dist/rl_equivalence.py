@@ -38,8 +38,7 @@ from exactrl.data.encode import Prompt
 from exactrl.distributed.engine import build_engine
 from exactrl.distributed.launch import shutdown
 from exactrl.rewards import load_rewards
-from exactrl.rollout.generator import SamplingParams
-from exactrl.rollout.hf import Generation
+from exactrl.rollout.generator import Generation, SamplingParams
 from exactrl.tasks.tiny_model import build_tiny_model
 from exactrl.tasks.tokenizer import build_tokenizer
 
@@ -247,7 +246,7 @@ def cases(backend: str) -> list[dict]:
 class ScriptedGenerator:
     """Deterministic responses: prompt k's j-th response has (k * 3 + j) % 7 + 1 tokens."""
 
-    def generate(self, prompt_ids, params=SamplingParams()):
+    def generate(self, prompt_ids, params=SamplingParams(), seeds=None):
         out = []
         for i, ids in enumerate(prompt_ids):
             for j in range(params.n):
@@ -269,7 +268,7 @@ def rollout_sharing() -> dict:
     for algo in ("grpo", "reinforce_pp", "rloo"):
         cfg = load_config(RLConfig, None, ["train.global_batch_size=32", "train.micro_batch_size=4", f"algo.name={algo}",
                                             "algo.group_size=4"])
-        samples, _ = collect_rollout(ScriptedGenerator(), prompts, fns, cfg)
+        samples, _ = collect_rollout(ScriptedGenerator(), prompts, fns, cfg, rollout=0)
         gens = ScriptedGenerator().generate([p.input_ids for p in prompts], SamplingParams(n=4))
         one = [Sample(g.prompt_ids, g.response_ids, float(len(g.text) % 3)) for g in gens]
         attach_advantages(samples, cfg)

@@ -105,9 +105,10 @@ def test_decode_loop_samples_what_generate_samples(tokenizer, make_model, top_p,
     the log-probs agree."""
     model = boost_eos(make_model(4).eval(), tokenizer, 2.0)
     prompts = [tokenizer(t)["input_ids"] for t in ("1+2=", "345+678=", "9=") for _ in range(2)]
-    ids, attn, width = left_padded(tokenizer, prompts)
-    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-    kw = dict(max_new_tokens=12, eos=eos, pad=pad, temperature=0.9, top_p=top_p, top_k=top_k, seeds=[3, 1, 4, 1, 5, 9])
+    ids, attn, _ = left_padded(tokenizer, prompts)
+    eos = tokenizer.eos_token_id
+    kw = {"max_new_tokens": 12, "eos": eos, "pad": tokenizer.pad_token_id, "temperature": 0.9, "top_p": top_p,
+          "top_k": top_k, "seeds": [3, 1, 4, 1, 5, 9]}
     tokens, lp = sample(model, ids, attn, compact_at=0.0, **kw)
     ref, ref_lp = sample_with_generate(model, ids, attn, **kw)
     assert torch.equal(tokens, ref) and (lp - ref_lp).abs().max() < 1e-5

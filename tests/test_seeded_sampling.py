@@ -25,7 +25,7 @@ def test_a_response_depends_on_its_key_not_on_its_batch(tokenizer, make_model):
     texts = ("1+2=", "345+678=", "9=", "12+34=")
     prompts = [tokenizer(t)["input_ids"] for t in texts]
     seeds = prompt_seeds(7, 0, 0, positions=range(4))
-    kw = dict(n=3, temperature=1.3, top_p=0.95, max_new_tokens=10)
+    kw = {"n": 3, "temperature": 1.3, "top_p": 0.95, "max_new_tokens": 10}
     whole = HFEngine(model, tokenizer, batch_size=12).generate(prompts, seeds=seeds, **kw)
     fives = HFEngine(model, tokenizer, batch_size=5).generate(prompts, seeds=seeds, **kw)
     assert same(whole, fives)

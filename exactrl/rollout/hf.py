@@ -8,12 +8,26 @@ import inspect
 from collections.abc import Iterable
 
 import torch
-from transformers import (DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria,
-                          StoppingCriteriaList, StopStringCriteria)
-from transformers.cache_utils import (Cache, DummyLayer, DynamicIndexedLayer, DynamicLayer, DynamicSlidingWindowLayer,
-                                      LinearAttentionAndFullAttentionLayer,
-                                      LinearAttentionAndSlidingWindowAttentionLayer, LinearAttentionCacheLayerMixin,
-                                      LinearAttentionLayer)
+from transformers import (
+    DynamicCache,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+    StopStringCriteria,
+)
+from transformers.cache_utils import (
+    Cache,
+    DummyLayer,
+    DynamicIndexedLayer,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionAndSlidingWindowAttentionLayer,
+    LinearAttentionCacheLayerMixin,
+    LinearAttentionLayer,
+)
 
 from exactrl.device import device_of
 from exactrl.models import packing

@@ -97,8 +97,10 @@ def test_the_reference_is_not_invariant_to_the_seed(tmp):
     assert other["rollouts"] != ref["rollouts"] and max_diff(other["weights"], ref["weights"]) > 1e-3
 
 
-MATRIX = [(algo, (backend, world, rb, micro)) for algo in ALGOS for backend in BACKENDS for world in (1, 2)
-          for rb, micro in ((16, 4), (3, 2), (5, 8)) if not (backend == "single" and world == 2)]
+# Per algorithm: every backend at each world size it runs at, each with other decode and micro-batch sizes.
+LAYOUTS = [("single", 1, 3, 2), ("fsdp2", 1, 5, 8), ("fsdp2", 2, 16, 4), ("fsdp2", 2, 3, 2), ("deepspeed", 1, 3, 2),
+           ("deepspeed", 2, 16, 4), ("deepspeed", 2, 5, 8)]
+MATRIX = [(algo, layout) for algo in ALGOS for layout in LAYOUTS]
 
 
 @pytest.mark.slow

@@ -289,7 +289,7 @@ def synced_generation(backend: str, tok) -> list[dict]:
     """Sampling with parameters sharded over two ranks, where rank 0's rows all end at their
     first token (EOS made certain there) and rank 1's run to the length limit: rank 0 must
     keep stepping with rank 1 (or both hang), and each rank's responses and log-probs must be
-    those of the same model unsharded in one process, same seed."""
+    those of the same model unsharded in one process, same seeds."""
     from exactrl.rollout.hf import HFEngine
 
     layout = ["distributed.backend=fsdp2"] if backend == "fsdp2" else ["distributed.backend=deepspeed", "deepspeed.zero_stage=3"]
@@ -301,7 +301,6 @@ def synced_generation(backend: str, tok) -> list[dict]:
     def run(model, engine_synced):
         if rank == 0:  # EOS certain everywhere on this rank only
             model.lm_head.register_forward_hook(lambda m, a, out: out.index_fill(-1, torch.tensor([tok.eos_token_id]), 1e4))
-        torch.manual_seed(11 + rank)
         gens = HFEngine(model, tok, batch_size=4, synced=engine_synced).generate(prompts, n=2, temperature=1.0, max_new_tokens=10)
         return [(g.response_ids, g.logprobs) for g in gens]
 

@@ -4,7 +4,7 @@
 usage: .venv/bin/python benchmarks/decode_speed.py MODEL_DIR RL_JSONL [--prompts N] [--group G] [--max-new T] [--reps R]
 
 Both sides decode the same left-padded batch of N prompts x G responses, sampled at temperature
-1 (and once greedily), from the same seed: ``exactrl.rollout.hf.sample`` (the loop: the model's
+1 (and once greedily), from the same per-row seeds: ``exactrl.rollout.hf.sample`` (the loop: the model's
 own cache from its config, key/value layers pre-allocated, finished rows leaving the batch) and
 ``sample_with_generate`` (``model.generate`` with the same sampler and nothing of the model's
 generation config). The two alternate rep by rep; generated tokens per second, medians with
@@ -24,6 +24,7 @@ def measure(model_dir, rl_data, prompts: int, group: int, max_new: int, reps: in
     from exactrl.data.encode import encode_prompts
     from exactrl.data.jsonl import read_jsonl
     from exactrl.models.loading import load_causal_lm, load_tokenizer
+    from exactrl.rollout.generator import prompt_seeds
     from exactrl.rollout.hf import sample, sample_with_generate
 
     tok = load_tokenizer(str(model_dir))
@@ -39,22 +40,23 @@ def measure(model_dir, rl_data, prompts: int, group: int, max_new: int, reps: in
     for rep in range(reps + 1):  # rep 0 warms both up and is not counted
         for name in (fns if rep % 2 == 0 else list(fns)[::-1]):
             for mode in ("sampled", "greedy"):
-                torch.manual_seed(rep)
+                seeds = None if mode == "greedy" else prompt_seeds(rep, positions=range(len(ids)))
                 t0 = time.perf_counter()
-                got, _ = fns[name](model, input_ids, attention, greedy=mode == "greedy", **kw)
+                got, _ = fns[name](model, input_ids, attention, greedy=mode == "greedy", seeds=seeds, **kw)
                 seconds = time.perf_counter() - t0
                 n = int(sum((row.index(kw["eos"]) + 1) if kw["eos"] in row else max_new for row in got.tolist()))
                 tokens[(name, mode, rep)] = got
                 if rep:
                     out[name][mode].append(n / seconds)
-    # Greedy only: the loop drops finished rows, so its later draws come from fewer rows than generate's.
-    same = all(torch.equal(tokens[("loop", "greedy", r)], tokens[("generate", "greedy", r)]) for r in range(reps + 1))
+    # Sampled too: each row's draws are keyed by its seed, whatever rows leave the loop's batch.
+    same = all(torch.equal(tokens[("loop", m, r)], tokens[("generate", m, r)]) for m in ("sampled", "greedy")
+               for r in range(reps + 1))
     return {"rates": out, "same_tokens": same, "rows": len(ids), "max_new": max_new}
 
 
 def describe(r: dict) -> list[str]:
-    lines = [(f"decode: {r['rows']} rows, <= {r['max_new']} new tokens, left-padded, the same seed on both sides; "
-              f"greedy tokens identical on both sides: {r['same_tokens']}"),
+    lines = [(f"decode: {r['rows']} rows, <= {r['max_new']} new tokens, left-padded, the same seeds on both sides; "
+              f"sampled and greedy tokens identical on both sides: {r['same_tokens']}"),
              "| decoder | sampled tokens/s | greedy tokens/s |", "|---|---|---|"]
     for name, modes in r["rates"].items():
         cells = [f"{statistics.median(v):,.0f} (min {min(v):,.0f}, max {max(v):,.0f})" for v in modes.values()]

@@ -215,8 +215,8 @@ def test_overlong_penalty_by_hand():
 class ScriptedEngine:
     """Answers prompt k with k's text repeated, except on odd prompts where each response differs."""
 
-    def generate(self, prompt_ids, params):
-        from exactrl.rollout.hf import Generation
+    def generate(self, prompt_ids, params, seeds=None):
+        from exactrl.rollout.generator import Generation
 
         out = []
         for i, ids in enumerate(prompt_ids):
@@ -243,6 +243,33 @@ def test_dynamic_sampling_drops_flat_groups_and_refills_deterministically():
     with pytest.raises(RolloutError, match="kept 0 of 2 groups after algo.dapo.max_refill_rounds=1"):
         collect_dynamic_rollout(ScriptedEngine(), even_only, [0, 1], rollout=0, rewards_cfg=fns,
                                 cfg=rl_cfg("algo.name=dapo", "algo.group_size=4", "algo.dapo.max_refill_rounds=1"))
+
+
+def test_dynamic_sampling_reports_the_groups_it_trains_on():
+    """Reward, accuracy and length describe the kept groups (the flat ones it dropped are not
+    trained on); generated_tokens counts every response of every round."""
+    from exactrl.algorithms.rl import collect_dynamic_rollout
+    from exactrl.data.encode import Prompt
+    from exactrl.rewards import load_rewards
+
+    class Counting(ScriptedEngine):
+        tokens = 0
+
+        def generate(self, prompt_ids, params, seeds=None):
+            out = super().generate(prompt_ids, params, seeds)
+            Counting.tokens += sum(len(g.response_ids) for g in out)
+            return out
+
+    prompts = [Prompt([k], f"p{k}", None, f"d:{k}") for k in range(20)]
+    cfg = rl_cfg("algo.name=dapo", "algo.group_size=4", "train.global_batch_size=16", "train.micro_batch_size=4")
+    samples, stats = collect_dynamic_rollout(Counting(), prompts, [0, 1, 2, 3], rollout=5,
+                                             rewards_cfg=load_rewards("reward_fixtures:length_of_text"), cfg=cfg)
+    assert stats["refill_rounds"] >= 1 and stats["groups_dropped"] >= 2
+    lengths = [len(s.response_ids) for s in samples]
+    assert stats["reward_mean"] == pytest.approx(sum(s.reward for s in samples) / len(samples))
+    assert stats["response_length"] == pytest.approx(sum(lengths) / len(samples))
+    assert stats["rollout_responses"] == len(samples) == 16
+    assert stats["generated_tokens"] == Counting.tokens > sum(lengths)
 
 
 def test_fragile_settings_warn_with_their_reason():

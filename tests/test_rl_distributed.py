@@ -2,8 +2,9 @@
 reference model and KL), DeepSpeed ZeRO-3 with DAPO (dynamic sampling), DeepSpeed ZeRO-2 with
 CPU-offloaded optimizer and REINFORCE++ -- each with the canary on. Each run stops after
 rollout 2 of 4 and resumes from the checkpoint; the resumed run must reach the uninterrupted
-run's final policy (and critic) exactly: rollouts are sampled per rank from that rank's saved
-RNG, shared, scored and turned into advantages identically, so any difference would show.
+run's final policy (and critic) exactly: rollouts are sampled from streams keyed by (seed,
+rollout, prompt, sample), shared, scored and turned into advantages identically, so any
+difference would show. (The same run on other layouts: tests/test_rl_layout.py.)
 (The one-process loop: tests/test_rl.py and tests/test_resume.py; the losses on every
 backend against a reference: tests/test_rl_backends.py.)"""
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exactrl.rollout.hf import HFEngine, sample, use_generate
+from exactrl.rollout.hf import HFEngine, sample, sample_with_generate, use_generate
 
 
 def boost_eos(model, tokenizer, by: float):
@@ -99,21 +99,19 @@ def test_responses_stop_at_eos_and_groups_are_ordered(tokenizer, make_model):
 
 @pytest.mark.parametrize("top_p,top_k", [(1.0, 0), (0.8, 0), (1.0, 5), (0.9, 5)])
 def test_decode_loop_samples_what_generate_samples(tokenizer, make_model, top_p, top_k):
-    """The engine's decode loop (its own sampler, KV cache written in place) against Hugging
-    Face's generate (its warpers, the cache concatenated each step), finished rows kept in the
-    batch as generate keeps them: the same seed draws the same tokens."""
+    """The engine's decode loop (its own sampler, KV cache written in place, finished rows
+    leaving the batch) against Hugging Face's generate (its cache concatenated each step, rows
+    kept) with the keyed draw as a logits processor: the same seeds draw the same tokens, and
+    the log-probs agree."""
     model = boost_eos(make_model(4).eval(), tokenizer, 2.0)
     prompts = [tokenizer(t)["input_ids"] for t in ("1+2=", "345+678=", "9=") for _ in range(2)]
-    ids, attn, width = left_padded(tokenizer, prompts)
-    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-    torch.manual_seed(0)
-    tokens, _ = sample(model, ids, attn, max_new_tokens=12, eos=eos, pad=pad, temperature=0.9, top_p=top_p, top_k=top_k,
-                       compact_at=float("inf"))
-    torch.manual_seed(0)
-    seqs = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=12, do_sample=True, temperature=0.9, top_p=top_p, top_k=top_k,
-                          pad_token_id=pad, eos_token_id=eos)
-    ref = seqs[:, width:]
-    assert torch.equal(tokens[:, : ref.shape[1]], ref) and (tokens[:, ref.shape[1]:] == pad).all()
+    ids, attn, _ = left_padded(tokenizer, prompts)
+    eos = tokenizer.eos_token_id
+    kw = {"max_new_tokens": 12, "eos": eos, "pad": tokenizer.pad_token_id, "temperature": 0.9, "top_p": top_p,
+          "top_k": top_k, "seeds": [3, 1, 4, 1, 5, 9]}
+    tokens, lp = sample(model, ids, attn, compact_at=0.0, **kw)
+    ref, ref_lp = sample_with_generate(model, ids, attn, **kw)
+    assert torch.equal(tokens, ref) and (lp - ref_lp).abs().max() < 1e-5
     assert len({row.index(eos) for row in ref.tolist() if eos in row}) >= 2  # rows ended at different steps
 
 

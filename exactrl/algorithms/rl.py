@@ -215,7 +215,7 @@ def mini_batches(samples: list[Sample], cfg: RLConfig, engine, group_rng: random
 def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = BuiltinSpec(), phase: str = "rl",
              model_path: str | None = None, final_name: str = "final") -> RLResult:
     check_world(cfg)
-    seed_everything(cfg.train.seed + rank())  # each rank samples its own responses
+    seed_everything(cfg.train.seed)  # the same on every rank: each response draws from its own keyed stream (rollout/collect.py)
     for message in fragile_settings(cfg) if rank() == 0 else []:
         warnings.warn(message, UserWarning, stacklevel=2)
     a, t, alg = cfg.algo, cfg.train, ALGORITHMS.lookup(cfg.algo.name)

@@ -28,6 +28,7 @@ from exactrl.checks import one_line
 from exactrl.device import device_of
 from exactrl.losses.token_losses import token_logprobs
 from exactrl.models import packing
+from exactrl.rollout.generator import prompt_seeds
 from exactrl.rollout.hf import decodes_with_generate, sample, sample_with_generate, use_generate
 
 
@@ -97,12 +98,10 @@ def _logprob_error(model, input_ids, attention, new: int, pad: int, eos: int, te
     training forward teacher-forced on prompt + response: the largest log-prob difference."""
     draw = sample_with_generate if decodes_with_generate(model) else sample
     reps = input_ids.repeat_interleave(2, 0), attention.repeat_interleave(2, 0)
-    device = device_of(model)
-    cuda = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=cuda, device_type=device.type), _eval(model):  # the run's stream stays as it was
-        torch.manual_seed(0)
+    with _eval(model):  # keyed draws: the run's random stream is not touched
         tokens, logprobs = draw(model, *reps, max_new_tokens=new, eos=eos, pad=pad, temperature=temperature,
-                                top_p=top_p, top_k=top_k, synced=synced)
+                                top_p=top_p, top_k=top_k, seeds=prompt_seeds("check", positions=range(len(reps[0]))),
+                                synced=synced)
     seqs, spans = [], []
     for ids, mask, row in zip(reps[0].tolist(), reps[1].tolist(), tokens.tolist()):
         prompt = [t for t, m in zip(ids, mask) if m]

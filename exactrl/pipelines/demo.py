@@ -38,7 +38,7 @@ def _measure(cfg: DemoConfig, model_path: Path, prompts) -> tuple[Accuracy, Accu
     with Rewards(eval_reward_spec(cfg.rl)) as rewards:
         greedy = evaluate_accuracy(model, tok, prompts, rewards.eval, **common)
         sampled = evaluate_accuracy(model, tok, prompts, rewards.eval, greedy=False, temperature=r.temperature, top_p=r.top_p,
-                                    top_k=r.top_k, **common)
+                                    top_k=r.top_k, seed=cfg.task.seed, **common)
     return greedy, sampled
 
 

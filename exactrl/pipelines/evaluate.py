@@ -15,7 +15,6 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from exactrl.algorithms.common import seed_everything
 from exactrl.algorithms.sft import resolve
 from exactrl.audit.manifest import write_manifest
 from exactrl.config.loader import ConfigError
@@ -90,10 +89,9 @@ def _measure(cfg: EvalCommandConfig, model, tok, eval_set, run_dir: Path) -> dic
                                             "max_new_tokens": e.max_new_tokens, "seconds": round(acc.seconds, 3)},
                "pass_at_k": None}
     if pk.n:
-        seed_everything(pk.seed)
         bar = progress(len(prompts), f"eval {pk.n} samples", unit="prompt")
         counts = correct_samples(model, tok, prompts, eval_set.reward, pk.n, batch_size=e.batch_size,
-                                 max_new_tokens=e.max_new_tokens, temperature=pk.temperature, top_p=pk.top_p,
+                                 max_new_tokens=e.max_new_tokens, temperature=pk.temperature, top_p=pk.top_p, seed=pk.seed,
                                  on_batch=lambda chunk: bar.update(len(chunk)))
         bar.close()
         for row, c in zip(rows, counts):

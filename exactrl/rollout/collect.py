@@ -7,6 +7,10 @@ step normaliser are then computed over all of it, identically on every rank, so 
 number of ranks nor how groups fall on them changes an advantage or a sequence's weight.
 Log-probs (old, reference, the critic's values) are computed by each rank for the
 micro-batches it will train on first, and shared the same way.
+
+Every response is sampled from its own stream, keyed by (train.seed, rollout, refill round, the
+prompt's position in the rollout's prompt list, its sample index): which rank samples it, and
+with which batch, does not change it (exactrl/rollout/generator.py).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from exactrl.config.schema import RLConfig
 from exactrl.data.batch import Sample
 from exactrl.distributed.collectives import gather, shard
 from exactrl.rewards import score_all
-from exactrl.rollout.generator import SamplingParams
+from exactrl.rollout.generator import SamplingParams, prompt_seeds
 
 
 class RolloutError(RuntimeError):
@@ -34,14 +38,16 @@ def overlong_penalty(length: int, max_length: int, buffer: int, weight: float) -
     return -weight * min(1.0, (length - (max_length - buffer)) / buffer)
 
 
-def collect_rollout(engine_gen, prompts, rewards_cfg, cfg: RLConfig) -> tuple[list[Sample], dict]:
+def collect_rollout(engine_gen, prompts, rewards_cfg, cfg: RLConfig, rollout: int,
+                    refill_round: int = 0) -> tuple[list[Sample], dict]:
     """``group_size`` responses to each prompt, scored; this rank does its share of the prompts
     and gets everyone's samples back. Returns (samples, statistics over all of them)."""
     r, a = cfg.rollout, cfg.algo
     mine = shard(list(prompts))
+    seeds = shard(prompt_seeds(cfg.train.seed, rollout, refill_round, positions=range(len(prompts))))
     params = SamplingParams(n=a.group_size, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, stop=tuple(r.stop),
                             max_new_tokens=r.max_new_tokens)
-    gens = engine_gen.generate([p.input_ids for p in mine], params)
+    gens = engine_gen.generate([p.input_ids for p in mine], params, seeds)
     src = [mine[g.prompt_index] for g in gens]
     failures: list = []
     rewards, parts = score_all(rewards_cfg, [p.text for p in src], [g.text for g in gens], [p.answer for p in src],
@@ -76,7 +82,7 @@ def rollout_stats(samples: list[Sample], failures: int, cfg: RLConfig) -> dict:
 
 def plain_rollout(engine_gen, prompts, indices: list[int], rollout: int, rewards_cfg, cfg: RLConfig) -> tuple[list[Sample], dict]:
     """The rollout of prompts ``indices`` as drawn (the rollout source of most algorithms)."""
-    return collect_rollout(engine_gen, [prompts[i] for i in indices], rewards_cfg, cfg)
+    return collect_rollout(engine_gen, [prompts[i] for i in indices], rewards_cfg, cfg, rollout)
 
 
 def collect_dynamic_rollout(engine_gen, prompts, indices: list[int], rollout: int, rewards_cfg,
@@ -84,16 +90,14 @@ def collect_dynamic_rollout(engine_gen, prompts, indices: list[int], rollout: in
     """DAPO's dynamic sampling: groups whose responses all got the same reward carry no signal
     (zero advantage) and are dropped; fresh prompts (a deterministic draw per rollout and round,
     so resumed runs draw the same) are sampled until the rollout holds as many groups as asked.
-    Every rank sees the whole rollout, so all make the same choice."""
+    Every rank sees the whole rollout, so all make the same choice. The statistics are those of
+    the groups kept (the ones trained on); generated_tokens and reward_failures count every round."""
     want, g = len(indices), cfg.algo.group_size
     rng = random.Random(f"{cfg.train.seed}-refill-{rollout}")
-    kept, dropped, stats = [], 0, None
+    kept, dropped, tokens, failures = [], 0, 0, 0
     for rounds in range(cfg.algo.dapo.max_refill_rounds + 1):
-        samples, st = collect_rollout(engine_gen, [prompts[i] for i in indices], rewards_cfg, cfg)
-        if stats is None:
-            stats = st
-        else:
-            stats["generated_tokens"] += st["generated_tokens"]
+        samples, st = collect_rollout(engine_gen, [prompts[i] for i in indices], rewards_cfg, cfg, rollout, rounds)
+        tokens, failures = tokens + st["generated_tokens"], failures + st["reward_failures"]
         for start in range(0, len(samples), g):
             group = samples[start : start + g]
             if len({s.reward for s in group}) > 1:
@@ -101,8 +105,9 @@ def collect_dynamic_rollout(engine_gen, prompts, indices: list[int], rollout: in
             else:
                 dropped += 1
         if len(kept) >= want:
-            stats.update(groups_dropped=dropped, refill_rounds=rounds)
-            return [s for group in kept[:want] for s in group], stats
+            trained = [s for group in kept[:want] for s in group]
+            return trained, rollout_stats(trained, failures, cfg) | {"generated_tokens": tokens, "groups_dropped": dropped,
+                                                                      "refill_rounds": rounds}
         indices = rng.sample(range(len(prompts)), want)
     raise RolloutError(f"dynamic sampling kept {len(kept)} of {want} groups after algo.dapo.max_refill_rounds="
                        f"{cfg.algo.dapo.max_refill_rounds} refills ({dropped} groups had all-equal rewards); raise it, or the "

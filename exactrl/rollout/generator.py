@@ -1,18 +1,33 @@
 """The generator interface: what the RL loop asks of a rollout engine.
 
-    generate(prompt_ids, params) -> [Generation]   tokens, text and sampling log-probs
-    load_weights(named_tensors) -> version          the policy's weights, verified on arrival
-    weights_version                                 the version the next generation samples with
+    generate(prompt_ids, params, seeds) -> [Generation]   tokens, text and sampling log-probs
+    load_weights(named_tensors) -> version                 the policy's weights, verified on arrival
+    weights_version                                        the version the next generation samples with
 
 The Hugging Face decode loop (exactrl/rollout/hf.py) is the first implementation; a vLLM
 engine or a Ray actor holding one is another, with no change to the loop. Every Generation
 carries the weights version it was sampled with, so a sample can always say which policy
 produced it.
+
+Seeds: ``seeds[i]`` keys every random draw of prompt i's ``params.n`` responses; response j
+draws from a stream derived from (seeds[i], j) alone (exactrl's loop: ``row_seed``; vLLM: one
+request per response with ``SamplingParams(seed=row_seed(seeds[i], j))``). So a response does not
+depend on which other requests share its batch, on the batch size, on which rank asked, or on
+when other rows finish: the caller keys a request by what it is (the run's seed, the rollout,
+the prompt's place in it -- ``prompt_seeds``), and the same seeded run samples the same rollouts
+on any layout. Greedy decoding draws nothing.
+
+Log-probs: ``Generation.logprobs[t]`` is log p of response token t under the policy at the
+sampling temperature -- log_softmax(logits / temperature) -- over the whole vocabulary, before
+top-k and top-p cut it: the cuts choose which tokens can be drawn, not what a drawn token's
+log-prob is. It is what the trainer computes (exactrl/losses/token_losses.py token_logprobs,
+which never cuts), so the on-policy check and the rollout-trainer gap compare like with like.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import hashlib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -30,13 +45,41 @@ class SamplingParams:
     max_new_tokens: int = 48
 
 
+@dataclass(frozen=True)
+class Generation:
+    prompt_index: int  # which prompt of the request this answers
+    prompt_ids: list[int]
+    response_ids: list[int]  # up to and including EOS, or the token that completes a stop string
+    text: str  # decoded response without special tokens (a stop string stays in it)
+    finished: bool  # True when the model emitted EOS or a stop string within max_new_tokens
+    logprobs: list[float] | None = None  # sampled runs: log p of each response token (the module's convention)
+    weights_version: int = 0  # the generator's weights version it was sampled with
+
+
 class WeightSyncError(RuntimeError):
     """A generator's weights differ from the trainer's after a load."""
+
+
+def _key(*parts) -> int:
+    """A 63-bit seed from ``parts``: a hash, so neighbouring keys give unrelated streams."""
+    return int.from_bytes(hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest(), "little") >> 1
+
+
+def prompt_seeds(*key, positions: Iterable[int]) -> list[int]:
+    """One seed per prompt: ``key`` (e.g. the run's seed, the rollout, the refill round) and the
+    prompt's position in the whole request list (not in this rank's share of it)."""
+    return [_key("prompt", *key, p) for p in positions]
+
+
+def row_seed(seed: int, sample: int) -> int:
+    """The seed of response ``sample`` of the prompt seeded ``seed``."""
+    return _key("sample", seed, sample)
 
 
 class Generator(Protocol):
     weights_version: int
 
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list: ...
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
+                 seeds: Sequence[int] | None = None) -> list[Generation]: ...
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int: ...

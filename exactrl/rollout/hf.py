@@ -6,29 +6,32 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, GenerationConfig, StoppingCriteria, StoppingCriteriaList, StopStringCriteria
-from transformers.cache_utils import (Cache, DummyLayer, DynamicIndexedLayer, DynamicLayer, DynamicSlidingWindowLayer,
-                                      LinearAttentionAndFullAttentionLayer,
-                                      LinearAttentionAndSlidingWindowAttentionLayer, LinearAttentionCacheLayerMixin,
-                                      LinearAttentionLayer)
+from transformers import (
+    DynamicCache,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+    StopStringCriteria,
+)
+from transformers.cache_utils import (
+    Cache,
+    DummyLayer,
+    DynamicIndexedLayer,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionAndSlidingWindowAttentionLayer,
+    LinearAttentionCacheLayerMixin,
+    LinearAttentionLayer,
+)
 
 from exactrl.device import device_of
 from exactrl.models import packing
-from exactrl.rollout.generator import SamplingParams, WeightSyncError
-
-
-@dataclass(frozen=True)
-class Generation:
-    prompt_index: int  # which prompt of the request this answers
-    prompt_ids: list[int]
-    response_ids: list[int]  # up to and including EOS, or the token that completes a stop string
-    text: str  # decoded response without special tokens (a stop string stays in it)
-    finished: bool  # True when the model emitted EOS or a stop string within max_new_tokens
-    logprobs: list[float] | None = None  # log p of each response token at the sampling temperature (sampled runs)
-    weights_version: int = 0  # the generator's weights version it was sampled with
+from exactrl.rollout.generator import Generation, SamplingParams, WeightSyncError, prompt_seeds, row_seed
 
 
 class _PreallocatedLayer(DynamicLayer):
@@ -125,26 +128,44 @@ def decodes_with_generate(model) -> str | None:
     return reason
 
 
-def _draw(logits: torch.Tensor, greedy: bool, temperature: float, top_p: float,
-          top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Next tokens from fp32 logits [rows, vocab] as Hugging Face's sampler draws them
-    (temperature, then top-k, then top-p keeping at least one token, then one multinomial draw
-    per row), with log p of each drawn token at the temperature before the top-k/top-p cuts, as
-    the loss computes it (exactrl/losses/token_losses.py): the kept set shapes the draws, not
-    the log-probs."""
-    if greedy:
-        return logits.argmax(-1), None
+def _warp(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hugging Face's sampling distribution from fp32 logits [rows, vocab]: temperature, then
+    top-k (ties with the k-th score stay in), then top-p keeping at least one token. Returns
+    the cut scores and log p at the temperature before the cuts, as the loss computes it
+    (exactrl/rollout/generator.py: the kept set shapes the draws, not the log-probs)."""
     scores = logits / temperature
     logp = torch.log_softmax(scores, dim=-1)
-    if 0 < top_k < scores.shape[-1]:  # TopKLogitsWarper: ties with the k-th score stay in
+    if 0 < top_k < scores.shape[-1]:  # TopKLogitsWarper
         scores = scores.masked_fill(scores < torch.topk(scores, top_k)[0][:, -1:], float("-inf"))
-    if top_p < 1.0:
+    if top_p < 1.0:  # TopPLogitsWarper
         sorted_scores, order = torch.sort(scores, descending=False)
         cut = sorted_scores.softmax(-1).cumsum(-1) <= 1 - top_p
         cut[:, -1] = False
         scores = scores.masked_fill(cut.scatter(1, order, cut), float("-inf"))
-    token = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1)[:, 0]
+    return scores, logp
+
+
+def _draw(logits: torch.Tensor, greedy: bool, temperature: float, top_p: float, top_k: int = 0,
+          uniform: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Next tokens from fp32 logits [rows, vocab], greedy or drawn from ``_warp``'s distribution
+    by inverting its CDF at each row's ``uniform`` in [0, 1) (one multinomial draw, keyed by the
+    row rather than by a shared stream); with the log-prob of each drawn token. The CDF is
+    summed in float64 so that u * total stays below the total: a token outside the kept set
+    (probability 0) is never picked."""
+    if greedy:
+        return logits.argmax(-1), None
+    scores, logp = _warp(logits, temperature, top_p, top_k)
+    cdf = torch.softmax(scores, dim=-1).double().cumsum(-1)
+    token = torch.searchsorted(cdf, uniform.double()[:, None] * cdf[:, -1:], right=True)[:, 0]
     return token, logp.gather(1, token[:, None])[:, 0]
+
+
+def uniforms(seeds: list[int], steps: int, device) -> torch.Tensor:
+    """[rows, steps] uniforms in [0, 1): row r's from a generator seeded ``seeds[r]``, step t's in
+    column t. Drawn once per batch on the CPU (the same numbers on any device), so a row's draw
+    at step t depends on its seed and t alone: not on its batch, its place in it, or on which
+    rows have left it."""
+    return torch.stack([torch.rand(steps, generator=torch.Generator().manual_seed(s)) for s in seeds]).to(device)
 
 
 class StopStrings:
@@ -193,14 +214,15 @@ def _takes(fn, name: str) -> bool:
 @torch.no_grad()
 def sample(model, input_ids: torch.Tensor, attention: torch.Tensor, *, max_new_tokens: int, eos: int, pad: int,
            greedy: bool = False, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-           stop: StopStrings | None = None, synced: bool = False,
+           seeds: list[int] | None = None, stop: StopStrings | None = None, synced: bool = False,
            compact_at: float = 0.125) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A lean decode loop over left-padded prompts: one prefill, then one single-token forward
     per step into a cache written in place. Rows that emitted EOS or completed a ``stop``
     string leave the batch (and the cache) once they are at least ``compact_at`` of it, so late
     steps run only live rows; until then they feed ``pad`` as generate does, and their draws are
     discarded. Returns tokens [rows, max_new_tokens] (``pad`` after a row's end) and, sampled,
-    the log-prob of each token at ``temperature`` (0 after the end; see ``_draw``).
+    the log-prob of each token at ``temperature`` (0 after the end; see ``_draw``). Sampling
+    needs ``seeds``, one per row: row r's tokens come from ``uniforms`` keyed by seeds[r].
 
     Each step's inputs come from the model's own ``prepare_inputs_for_generation``, as in
     ``generate`` (Mamba's decode steps drop the mask, hybrid models pick their masks). A model
@@ -209,12 +231,14 @@ def sample(model, input_ids: torch.Tensor, attention: torch.Tensor, *, max_new_t
 
     ``synced`` (parameters sharded over ranks): every rank runs as many forwards, stepping
     at least one row until no rank has a live one."""
+    if not greedy and (seeds is None or len(seeds) != len(input_ids)):
+        raise ValueError(f"sampling needs one seed per row: {len(input_ids)} rows, seeds={seeds!r}")
     hf = base_model(model)
     made = None if getattr(hf, "exactrl_generate", None) else decode_cache(model, input_ids.shape[1] + max_new_tokens)
     if made is None:
         return sample_with_generate(model, input_ids, attention, max_new_tokens=max_new_tokens, eos=eos, pad=pad,
-                                    greedy=greedy, temperature=temperature, top_p=top_p, top_k=top_k, stop=stop,
-                                    synced=synced)
+                                    greedy=greedy, temperature=temperature, top_p=top_p, top_k=top_k, seeds=seeds,
+                                    stop=stop, synced=synced)
     cache_name, cache = made
     with_positions = _takes(hf.forward, "position_ids")
     keep_one = _takes(hf.forward, "logits_to_keep")
@@ -230,12 +254,13 @@ def sample(model, input_ids: torch.Tensor, attention: torch.Tensor, *, max_new_t
     rows, device = input_ids.shape[0], input_ids.device  # the model's device: the loop never leaves it
     tokens = torch.full((rows, max_new_tokens), pad, dtype=torch.long, device=device)
     logprobs = None if greedy else torch.zeros(rows, max_new_tokens, device=device)
+    u = None if greedy else uniforms(seeds, max_new_tokens, device)
     mask = attention
     out = forward(input_ids, mask, True)
     row = torch.arange(rows, device=device)  # the original row of each batch row
     live = torch.ones(rows, dtype=torch.bool, device=device)
     for t in range(max_new_tokens):
-        token, logp = _draw(out.logits[:, -1].float(), greedy, temperature, top_p, top_k)
+        token, logp = _draw(out.logits[:, -1].float(), greedy, temperature, top_p, top_k, None if greedy else u[row, t])
         tokens[row[live], t] = token[live]
         if logprobs is not None:
             logprobs[row[live], t] = logp[live]
@@ -254,27 +279,45 @@ def sample(model, input_ids: torch.Tensor, attention: torch.Tensor, *, max_new_t
     return tokens, logprobs
 
 
+class _KeyedDraw(LogitsProcessor):
+    """Inside a greedy ``generate``: leaves only the token ``_draw`` picks from row r's uniform at
+    this step (the step counted from the prompt width), so the argmax is the keyed draw."""
+
+    def __init__(self, u: torch.Tensor, width: int, temperature: float, top_p: float, top_k: int):
+        self.u, self.width, self.temperature, self.top_p, self.top_k = u, width, temperature, top_p, top_k
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        token, _ = _draw(scores.float(), False, self.temperature, self.top_p, self.top_k,
+                         self.u[:, input_ids.shape[1] - self.width])
+        return torch.full_like(scores, float("-inf")).scatter(1, token[:, None], 0.0)
+
+
 @torch.no_grad()
 def sample_with_generate(model, input_ids: torch.Tensor, attention: torch.Tensor, *, max_new_tokens: int,
                          eos: int | None, pad: int, greedy: bool = False, temperature: float = 1.0, top_p: float = 1.0,
-                         top_k: int = 0, stop: StopStrings | None = None,
+                         top_k: int = 0, seeds: list[int] | None = None, stop: StopStrings | None = None,
                          synced: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``sample``'s contract through Hugging Face's ``generate``: the same draws (temperature,
-    top-k, top-p, one multinomial per row; nothing of the model's generation_config.json), the
-    same ends (EOS, ``stop``), and the log-prob of each sampled token at ``temperature`` from the
-    raw logits it returns."""
-    config = GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=0, do_sample=not greedy,
-                              temperature=temperature if not greedy else None, top_p=top_p if not greedy else None,
-                              top_k=None if greedy else top_k, num_beams=1, pad_token_id=pad, eos_token_id=eos,
-                              output_logits=not greedy, return_dict_in_generate=True, use_cache=True)
+    """``sample``'s contract through Hugging Face's ``generate``: the same tokens for the same
+    ``seeds`` (the keyed draw of ``_draw`` applied as a logits processor to the logits
+    ``generate`` would sample from, which then decodes greedily: rows stay in its batch, so row r
+    at step t reads the same uniform as in the loop; nothing of the model's
+    generation_config.json), the same ends (EOS, ``stop``), and the log-prob of each sampled
+    token at ``temperature`` from the raw logits it returns."""
+    if not greedy and (seeds is None or len(seeds) != len(input_ids)):
+        raise ValueError(f"sampling needs one seed per row: {len(input_ids)} rows, seeds={seeds!r}")
+    config = GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=0, do_sample=False, num_beams=1,
+                              pad_token_id=pad, eos_token_id=eos, output_logits=not greedy, return_dict_in_generate=True,
+                              use_cache=True)
     criteria = None if stop is None else StoppingCriteriaList([_AfterPrompt(stop, input_ids.shape[1])])
+    keyed = None if greedy else LogitsProcessorList([_KeyedDraw(uniforms(seeds, max_new_tokens, input_ids.device),
+                                                                input_ids.shape[1], temperature, top_p, top_k)])
     # generate fills what the config leaves at its defaults from the model's generation_config.json
     # (a repetition penalty, top-k, ...): none of it may shape the draws the log-probs describe.
     hf, own = base_model(model), base_model(model).generation_config
     hf.generation_config = GenerationConfig()
     try:
         out = model.generate(input_ids=input_ids, attention_mask=attention, generation_config=config,
-                             stopping_criteria=criteria, synced_gpus=synced)
+                             logits_processor=keyed, stopping_criteria=criteria, synced_gpus=synced)
     finally:
         hf.generation_config = own
     new = out.sequences[:, input_ids.shape[1]:]
@@ -333,10 +376,16 @@ class HFEngine:
         return self.weights_version
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams | None = None, **kwargs) -> list[Generation]:
-        """``params``, or its fields as keywords: generate(ids, n=4, temperature=0.7)."""
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams | None = None, seeds: list[int] | None = None,
+                 **kwargs) -> list[Generation]:
+        """``params``, or its fields as keywords: generate(ids, n=4, temperature=0.7). ``seeds``:
+        one per prompt (exactrl/rollout/generator.py); without them prompt i is keyed by i alone,
+        so the same call samples the same responses."""
         p = params or SamplingParams(**kwargs)
-        requests = [(i, ids) for i, ids in enumerate(prompt_ids) for _ in range(p.n)]
+        seeds = list(prompt_seeds(positions=range(len(prompt_ids)))) if seeds is None else list(seeds)
+        if len(seeds) != len(prompt_ids):
+            raise ValueError(f"one seed per prompt: {len(prompt_ids)} prompts, {len(seeds)} seeds")
+        requests = [(i, ids, row_seed(seeds[i], j)) for i, ids in enumerate(prompt_ids) for j in range(p.n)]
         was_training = self.model.training
         self.model.eval()
         stop = StopStrings(self.tok, p.stop) if p.stop else None
@@ -350,16 +399,16 @@ class HFEngine:
 
     def _generate_batch(self, requests, p: SamplingParams, stop: StopStrings | None) -> list[Generation]:
         pad, eos = self.tok.pad_token_id, self.tok.eos_token_id
-        width = max(len(ids) for _, ids in requests)
+        width = max(len(ids) for _, ids, _ in requests)
         device = device_of(self.model)
-        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for _, ids in requests], device=device)
-        attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, ids in requests], device=device)
+        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for _, ids, _ in requests], device=device)
+        attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, ids, _ in requests], device=device)
         tokens, logprobs = sample(self.model, input_ids, attention, max_new_tokens=p.max_new_tokens, eos=eos, pad=pad,
-                                  greedy=p.greedy, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, stop=stop,
-                                  synced=self.synced)
+                                  greedy=p.greedy, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                                  seeds=[seed for _, _, seed in requests], stop=stop, synced=self.synced)
         logprobs = [None] * len(requests) if logprobs is None else logprobs.tolist()
         out = []
-        for (idx, ids), row, lp, end in zip(requests, tokens.tolist(), logprobs, response_ends(tokens, eos, stop)):
+        for (idx, ids, _), row, lp, end in zip(requests, tokens.tolist(), logprobs, response_ends(tokens, eos, stop)):
             # What follows the end is padding: never in the response, its mask or the loss.
             response, finished = row[:end], end is not None
             out.append(Generation(idx, ids, response, self.tok.decode(response, skip_special_tokens=True), finished,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from exactrl.data.encode import Prompt, load_prompts
 from exactrl.distributed.launch import is_main
 from exactrl.rewards import DEFAULT_TIMEOUT, Reward, Rewards, require_answers, score
+from exactrl.rollout.generator import prompt_seeds
 from exactrl.rollout.hf import HFEngine
 
 
@@ -50,17 +51,19 @@ def wilson_interval(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
 def evaluate_accuracy(model, tokenizer, prompts: list[Prompt], reward: Reward, *, batch_size: int, max_new_tokens: int,
                       greedy: bool = True, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                       stop: tuple[str, ...] = (), timeout: float = DEFAULT_TIMEOUT, fallback: float | None = None,
-                      on_batch=None) -> Accuracy:
+                      seed: int = 0, on_batch=None) -> Accuracy:
     """Share of prompts whose (greedy or sampled) answer gets full reward (>= 1) from ``reward``,
     decoded and scored ``batch_size`` prompts at a time, each call under the run's reward.timeout
-    and reward.fallback. ``on_batch(prompts, generations, rewards)`` after each batch."""
+    and reward.fallback. A sampled answer is keyed by ``seed`` and its prompt's position, so the
+    batch size does not change it. ``on_batch(prompts, generations, rewards)`` after each batch."""
     t0 = time.perf_counter()
     engine = HFEngine(model, tokenizer, batch_size)
     rewards, failures, tokens = [], [], 0
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i : i + batch_size]
         gens = engine.generate([p.input_ids for p in chunk], greedy=greedy, temperature=temperature, top_p=top_p,
-                               top_k=top_k, stop=stop, max_new_tokens=max_new_tokens)
+                               top_k=top_k, stop=stop, max_new_tokens=max_new_tokens,
+                               seeds=prompt_seeds("eval", seed, positions=range(i, i + len(chunk))))
         values = score(reward, [p.text for p in chunk], [g.text for g in gens], [p.answer for p in chunk],
                        [p.source for p in chunk], timeout, fallback, failures)
         rewards += values
@@ -82,16 +85,18 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def correct_samples(model, tokenizer, prompts: list[Prompt], reward: Reward, n: int, *, batch_size: int,
-                    max_new_tokens: int, temperature: float, top_p: float, timeout: float = DEFAULT_TIMEOUT,
+                    max_new_tokens: int, temperature: float, top_p: float, seed: int, timeout: float = DEFAULT_TIMEOUT,
                     on_batch=None) -> list[int]:
     """How many of ``n`` sampled answers per prompt get full reward (>= 1), one count per prompt,
-    about ``batch_size`` sequences decoded together. ``on_batch(prompts)`` after each batch."""
+    about ``batch_size`` sequences decoded together; sample j of prompt i keyed by (``seed``, i, j),
+    so the batch size does not change it. ``on_batch(prompts)`` after each batch."""
     engine, counts = HFEngine(model, tokenizer, batch_size), []
     step = max(1, batch_size // n)
     for i in range(0, len(prompts), step):
         chunk = prompts[i : i + step]
         gens = engine.generate([p.input_ids for p in chunk], n=n, temperature=temperature, top_p=top_p,
-                               max_new_tokens=max_new_tokens)  # each prompt's n samples together, in order
+                               max_new_tokens=max_new_tokens,  # each prompt's n samples together, in order
+                               seeds=prompt_seeds("pass@k", seed, positions=range(i, i + len(chunk))))
         values = score(reward, [p.text for p in chunk for _ in range(n)], [g.text for g in gens],
                        [p.answer for p in chunk for _ in range(n)], [f"{p.source} sample {j}" for p in chunk for j in range(n)],
                        timeout)

@@ -38,8 +38,7 @@ from exactrl.data.encode import Prompt
 from exactrl.distributed.engine import build_engine
 from exactrl.distributed.launch import shutdown
 from exactrl.rewards import load_rewards
-from exactrl.rollout.generator import SamplingParams
-from exactrl.rollout.hf import Generation
+from exactrl.rollout.generator import Generation, SamplingParams
 from exactrl.tasks.tiny_model import build_tiny_model
 from exactrl.tasks.tokenizer import build_tokenizer
 
@@ -248,7 +247,7 @@ def cases(backend: str) -> list[dict]:
 class ScriptedGenerator:
     """Deterministic responses: prompt k's j-th response has (k * 3 + j) % 7 + 1 tokens."""
 
-    def generate(self, prompt_ids, params=SamplingParams()):
+    def generate(self, prompt_ids, params=SamplingParams(), seeds=None):
         out = []
         for i, ids in enumerate(prompt_ids):
             for j in range(params.n):
@@ -270,7 +269,7 @@ def rollout_sharing() -> dict:
     for algo in ("grpo", "reinforce_pp", "rloo"):
         cfg = load_config(RLConfig, None, ["train.global_batch_size=32", "train.micro_batch_size=4", f"algo.name={algo}",
                                             "algo.group_size=4"])
-        samples, _ = collect_rollout(ScriptedGenerator(), prompts, fns, cfg)
+        samples, _ = collect_rollout(ScriptedGenerator(), prompts, fns, cfg, rollout=0)
         gens = ScriptedGenerator().generate([p.input_ids for p in prompts], SamplingParams(n=4))
         one = [Sample(g.prompt_ids, g.response_ids, float(len(g.text) % 3)) for g in gens]
         attach_advantages(samples, cfg)
@@ -291,7 +290,7 @@ def synced_generation(backend: str, tok) -> list[dict]:
     """Sampling with parameters sharded over two ranks, where rank 0's rows all end at their
     first token (EOS made certain there) and rank 1's run to the length limit: rank 0 must
     keep stepping with rank 1 (or both hang), and each rank's responses and log-probs must be
-    those of the same model unsharded in one process, same seed."""
+    those of the same model unsharded in one process, same seeds."""
     from exactrl.rollout.hf import HFEngine
 
     layout = ["distributed.backend=fsdp2"] if backend == "fsdp2" else ["distributed.backend=deepspeed", "deepspeed.zero_stage=3"]
@@ -303,7 +302,6 @@ def synced_generation(backend: str, tok) -> list[dict]:
     def run(model, engine_synced):
         if rank == 0:  # EOS certain everywhere on this rank only
             model.lm_head.register_forward_hook(lambda m, a, out: out.index_fill(-1, torch.tensor([tok.eos_token_id]), 1e4))
-        torch.manual_seed(11 + rank)
         gens = HFEngine(model, tok, batch_size=4, synced=engine_synced).generate(prompts, n=2, temperature=1.0, max_new_tokens=10)
         return [(g.response_ids, g.logprobs) for g in gens]
 

@@ -282,7 +282,7 @@ class AlgoConfig(Section):
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the frozen reference (0 = no reference model).")
     kl_target: float | None = Field(None, gt=0, description="Adaptive KL: move kl_coef after each rollout so the per-response KL approaches this (Ziegler et al. 2019); unset = fixed.")
     kl_horizon: int = Field(10000, gt=0, description="Adaptive KL horizon (responses): how slowly the coefficient moves.")
-    kl_in_reward: bool = Field(False, description="Put -kl_coef x KL (k1, per token) in the reward (REINFORCE++ style) instead of in the loss.")
+    kl_in_reward: bool = Field(False, description="Put -kl_coef x KL (k1, per token) in the reward instead of in the loss: reinforce_pp and ppo take it per token (return to go, GAE); grpo, dr_grpo, rloo, gspo and dapo add its sum over the response to the response's score before the group baseline, as verl does.")
     entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus (subtracted from the loss per token, same aggregation).")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator per token (Schulman's k1, k2 or k3).")
     ppo_epochs: int = Field(1, gt=0, description="Passes over each rollout.")

@@ -274,6 +274,7 @@ class AlgoConfig(Section):
     policy_loss: Literal["ppo", "gspo", "reinforce"] | None = Field(None, description="Override the algorithm's policy loss: ppo (clipped token ratio), gspo (clipped sequence ratio), reinforce (unclipped ratio x advantage); unset = the algorithm's own.")
     clip_eps: float = Field(0.2, gt=0, description="PPO clip range on the policy ratio (the lower one when clip_eps_high is set).")
     clip_eps_high: float | None = Field(None, gt=0, description="Upper clip range (DAPO's clip-higher, e.g. 0.28); unset = clip_eps.")
+    dual_clip: float | None = Field(None, gt=1, description="Dual-clip PPO (Ye et al. 2020, arXiv 1912.09729): for negative advantages the clipped objective is bounded below by dual_clip x A (3 in the paper, verl's clip_ratio_c, OpenRLHF's dual_clip); unset = off.")
     std_normalize: bool = Field(True, description="Divide group-centred rewards by the group std (grpo, gspo); dr_grpo never does.")
     overlong_buffer: int = Field(0, ge=0, description="DAPO's soft overlong penalty: the last this-many tokens before rollout.max_new_tokens cost up to overlong_penalty (0 = off).")
     overlong_penalty: float = Field(1.0, ge=0, description="Reward lost by a response that reaches rollout.max_new_tokens (with overlong_buffer > 0).")

@@ -18,8 +18,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from exactrl.algorithms.rl import Sample, policy_micro_batch_loss
-from exactrl.algorithms.sft import sft_micro_batch_loss
+from exactrl.data.batch import Sample
+from rl_helpers import policy_micro_batch_loss
+from rl_helpers import sft_micro_batch_loss
 from exactrl.config.schema import AlgoConfig, OptimConfig, RLConfig, RolloutConfig, SFTConfig, TrainConfig
 from exactrl.data.encode import encode_sft
 from exactrl.data.jsonl import Row

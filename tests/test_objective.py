@@ -30,7 +30,9 @@ def test_an_objective_is_plain_picklable_data_declared_by_the_registry():
     assert (objective.terms[0].dual_clip, objective.terms[1].coef, objective.terms[2].coef) == (3.0, 0.1, 0.01)
     assert objective.fields() == ("logprobs", "entropy")
     in_reward = ALGORITHMS.lookup("grpo").objective(load_config(RLConfig, None, ["algo.kl_coef=0.1", "algo.kl_in_reward=true"]))
-    assert [t.kind for t in in_reward.terms] == ["policy"] and in_reward.metrics == ("entropy",)
+    assert [t.kind for t in in_reward.terms] == ["policy"] and in_reward.metrics == ()  # no entropy pass unless asked
+    logged = ALGORITHMS.lookup("grpo").objective(load_config(RLConfig, None, ["algo.log_entropy=true"]))
+    assert logged.metrics == ("entropy",) and logged.fields() == ("logprobs", "entropy")
     assert objective.with_term("kl", coef=0.2).terms[1].coef == 0.2  # the adaptive KL's per-rollout value
 
 

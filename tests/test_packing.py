@@ -11,20 +11,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from rl_helpers import attach_logprobs, consecutive, policy_micro_batch_loss, sft_micro_batch_loss
 
-from exactrl.data.batch import Sample
-from rl_helpers import policy_micro_batch_loss
-from rl_helpers import sft_micro_batch_loss
 from exactrl.config import RLConfig, SFTConfig, load_config
-from exactrl.workers.critic import Critic
+from exactrl.data.batch import Sample
 from exactrl.data.encode import SFTExample
 from exactrl.distributed.engine import build_engine
 from exactrl.distributed.step_plan import plan_step
-from exactrl.losses.objective import Metrics
 from exactrl.losses.aggregation import AGG_MODES
+from exactrl.losses.objective import Metrics
 from exactrl.models import packing
 from exactrl.tasks.tiny_model import build_tiny_model
-from rl_helpers import attach_logprobs, consecutive
+from exactrl.workers.critic import Critic
 
 PAD = 0
 

@@ -33,8 +33,8 @@ class Algorithm:
         """The policy's loss as data: the clipped surrogate (against the batch's old log-probs;
         the loop switches a rollout that skips that pass to "self", see PolicyTerm), the KL to the reference unless it is in the reward (then
         the estimator must declare how it reads it: a KL never lands nowhere), the entropy bonus.
-        The entropy metric is kept by default (entropy collapse is the first sign of a failing
-        GRPO run); without an entropy term it costs one no-grad pass over the logits per micro-batch."""
+        The entropy metric is free with an entropy term; without one it costs a pass over every
+        micro-batch's logits (a softmax over the vocabulary), so it is logged only on request (algo.log_entropy)."""
         a, t = cfg.algo, cfg.train
         agg = {"agg": t.loss_agg, "norm_len": t.loss_agg_norm or cfg.rollout.max_new_tokens}
         terms = [PolicyTerm(loss=a.policy_loss or self.policy_loss, clip_low=a.clip_eps, clip_high=a.clip_eps_high or a.clip_eps,
@@ -46,7 +46,7 @@ class Algorithm:
             terms.append(KLTerm(coef=a.kl_coef, estimator=a.kl_estimator, **agg))
         if a.entropy_coef > 0:
             terms.append(EntropyTerm(coef=a.entropy_coef, **agg))
-        return Objective(tuple(terms), metrics=() if a.entropy_coef > 0 else ("entropy",))
+        return Objective(tuple(terms), metrics=("entropy",) if a.log_entropy and a.entropy_coef == 0 else ())
 
 
 ALGORITHMS: Registry[Algorithm] = Registry("algo.name")

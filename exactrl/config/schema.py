@@ -285,6 +285,7 @@ class AlgoConfig(Section):
     kl_horizon: int = Field(10000, gt=0, description="Adaptive KL horizon (responses): how slowly the coefficient moves.")
     kl_in_reward: bool = Field(False, description="Put -kl_coef x KL (k1, per token) in the reward instead of in the loss: reinforce_pp and ppo take it per token (return to go, GAE); grpo, dr_grpo, rloo, gspo and dapo add its sum over the response to the response's score before the group baseline, as verl does.")
     entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus (subtracted from the loss per token, same aggregation).")
+    log_entropy: bool = Field(False, description="Log the policy's mean per-token entropy (entropy) every step. Off by default: without an entropy bonus it costs one extra pass over every micro-batch's logits (a softmax over the vocabulary); with algo.entropy_coef > 0 it is logged anyway, at no cost.")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator per token (Schulman's k1, k2 or k3).")
     ppo_epochs: int = Field(1, gt=0, description="Passes over each rollout.")
     mini_batches: int = Field(1, gt=0, description="Optimizer steps per rollout epoch; a rollout holds mini_batches x train.global_batch_size responses.")

@@ -187,23 +187,29 @@ class Metrics:
         self.maxima[name] = torch.maximum(self.maxima[name], v) if name in self.maxima else v
 
 
-def micro_batch_loss(objective: Objective, f: dict[str, torch.Tensor], b: dict[str, torch.Tensor], sources: list[str],
-                     normalizers: dict[tuple, object], m: Metrics) -> tuple[torch.Tensor, float]:
+def _rows(mask: torch.Tensor, sources: list[str], chosen: tuple[str, ...] | None) -> torch.Tensor:
+    """``mask`` restricted to the rows whose source is in ``chosen`` (None: every row)."""
+    return mask if chosen is None else mask * torch.tensor([s in chosen for s in sources], device=mask.device)[:, None]
+
+
+def micro_batch_loss(objective: Objective, f: dict[str, torch.Tensor], b: dict[str, torch.Tensor], cpu_mask: torch.Tensor,
+                     sources: list[str], normalizers: dict[tuple, object], m: Metrics) -> tuple[torch.Tensor, float]:
     """This micro-batch's share of the step loss under ``objective`` and its canary share.
-    ``f``: the forward's per-token fields; ``b``: the collated batch; ``sources``: each row's."""
+    ``f``: the forward's per-token fields; ``b``: the collated batch; ``cpu_mask``: its loss
+    mask on the CPU (the canary share is a host number); ``sources``: each row's."""
     mask = b["loss_mask"]
     loss, shares = None, []
     for key, terms in objective.groups().items():
         if key not in normalizers:
             continue
-        rows = mask if key[0] is None else mask * torch.tensor([s in key[0] for s in sources], device=mask.device)[:, None]
+        rows = _rows(mask, sources, key[0])
         tok = None
         for t in terms:
             part = t.token_loss(f, b, rows, m)
             tok = t.coef * part if tok is None else tok + t.coef * part
         part = aggregate(tok, rows, normalizers[key])
         loss = part if loss is None else loss + part
-        shares.append(canary_share(rows, normalizers[key]))
+        shares.append(canary_share(_rows(cpu_mask, sources, key[0]), normalizers[key]))
     for name in objective.metrics:
         m.mean(name, f[name], mask)
     return loss, sum(shares) / len(shares)

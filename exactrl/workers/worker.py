@@ -93,7 +93,8 @@ class Worker:
     def micro_batch(self, samples: list[Sample], objective: Objective, normalizers: dict, metrics: Metrics):
         """One micro-batch: its part of the step loss (not yet backpropagated), its canary
         share, and the loss mask that entered the loss."""
-        b = collate(samples, self.pad_id, self.engine.device)
+        on_cpu = collate(samples, self.pad_id)
+        b = {k: v.to(self.engine.device) for k, v in on_cpu.items()}
         mb = self.model_batch(samples)
         with self.autocast():
             logits = self.engine.forward(self.model, **mb.inputs).logits
@@ -102,7 +103,8 @@ class Worker:
             trains = any(name in t.fields for t in objective.terms)
             with torch.set_grad_enabled(trains and torch.is_grad_enabled()):
                 fields[name] = mb.repad(self.token_field(name, logits, mb.inputs["input_ids"]))
-        loss, share = micro_batch_loss(objective, fields, b, [s.source for s in samples], normalizers, metrics)
+        # the canary share from the CPU copy of the mask: no device-to-host copy per micro-batch
+        loss, share = micro_batch_loss(objective, fields, b, on_cpu["loss_mask"], [s.source for s in samples], normalizers, metrics)
         return loss, share, b["loss_mask"]
 
     def train_step(self, batch: list[Sample], plan: StepPlan, objective: Objective) -> StepResult:

@@ -1,8 +1,9 @@
 """Policy-gradient RL from rewards: PPO, GRPO and their relatives, one loop.
 
 ``algo.name`` picks an entry of exactrl/algorithms/registry.py: an advantage estimator
-(exactrl/advantages), a policy loss (exactrl/losses/policy.py), whether a critic trains
-beside the policy, and where rollouts come from. Per rollout:
+(exactrl/advantages), its loss as declared data (an Objective of exactrl/losses/objective.py:
+policy surrogate, KL, entropy), whether a critic trains beside the policy, and where rollouts
+come from. Per rollout:
   1. draw prompts; each rank samples ``group_size`` responses for its share of them and
      scores them; every rank then holds the whole rollout (exactrl/rollout/collect.py);
   2. old log-probs (and reference log-probs when kl_coef > 0, the critic's values for ppo)
@@ -10,11 +11,12 @@ beside the policy, and where rollouts come from. Per rollout:
   3. advantages over the whole rollout (group baselines, REINFORCE++'s whitening over all
      its tokens, or GAE on the critic's values; the KL in the reward when algo.kl_in_reward);
   4. for each PPO epoch and mini-batch (one optimizer step each): plan the step over all
-     ranks, backprop each of this rank's micro-batches' exact share of the policy loss, step;
-     then the critic (ppo) the same way with its own optimizer.
-On-policy check: at the first update after a rollout the policy ratio must be exactly 1; a
-deviation means the log-probs the loss uses are stale or computed differently (the failure
-mode behind DeepSpeed-Chat's "one generation batch, one PPO epoch" guidance).
+     ranks, then Worker.train_step backprops each of this rank's micro-batches' exact share of
+     the objective and steps; then the critic (ppo) the same way with its own optimizer.
+On-policy check: at the first update after a rollout the policy ratio must be exactly 1 (declared
+in that step's objective, verified before the step is applied); a deviation means the log-probs
+the loss uses are stale or computed differently (the failure mode behind DeepSpeed-Chat's "one
+generation batch, one PPO epoch" guidance).
 """
 
 from __future__ import annotations

@@ -64,6 +64,7 @@ def run_step(model, tokenizer, examples, config, engine_cls=None, mean_of_means=
     engine = engine_cls(model, config.model, config.train, config.optim, config.audit, 1) if engine_cls else build_engine(model, config, 1)
     t = config.train
     plan = plan_step([e.loss_tokens for e in examples], t.micro_batch_size, t.loss_agg, t.loss_agg_norm)
+    engine.begin_step(len(plan.micro_batches))
     for mb in plan.micro_batches:
         batch = [examples[i] for i in mb]
         # The "mean of means" bug: each micro-batch normalised by its own counts.

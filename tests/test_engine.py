@@ -11,7 +11,7 @@ from exactrl.config import SFTConfig, load_config
 from exactrl.data.encode import encode_sft
 from exactrl.data.jsonl import Row
 from exactrl.distributed.checkpoint import _atomic_dir, save_checkpoint
-from exactrl.distributed.engine import build_engine
+from exactrl.distributed.engine import SampleAccountingError, build_engine
 from exactrl.distributed.step_plan import plan_step
 
 COMPLETIONS = ["1", "2+2+0=04 #### 04", "#### 77", "9+9+0=18 1+1+1=03 #### 318", "x", "12345678901234567890", "ab", "#### 1"]
@@ -25,6 +25,7 @@ def examples(tokenizer):
 def step_params(model, tokenizer, exs, cfg, micro):
     engine = build_engine(model, cfg, total_steps=4)
     plan = plan_step([e.loss_tokens for e in exs], micro, cfg.train.loss_agg)
+    engine.begin_step(len(plan.micro_batches))
     for mb in plan.micro_batches:
         loss, share = sft_micro_batch_loss(model, engine, [exs[i] for i in mb], tokenizer.pad_token_id, plan.normalizer)
         engine.backward(loss, share, len(mb))
@@ -95,6 +96,41 @@ def test_bf16_autocast_accumulation_agrees_with_one_pass(tokenizer, make_model):
     assert rel_err(ups[1], ups[0]) <= 5e-3
     dropped = [u * 0 for u in ups[0]]
     assert rel_err(dropped, ups[0]) > 0.5
+
+
+def test_a_step_is_begun_with_its_micro_batch_count_and_held_to_it(tokenizer, make_model):
+    """begin_step is the engine's only source for a step's count (DeepSpeed places its accumulation
+    boundary from it): a backward without it, beyond it, or a count the plan does not have is refused."""
+    exs = examples(tokenizer)
+    cfg = load_config(SFTConfig, None, ["optim.name=sgd", "train.global_batch_size=8", "train.micro_batch_size=2"])
+    model = make_model(8)
+    engine = build_engine(model, cfg, total_steps=4)
+    plan = plan_step([e.loss_tokens for e in exs], 4, "token-mean")
+
+    def backward(mb):
+        loss, share = sft_micro_batch_loss(model, engine, [exs[i] for i in mb], tokenizer.pad_token_id, plan.normalizer)
+        engine.backward(loss, share, len(mb))
+
+    with pytest.raises(SampleAccountingError, match="step 0: backward before begin_step"):
+        backward(plan.micro_batches[0])
+    with pytest.raises(SampleAccountingError, match="at least one micro-batch, the plan gives 0"):
+        engine.begin_step(0)
+    engine.begin_step(3)
+    with pytest.raises(SampleAccountingError, match=r"begin_step\(2\) before the step begun with 3"):
+        engine.begin_step(2)
+    for mb in plan.micro_batches:
+        backward(mb)
+    with pytest.raises(SampleAccountingError, match="begin_step announced 3 micro-batches, the plan and backward have 2"):
+        engine.step(plan)
+    # A count other than the configured accumulation (8 / 2 = 4) is the ordinary case, step after step.
+    engine = build_engine(make_model(8), cfg, total_steps=4)
+    model = engine.model
+    for micro in (4, 1, 8):
+        plan = plan_step([e.loss_tokens for e in exs], micro, "token-mean")
+        engine.begin_step(len(plan.micro_batches))
+        for mb in plan.micro_batches:
+            backward(mb)
+        assert engine.step(plan)["micro_batches"] == len(plan.micro_batches)
 
 
 def test_checkpoint_write_is_atomic(tmp_path, tokenizer, make_model):

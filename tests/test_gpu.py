@@ -30,6 +30,7 @@ def sgd_update(model, tokenizer, exs, micro, dtype, device):
     engine = build_engine(model, cfg, total_steps=1)
     assert all(p.device == device for p in model.parameters())
     plan = plan_step([e.loss_tokens for e in exs], micro, "token-mean")
+    engine.begin_step(len(plan.micro_batches))
     for mb in plan.micro_batches:
         loss, share = sft_micro_batch_loss(model, engine, [exs[i] for i in mb], tokenizer.pad_token_id, plan.normalizer)
         engine.backward(loss, share, len(mb))

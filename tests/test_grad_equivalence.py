@@ -108,6 +108,7 @@ def sft_exactrl(model, examples, cfg: SFTConfig, pad_id: int, group_by_length: b
     engine = build_engine(model, cfg, total_steps=1)
     lengths = [len(e.input_ids) for e in examples] if group_by_length else None
     plan = plan_step([e.loss_tokens for e in examples], t.micro_batch_size, t.loss_agg, t.loss_agg_norm, lengths=lengths)
+    engine.begin_step(len(plan.micro_batches))
     for j, mb in enumerate(plan.micro_batches):
         if j == skip:
             continue
@@ -195,6 +196,7 @@ def test_dropped_middle_micro_batches_fail_the_equivalence_check(base_model, sft
     cfg = sft_cfg(8, 4, "token-mean")
     engine = build_engine(model, cfg, total_steps=1)
     plan = plan_step([e.loss_tokens for e in sft_examples], 2, "token-mean")
+    engine.begin_step(len(plan.micro_batches))
     for j, mb in enumerate(plan.micro_batches):
         loss, share = sft_micro_batch_loss(model, engine, [sft_examples[i] for i in mb], tokenizer.pad_token_id, plan.normalizer)
         engine.backward(loss if j in (0, 3) else loss * 0.0, share, num_samples=len(mb))
@@ -229,9 +231,8 @@ def test_repeated_backward_raises_sample_accounting_error(base_model, sft_exampl
     engine, plan = sft_exactrl(model, sft_examples, sft_cfg(8, 2, "token-mean"), tokenizer.pad_token_id)
     mb = plan.micro_batches[0]
     loss, share = sft_micro_batch_loss(model, engine, [sft_examples[i] for i in mb], tokenizer.pad_token_id, plan.normalizer)
-    engine.backward(loss, share, num_samples=len(mb))
-    with pytest.raises(SampleAccountingError):
-        engine.step(plan)
+    with pytest.raises(SampleAccountingError, match="backward of micro-batch 3 in a step begun with 2"):
+        engine.backward(loss, share, num_samples=len(mb))
 
 
 # ---------------------------------------------------------------- GRPO
@@ -320,6 +321,7 @@ def accumulate_policy_loss(base_model, batch, cfg: RLConfig, pad_id: int):
     engine = build_engine(model, cfg, total_steps=1)
     # As train_rl plans a step: loss tokens are the response lengths.
     plan = plan_step([len(s.response_ids) for s in batch], cfg.train.micro_batch_size, cfg.train.loss_agg, NORM_LEN)
+    engine.begin_step(len(plan.micro_batches))
     for mb in plan.micro_batches:
         loss, share, _ = policy_micro_batch_loss(model, engine, [batch[i] for i in mb], plan.normalizer, cfg, pad_id)
         engine.backward(loss, share, num_samples=len(mb))

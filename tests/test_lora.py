@@ -114,6 +114,7 @@ def test_canary_stops_a_lora_step_that_lost_a_micro_batch(base_model, sft_exampl
     from exactrl.distributed.step_plan import plan_step
 
     plan = plan_step([e.loss_tokens for e in sft_examples], 2, "token-mean")
+    engine.begin_step(len(plan.micro_batches))
     for mb in plan.micro_batches:
         loss, share = sft_micro_batch_loss(model, engine, [sft_examples[i] for i in mb], tokenizer.pad_token_id, plan.normalizer)
         engine.backward(loss, share, len(mb))

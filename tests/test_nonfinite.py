@@ -28,6 +28,7 @@ def examples(tokenizer):
 
 def run_step(engine, model, tokenizer, exs, poison: float | None = None):
     plan = plan_step([e.loss_tokens for e in exs], 2, "token-mean")
+    engine.begin_step(len(plan.micro_batches))
     for i, mb in enumerate(plan.micro_batches):
         loss, share = sft_micro_batch_loss(model, engine, [exs[j] for j in mb], tokenizer.pad_token_id, plan.normalizer)
         engine.backward(loss * poison if poison is not None and i == 1 else loss, share, len(mb))
@@ -48,6 +49,8 @@ def test_error_policy_stops_before_the_step(tokenizer, make_model, poison):
     assert all(a.equal(b) for a, b in zip(params(model), before))
 
 
+# A skipped step moves the schedule without an optimizer step: torch's warning about that order is expected and hidden.
+@pytest.mark.filterwarnings("error::UserWarning")
 def test_skip_policy_applies_nothing_then_steps_as_if_the_bad_step_never_came(tokenizer, make_model):
     exs = examples(tokenizer)
     ref = make_model(2)  # reference: only the good step, on a fresh AdamW

@@ -54,6 +54,7 @@ def run_first_update(model, tokenizer, samples, cfg):
     plan = plan_step([len(s.response_ids) for s in samples], cfg.train.micro_batch_size, cfg.train.loss_agg,
                      cfg.train.loss_agg_norm or cfg.rollout.max_new_tokens)
     devs = []
+    engine.begin_step(len(plan.micro_batches))
     for mb in plan.micro_batches:
         loss, share, m = policy_micro_batch_loss(model, engine, [samples[i] for i in mb], plan.normalizer, cfg, tokenizer.pad_token_id)
         engine.backward(loss, share, len(mb))

@@ -4,6 +4,12 @@ offloaded to CPU), behind the same engine interface.
 Exactness, given how DeepSpeed handles gradients:
 * ``engine.backward(loss, scale_wrt_gas=False)``: each micro-batch's loss is already its
   exact part of the step loss, so DeepSpeed must not divide it by its accumulation steps;
+* the step's number of micro-batches comes from ``begin_step`` (the plan), not from the config:
+  each backward tells DeepSpeed whether it is the step's last (``set_gradient_accumulation_boundary``,
+  which decides where ZeRO 0/1 reduce, where ZeRO-2/3 copy the accumulated partition to the
+  optimizer's fp32 buffer, and whether ``ds.step()`` applies the update), so a step with another
+  count than ``gradient_accumulation_steps`` stays exact. The config's count is then nominal: it
+  only has to satisfy DeepSpeed's check train_batch_size = micro x accumulation x world;
 * DeepSpeed averages gradients over data-parallel ranks, so losses are scaled by the world
   size, as with FSDP2;
 * the canary is a parameter DeepSpeed manages like the model's (partitioned, reduced,
@@ -24,10 +30,10 @@ from pathlib import Path
 import torch
 
 from exactrl.checks.canary import Canary
+from exactrl.config.loader import ConfigError
 from exactrl.distributed.checkpoint import save_pretrained
 from exactrl.device import place, process_device, process_group_backend
-from exactrl.distributed.engine import (NonFiniteError, SampleAccountingError, SingleEngine, enable_gradient_checkpointing,
-                                      nonfinite_message)
+from exactrl.distributed.engine import NonFiniteError, SingleEngine, enable_gradient_checkpointing, nonfinite_message
 from exactrl.distributed.launch import is_main, single_process_env
 from exactrl.distributed.optim import build_optimizer, lr_factor
 from exactrl.models import lora
@@ -73,11 +79,17 @@ def ds_config(cfg, world: int) -> dict:
         zero.setdefault("offload_optimizer", {"device": d.offload_optimizer})
     if d.offload_param != "none":
         zero.setdefault("offload_param", {"device": d.offload_param})
+    # DeepSpeed checks these three against each other; the accumulation boundary itself comes from each step's plan.
     for key, value in (("train_batch_size", t.global_batch_size), ("train_micro_batch_size_per_gpu", t.micro_batch_size),
                        ("gradient_accumulation_steps", k)):
         if base.get(key, "auto") not in ("auto", value):
-            raise ValueError(f"{d.config}: {key}={base[key]} contradicts train.* (which give {value}); remove it or set it to \"auto\"")
+            raise ConfigError(f"{d.config}: {key}={base[key]} contradicts train.* (which give {value}); remove it or set it to \"auto\"")
         base[key] = value
+    if base.get("managed_gradient_accumulation", True) is not True:
+        # DeepSpeed >= 0.19 refuses set_gradient_accumulation_boundary in that mode (an assertion deep in its engine).
+        raise ConfigError(f"{d.config}: managed_gradient_accumulation={json.dumps(base['managed_gradient_accumulation'])} "
+                          "makes DeepSpeed's step() the accumulation boundary, but exactrl marks it at each step's last "
+                          "backward (set_gradient_accumulation_boundary); remove the key or set it to true")
     base["gradient_clipping"] = t.max_grad_norm
     # exactrl's own torch optimizer (so SGD/AdamW match torch exactly), also under offload.
     base.setdefault("zero_force_ds_cpu_optimizer", False)
@@ -123,6 +135,7 @@ class DeepSpeedEngine(SingleEngine):
             model=wrapped, optimizer=build_optimizer(wrapped.parameters(), optim), config=self.config,
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, optim, total_steps)))
         self.step_count = self._micro_seen = self._samples_seen = 0
+        self._micro_planned: int | None = None
         self._finite = None  # all of this step's micro-batch losses finite so far (a bool tensor)
 
     @property
@@ -137,10 +150,12 @@ class DeepSpeedEngine(SingleEngine):
     def describe(self) -> str:
         zero = self.config["zero_optimization"]
         return (f"backend=deepspeed, ZeRO stage {zero['stage']}, offload_optimizer "
-                f"{zero.get('offload_optimizer', {}).get('device', 'none')}, K={self.config['gradient_accumulation_steps']}, "
+                f"{zero.get('offload_optimizer', {}).get('device', 'none')}, "
+                f"K={self._micro_planned or self.config['gradient_accumulation_steps']}, "
                 f"world size {self.world_size}, deepspeed {self.deepspeed.__version__}, torch {torch.__version__}")
 
     def backward(self, loss: torch.Tensor, share: float, num_samples: int) -> None:
+        last = self._next_micro_batch()
         if self.canary is not None:
             unit, self.wrapped.unit = self.wrapped.unit, None
             if unit is None:
@@ -150,16 +165,15 @@ class DeepSpeedEngine(SingleEngine):
         # micro-batch losses are checked instead (as one flag per step: no sync per micro-batch).
         finite = torch.isfinite(loss.detach())
         self._finite = finite if self._finite is None else self._finite & finite
+        # Set before each backward: ZeRO's gradient hooks read it during the backward. No ds.step() between
+        # micro-batches: off the boundary it would only advance DeepSpeed's own micro-step count.
+        self.ds.set_gradient_accumulation_boundary(last)
         self.ds.backward(loss * self.world_size, scale_wrt_gas=False)
         self._micro_seen += 1
         self._samples_seen += num_samples
-        if self._micro_seen < self.config["gradient_accumulation_steps"]:
-            self.ds.step()  # DeepSpeed's bookkeeping between micro-batches; it applies nothing yet
 
     def step(self, plan) -> dict:
-        if self._micro_seen != len(plan.micro_batches) or self._samples_seen != plan.num_samples:
-            raise SampleAccountingError(f"step {self.step_count}: planned {len(plan.micro_batches)} micro-batches / {plan.num_samples} "
-                                        f"samples, backward saw {self._micro_seen} / {self._samples_seen}")
+        self._check_accounting(plan)
         canary = None
         if self.canary is not None:
             grad = self.deepspeed.utils.safe_get_full_grad(self.canary.param)  # a collective under ZeRO
@@ -182,6 +196,7 @@ class DeepSpeedEngine(SingleEngine):
         stats = {"grad_norm": float(norm) if norm is not None else None, "lr": lr, "micro_batches": self._micro_seen,
                  "samples": self._samples_seen, "canary": canary, "skipped_nonfinite": 0}
         self._micro_seen = self._samples_seen = 0
+        self._micro_planned = None
         return stats
 
     def full_model_state(self) -> dict:

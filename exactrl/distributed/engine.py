@@ -3,6 +3,7 @@
 Every algorithm drives an engine the same way:
 
     plan = plan_step(...)
+    engine.begin_step(len(plan.micro_batches))
     for mb in plan.micro_batches:
         with engine.autocast():
             loss = aggregate(per_token_loss(mb), mask, plan.normalizer)
@@ -11,14 +12,18 @@ Every algorithm drives an engine the same way:
 
 ``single`` is one process. The loss handed to ``backward`` is already this micro-batch's
 exact part of the step loss, so the engine only sums gradients (no division by the number
-of accumulation steps) and clipping acts on the full accumulated gradient. Before each
-optimizer step the engine checks sample accounting and the canary (exactrl/checks/canary.py).
+of accumulation steps) and clipping acts on the full accumulated gradient. A step has as
+many micro-batches as its plan gives this rank, which may change from step to step
+(mixed-policy methods): ``begin_step`` says how many, so an engine that must know its
+accumulation boundary (DeepSpeed) places it there. Before each optimizer step the engine
+checks sample accounting and the canary (exactrl/checks/canary.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import re
 import warnings
 from pathlib import Path
 
@@ -65,6 +70,7 @@ class SingleEngine:
         self.optimizer = build_optimizer(model.parameters(), optim)
         self.scheduler = build_scheduler(self.optimizer, optim, total_steps)
         self.step_count = 0
+        self._micro_planned: int | None = None  # this step's micro-batches on this rank, from begin_step
         self._micro_seen = 0
         self._samples_seen = 0
 
@@ -96,8 +102,48 @@ class SingleEngine:
     # What the backend's own gradient reduction divides by (FSDP2 averages over ranks).
     reduction_divisor = 1
 
+    def begin_step(self, num_micro_batches: int) -> None:
+        """Start an optimizer step of ``num_micro_batches`` backward calls on this rank (the plan's
+        count for this rank, which may differ from step to step); call it before the first."""
+        if self._micro_planned is not None or self._micro_seen:
+            raise SampleAccountingError(f"step {self.step_count}: begin_step({num_micro_batches}) before the step begun with "
+                                        f"{self._micro_planned} micro-batches ({self._micro_seen} backpropagated) was taken")
+        if num_micro_batches < 1:
+            raise SampleAccountingError(f"step {self.step_count}: a step needs at least one micro-batch, the plan gives "
+                                        f"{num_micro_batches} on rank {self.rank}")
+        if self.world_size > 1:
+            # A backward reduces over ranks (FSDP2 in each one, DeepSpeed at its boundary): a rank with fewer
+            # micro-batches than another would leave that one's reductions waiting, or pair different micro-batches.
+            most, minus_fewest = self._reduce([num_micro_batches, -num_micro_batches], torch.distributed.ReduceOp.MAX)
+            if most != -minus_fewest:
+                raise SampleAccountingError(f"step {self.step_count}: the plan gives the ranks different numbers of "
+                                            f"micro-batches (from {int(-minus_fewest)} to {int(most)}; {num_micro_batches} "
+                                            f"on rank {self.rank}); every rank must backpropagate as many")
+        self._micro_planned = num_micro_batches
+
+    def _next_micro_batch(self) -> bool:
+        """Count one backward of the step begun; whether it is the step's last."""
+        if self._micro_planned is None:
+            raise SampleAccountingError(f"step {self.step_count}: backward before begin_step(number of micro-batches)")
+        if self._micro_seen >= self._micro_planned:
+            raise SampleAccountingError(f"step {self.step_count}: backward of micro-batch {self._micro_seen + 1} in a "
+                                        f"step begun with {self._micro_planned}")
+        return self._micro_seen + 1 == self._micro_planned
+
+    def _check_accounting(self, plan: StepPlan) -> None:
+        """Every sample of the plan backpropagated once, in as many micro-batches as the step began with."""
+        if self._micro_seen != len(plan.micro_batches) or self._samples_seen != plan.num_samples:
+            raise SampleAccountingError(
+                f"step {self.step_count}: planned {len(plan.micro_batches)} micro-batches / {plan.num_samples} samples, "
+                f"backward saw {self._micro_seen} / {self._samples_seen}"
+            )
+        if self._micro_seen != self._micro_planned:
+            raise SampleAccountingError(f"step {self.step_count}: begin_step announced {self._micro_planned} micro-batches, "
+                                        f"the plan and backward have {self._micro_seen}")
+
     def backward(self, loss: torch.Tensor, share: float, num_samples: int) -> None:
         """Backpropagate one micro-batch's part of the step loss; ``share`` feeds the canary."""
+        self._next_micro_batch()
         if self.canary is not None:
             loss = loss + self.canary.term(share)
         (loss * self.reduction_divisor if self.reduction_divisor != 1 else loss).backward()
@@ -105,11 +151,7 @@ class SingleEngine:
         self._samples_seen += num_samples
 
     def step(self, plan: StepPlan) -> dict[str, float]:
-        if self._micro_seen != len(plan.micro_batches) or self._samples_seen != plan.num_samples:
-            raise SampleAccountingError(
-                f"step {self.step_count}: planned {len(plan.micro_batches)} micro-batches / {plan.num_samples} samples, "
-                f"backward saw {self._micro_seen} / {self._samples_seen}"
-            )
+        self._check_accounting(plan)
         canary = self.canary.check(self.step_count, self._micro_seen) if self.canary is not None else None
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
@@ -127,13 +169,14 @@ class SingleEngine:
         self.skipped += skipped
         # A skipped step still moves the schedule and the step count, so step N stays step N on resume.
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()` before")
+            warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()` before"))
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1
         stats = {"grad_norm": grad_norm, "lr": lr, "micro_batches": self._micro_seen, "samples": self._samples_seen,
                  "canary": canary, "skipped_nonfinite": self.skipped}
         self._micro_seen = self._samples_seen = 0
+        self._micro_planned = None
         return stats
 
     def sum_over_ranks(self, value: float) -> float:

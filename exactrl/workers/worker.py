@@ -113,9 +113,7 @@ class Worker:
         mine = plan.for_rank(self.engine.rank)
         objective = objective.at(self.engine.step_count)
         normalizers, metrics = objective.normalizers(plan), Metrics()
-        begin = getattr(self.engine, "begin_step", None)
-        if begin is not None:
-            begin(len(mine.micro_batches))
+        self.engine.begin_step(len(mine.micro_batches))  # where the engine's accumulation boundary is
         dev = self.engine.device
         total, rows, tokens = (torch.zeros((), dtype=torch.float64, device=dev) for _ in range(3))
         for mb in mine.micro_batches:

@@ -108,6 +108,7 @@ def exactrl_run(model, steps, tok, cfg, fault=None):
         plan = plan_step([e.loss_tokens for e in exs], t.micro_batch_size, t.loss_agg, NORM_LEN,
                          lengths=[len(e.input_ids) for e in exs], world_size=engine.world_size)
         mine = plan.for_rank(engine.rank)
+        engine.begin_step(len(mine.micro_batches))
         for i, mb in enumerate(mine.micro_batches):
             batch = [exs[j] for j in mb]
             norm = plan.normalizer

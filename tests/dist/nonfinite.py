@@ -28,6 +28,7 @@ from exactrl.tasks.tokenizer import build_tokenizer
 def step(engine, model, tok, exs, poison_rank: int | None):
     plan = plan_step([e.loss_tokens for e in exs], 2, "token-mean", world_size=engine.world_size)
     mine = plan.for_rank(engine.rank)
+    engine.begin_step(len(mine.micro_batches))
     for i, mb in enumerate(mine.micro_batches):
         loss, share = sft_micro_batch_loss(model, engine, [exs[j] for j in mb], tok.pad_token_id, plan.normalizer)
         if engine.rank == poison_rank and i == len(mine.micro_batches) - 1:

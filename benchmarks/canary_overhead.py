@@ -21,15 +21,16 @@ import time
 
 import torch
 
-from exactrl.algorithms.sft import sft_micro_batch_loss
+from exactrl.algorithms.sft import demonstration, sft_objective
 from exactrl.config import SFTConfig, load_config
 from exactrl.data.batching import StepSampler
 from exactrl.data.encode import encode_sft
 from exactrl.data.jsonl import read_jsonl
 from exactrl.distributed.engine import build_engine
-from exactrl.distributed.step_plan import plan_step
+from exactrl.distributed.step_plan import plan_samples
 from exactrl.models.loading import load_causal_lm, load_tokenizer
 from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin
+from exactrl.workers.worker import Worker
 
 
 LAYOUTS = {
@@ -47,19 +48,15 @@ class Trainer:
         cfg = load_config(SFTConfig, None, [*LAYOUTS[layout], f"audit.canary={policy}", f"train.global_batch_size={batch}",
                                             f"train.micro_batch_size={micro}"])
         torch.manual_seed(0)
-        self.model, self.examples, self.tok, self.micro = load_causal_lm(str(model_path)), examples, tok, micro
-        self.engine = build_engine(self.model, cfg, steps)
+        self.model, self.samples, self.micro = load_causal_lm(str(model_path)), [demonstration(e) for e in examples], micro
+        self.worker = Worker("policy", self.model, build_engine(self.model, cfg, steps), pad_id=tok.pad_token_id)
+        self.objective = sft_objective("token-mean", None)
         self.sampler = StepSampler(len(examples), batch, 0)
 
     def step(self, step: int) -> float:
-        batch = [self.examples[i] for i in self.sampler.batch(step)]
+        batch = [self.samples[i] for i in self.sampler.batch(step)]
         t0 = time.perf_counter()
-        plan = plan_step([e.loss_tokens for e in batch], self.micro, "token-mean", lengths=[len(e.input_ids) for e in batch])
-        self.engine.begin_step(len(plan.micro_batches))
-        for mb in plan.micro_batches:
-            loss, share = sft_micro_batch_loss(self.model, self.engine, [batch[i] for i in mb], self.tok.pad_token_id, plan.normalizer)
-            self.engine.backward(loss, share, len(mb))
-        self.engine.step(plan)
+        self.worker.train_step(batch, plan_samples(batch, self.micro, "token-mean", sort=True), self.objective)
         return time.perf_counter() - t0
 
 

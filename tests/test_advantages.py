@@ -122,3 +122,63 @@ def test_registry_names_and_errors():
         get_advantage("gae")(AdvantageInput(REWARDS, MASK))
     with pytest.raises(ValueError, match="do not form whole groups of 3"):
         get_advantage("grpo")(AdvantageInput(REWARDS, MASK, group_size=3))
+
+
+def verl_grpo_with_kl_in_reward(scores, kl, mask, group_size, std_normalize, eps=1e-6):
+    """verl's path written out (trainer/ppo/ray_trainer.py apply_kl_penalty, then core_algos.py
+    compute_grpo_outcome_advantage): token_level_rewards = scores on the last response token -
+    beta KL per response token; each response's score is their sum; (score - group mean) / (group
+    std + eps), one Python loop per group."""
+    token_level = -kl * mask
+    for i in range(mask.size(0)):
+        last = max(t for t in range(mask.size(1)) if mask[i, t] > 0)
+        token_level[i, last] += scores[i]
+    summed = token_level.sum(-1).tolist()
+    out = []
+    for g in range(0, len(summed), group_size):
+        group = summed[g : g + group_size]
+        mean = sum(group) / len(group)
+        std = (sum((x - mean) ** 2 for x in group) / (len(group) - 1)) ** 0.5
+        out += [(x - mean) / (std + eps) if std_normalize else x - mean for x in group]
+    return out
+
+
+@pytest.mark.parametrize("name,std_normalize", [("grpo", True), ("grpo", False), ("dr_grpo", False)])
+def test_group_estimators_take_the_kl_in_the_reward_as_verl_does(name, std_normalize):
+    """Before: grpo, dr_grpo, rloo (and gspo, dapo, which use grpo's) ignored token_rewards, so
+    algo.kl_in_reward=true trained with no KL penalty at all."""
+    g = torch.Generator().manual_seed(0)
+    mask = (torch.rand(8, 6, generator=g, dtype=torch.float64) < 0.8).double()
+    mask[:, 0] = 0  # a prompt target
+    mask[:, 1] = 1  # every response has a token
+    scores, kl = torch.rand(8, generator=g, dtype=torch.float64), torch.rand(8, 6, generator=g, dtype=torch.float64) - 0.3
+    # the KL sits on prompt targets too (the log-probs cover the whole sequence): only response tokens may count
+    adv, _ = get_advantage(name)(AdvantageInput(scores, mask, 4, token_rewards=-kl, std_normalize=std_normalize))
+    ref = verl_grpo_with_kl_in_reward(scores, kl, mask, 4, std_normalize)
+    for row, m, want in zip(adv, mask, ref):
+        assert row[m > 0].tolist() == pytest.approx([want] * int(m.sum()), rel=1e-12, abs=1e-12)
+    assert adv[mask == 0].abs().max() == 0
+
+
+def test_rloo_takes_the_kl_in_the_reward_in_each_score():
+    g = torch.Generator().manual_seed(1)
+    mask = torch.ones(6, 3, dtype=torch.float64)
+    scores, kl = torch.rand(6, generator=g, dtype=torch.float64), torch.rand(6, 3, generator=g, dtype=torch.float64)
+    adv, _ = get_advantage("rloo")(AdvantageInput(scores, mask, 3, token_rewards=-kl))
+    total = (scores - kl.sum(1)).tolist()
+    expected = [total[i] - sum(total[j] for j in range(3 * (i // 3), 3 * (i // 3) + 3) if j != i) / 2 for i in range(6)]
+    assert adv[:, 0].tolist() == pytest.approx(expected, rel=1e-12)
+
+
+def test_every_estimator_declares_and_reads_the_kl_in_the_reward():
+    from exactrl.advantages.estimators import TOKEN_REWARDS
+
+    assert set(TOKEN_REWARDS) == set(ADVANTAGES)
+    g = torch.Generator().manual_seed(2)
+    mask, rewards = torch.ones(4, 3, dtype=torch.float64), torch.tensor([1.0, 0.0, 0.5, 0.25], dtype=torch.float64)
+    values = torch.rand(4, 3, generator=g, dtype=torch.float64)
+    for name in ADVANTAGES:
+        plain, _ = get_advantage(name)(AdvantageInput(rewards, mask, 4, values=values))  # one group of 4: a pair's z-scores are +-0.71 whatever the scores
+        kl = torch.rand(4, 3, generator=g, dtype=torch.float64)
+        with_kl, _ = get_advantage(name)(AdvantageInput(rewards, mask, 4, token_rewards=-kl, values=values))
+        assert (with_kl - plain).abs().max() > 1e-3, name

@@ -12,7 +12,8 @@ import torch
 
 from exactrl.algorithms.registry import ALGORITHMS
 from exactrl.config.schema import GROUP_ALGOS, RL_ALGOS
-from exactrl.data.batch import TOKEN_FIELDS, Sample, collate
+from exactrl.distributed.step_plan import plan_samples
+from exactrl.data.batch import SEQUENCE_FIELDS, TOKEN_FIELDS, Sample, collate
 from exactrl.registry import Registry
 
 PACKAGE = Path(__file__).resolve().parents[1] / "exactrl"
@@ -99,10 +100,29 @@ def test_the_typed_batch_refuses_undeclared_fields_and_collates_declared_ones():
     assert TOKEN_FIELDS == ("advantages", "old_logprobs", "gen_logprobs", "ref_logprobs", "old_values", "returns")
     t = Sample([1], [3, 4], 0.0, source="demonstration", advantages=torch.tensor([2.0, 3.0]))
     b = collate([s, t], pad_id=0)
-    assert set(b) == {"input_ids", "attention_mask", "loss_mask", "advantages"}  # only fields every sample holds
+    assert SEQUENCE_FIELDS == ("reward", "finished", "penalty")  # per-sequence fields, declared like per-token ones
+    assert set(b) == {"input_ids", "attention_mask", "loss_mask", "advantages", *SEQUENCE_FIELDS}  # only fields every sample holds
     assert b["advantages"].tolist() == [[1.0, 1.0, 1.0, 1.0], [2.0, 3.0, 0.0, 0.0]]
     assert b["loss_mask"].tolist() == [[0, 1, 1, 1], [1, 1, 0, 0]]
+    assert b["reward"].tolist() == [1.0, 0.0]
     assert t.source == "demonstration" and s.source == "on_policy"
+
+
+def test_the_one_loss_mask_is_what_the_plan_counts_and_collate_pads():
+    s = Sample([1, 2], [3, 4, 5])  # default: every response target
+    t = Sample([], [1, 2, 3, 4], source="demonstration", mask=(0, 1, 0))  # a mask of its own (SFT's)
+    plan = plan_samples([s, t], 1, "token-mean")
+    assert [c.tokens for c in plan.counts] == [3, 1] and plan.normalizer.num_tokens == 4
+    assert collate([s, t], 0)["loss_mask"].tolist() == [list(s.loss_mask), [0, 1, 0, 0]]
+
+
+def test_collate_refuses_a_per_token_field_set_on_only_some_samples():
+    """Before: collate dropped the field, and the loss read the missing old_logprobs as the
+    forward's own (ratio 1) for the whole micro-batch, without a word."""
+    s = Sample([1, 2], [3, 4, 5], old_logprobs=torch.zeros(4))
+    t = Sample([1, 2], [3, 4])
+    with pytest.raises(ValueError, match=r"per-token field 'old_logprobs' is set on 1 of the 2 samples .*rows \[1\]"):
+        collate([s, t], 0)
 
 
 def test_an_algorithms_own_section_and_its_old_flat_keys(tmp_path):

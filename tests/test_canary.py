@@ -11,8 +11,8 @@ import logging
 
 import pytest
 import torch
+from rl_helpers import sft_micro_batch_loss
 
-from exactrl.algorithms.sft import sft_micro_batch_loss
 from exactrl.checks.canary import CanaryError
 from exactrl.config import SFTConfig, load_config
 from exactrl.data.encode import encode_sft

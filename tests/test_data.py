@@ -9,7 +9,9 @@ from collections import Counter
 
 import pytest
 
-from exactrl.data.batching import StepSampler, collate_sft
+from exactrl.algorithms.sft import demonstration
+from exactrl.data.batch import collate
+from exactrl.data.batching import StepSampler
 from exactrl.data.encode import encode_prompts, encode_sft
 from exactrl.data.jsonl import DataError, Row, read_jsonl
 
@@ -140,11 +142,11 @@ def test_rl_prompt_from_messages_opens_an_assistant_turn(tmp_path, tokenizer):
     assert tokenizer.decode(prompt.input_ids) == prompt.text
 
 
-def test_collate_sft_shapes_and_target_alignment(tokenizer):
+def test_collate_of_sft_examples_shapes_and_target_alignment(tokenizer):
     rows = [Row("x:1", {"prompt": "12+3=", "completion": "#### 15"}), Row("x:2", {"prompt": "1+1=", "completion": "2"}),
             Row("x:3", {"prompt": "?", "completion": "hello world"})]
     examples = encode_sft(rows, tokenizer, max_length=64)
-    batch = collate_sft(examples, tokenizer.pad_token_id)
+    batch = collate([demonstration(e) for e in examples], tokenizer.pad_token_id)
     width = max(len(e.input_ids) for e in examples)
     assert batch["input_ids"].shape == batch["attention_mask"].shape == (3, width)
     assert batch["loss_mask"].shape == (3, width - 1)

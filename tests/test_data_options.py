@@ -15,8 +15,9 @@ import torch
 from conftest import SMALL
 from test_cli_failures import TINY, exactrl, one_line_error
 
+from exactrl.algorithms.sft import demonstration
 from exactrl.audit.manifest import file_sha256
-from exactrl.data.batching import collate_sft
+from exactrl.data.batch import collate
 from exactrl.data.encode import encode_prompts, encode_sft, load_prompts, load_sft, use_chat_template
 from exactrl.data.files import read_rows
 from exactrl.data.jsonl import DataError, Row
@@ -162,7 +163,7 @@ def test_every_format_gives_the_batches_jsonl_gives(tmp_path, tokenizer):
     batches = {}
     for kind, path in files.items():
         examples = encode_sft(read_rows(path), tokenizer, 64)
-        batches[kind] = collate_sft(examples, tokenizer.pad_token_id)
+        batches[kind] = collate([demonstration(e) for e in examples], tokenizer.pad_token_id)
     for kind, batch in batches.items():
         assert batch.keys() == batches["jsonl"].keys()
         assert all(torch.equal(batch[k], batches["jsonl"][k]) for k in batch), kind

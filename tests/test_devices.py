@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from exactrl.algorithms.common import check_world
-from exactrl.algorithms.rl import Sample
+from exactrl.data.batch import Sample
 from exactrl.config import ConfigError, SFTConfig, load_config
 from exactrl.data.batch import collate
 from exactrl import device as dev

@@ -53,7 +53,7 @@ def test_sft_then_rl_cli(workdir):
 
     exactrl(["rl", "--config", "examples/grpo_tiny.yaml", "model.path=" + str(run / "final"), "output_dir=" + str(cwd / "rl"),
              "train.max_steps=4", "train.global_batch_size=16", "train.micro_batch_size=8", "algo.group_size=4",
-             "algo.kl_coef=0.05", "algo.ppo_epochs=2", "algo.mini_batches=2", "data.eval_size=8", "train.eval_every=0",
+             "algo.kl_coef=0.05", "algo.ppo_epochs=2", "algo.mini_batches=2", "algo.log_entropy=true", "data.eval_size=8", "train.eval_every=0",
              "rollout.max_new_tokens=12", "train.log_every=1"],
             cwd=os.getcwd(), cache=cache)
     rl = [r for r in map(json.loads, open(cwd / "rl" / "metrics.jsonl")) if "reward_mean" in r]

@@ -10,7 +10,7 @@ import torch
 from distributed_harness import over_bound, run_cases
 from test_engine import examples, rel_err
 
-from exactrl.algorithms.sft import sft_micro_batch_loss
+from rl_helpers import sft_micro_batch_loss
 from exactrl.checks.packing import check_packing
 from exactrl.config import SFTConfig, load_config
 from exactrl.device import place

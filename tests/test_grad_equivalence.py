@@ -18,15 +18,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from exactrl.algorithms.rl import Sample, policy_micro_batch_loss
-from exactrl.algorithms.sft import sft_micro_batch_loss
 from exactrl.config.schema import AlgoConfig, OptimConfig, RLConfig, RolloutConfig, SFTConfig, TrainConfig
+from exactrl.data.batch import Sample
 from exactrl.data.encode import encode_sft
 from exactrl.data.jsonl import Row
 from exactrl.distributed.engine import SampleAccountingError, build_engine
 from exactrl.distributed.step_plan import plan_step
 from exactrl.losses.aggregation import AGG_MODES
 from exactrl.tasks.arithmetic import Problem, worked_solution
+from rl_helpers import policy_micro_batch_loss, sft_micro_batch_loss
 
 NORM_LEN = 64.0
 TOL = 1e-5  # fp32: relative error of the whole gradient (all parameters as one vector)

@@ -110,7 +110,7 @@ def test_canary_stops_a_lora_step_that_lost_a_micro_batch(base_model, sft_exampl
     model = copy.deepcopy(base_model)
     cfg = sft_cfg(8, 4, "token-mean")
     engine = DropsGradient(model, cfg.model, cfg.train, cfg.optim, cfg.audit, 1)
-    from exactrl.algorithms.sft import sft_micro_batch_loss
+    from rl_helpers import sft_micro_batch_loss
     from exactrl.distributed.step_plan import plan_step
 
     plan = plan_step([e.loss_tokens for e in sft_examples], 2, "token-mean")
@@ -149,7 +149,7 @@ def test_kv_cached_sampling_sees_the_adapters(base_model, tokenizer):
     prompts = [tokenizer(p)["input_ids"] for p in ("12+3=", "347+285=", "1+1=")]
     torch.manual_seed(0)
     gens = HFEngine(model, tokenizer, batch_size=8).generate(prompts, n=2, temperature=1.0, max_new_tokens=12)
-    from exactrl.algorithms.rl import Sample
+    from exactrl.data.batch import Sample
 
     samples = [Sample(g.prompt_ids, g.response_ids, 0.0) for g in gens]
     for m, attr in ((model, "old_logprobs"), (model.get_base_model(), "ref_logprobs")):

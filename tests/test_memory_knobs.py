@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from exactrl.algorithms.sft import sft_micro_batch_loss
+from rl_helpers import sft_micro_batch_loss
 from exactrl.config import SFTConfig, load_config
 from exactrl.data.encode import encode_sft
 from exactrl.data.jsonl import Row

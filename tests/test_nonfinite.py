@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exactrl.algorithms.sft import sft_micro_batch_loss, train_sft
+from exactrl.algorithms.sft import train_sft
+from rl_helpers import sft_micro_batch_loss
 from exactrl.config import SFTConfig, load_config
 from exactrl.data.encode import encode_sft
 from exactrl.data.jsonl import Row

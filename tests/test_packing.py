@@ -11,18 +11,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from rl_helpers import attach_logprobs, consecutive, policy_micro_batch_loss, sft_micro_batch_loss
 
-from exactrl.algorithms.rl import Sample, policy_micro_batch_loss
-from exactrl.algorithms.sft import sft_micro_batch_loss
 from exactrl.config import RLConfig, SFTConfig, load_config
-from exactrl.workers.critic import Critic
+from exactrl.data.batch import Sample
 from exactrl.data.encode import SFTExample
 from exactrl.distributed.engine import build_engine
 from exactrl.distributed.step_plan import plan_step
 from exactrl.losses.aggregation import AGG_MODES
+from exactrl.losses.objective import Metrics
 from exactrl.models import packing
 from exactrl.tasks.tiny_model import build_tiny_model
-from rl_helpers import attach_logprobs, consecutive
+from exactrl.workers.critic import Critic
 
 PAD = 0
 
@@ -146,7 +146,8 @@ def test_critic_values_and_loss_packed_equals_padded(tmp_path, tokenizer):
             s.old_values = values
         old = torch.cat([s.old_values for s in samples])
         plan = plan_step([len(s.response_ids) for s in samples], 3, cfg.train.loss_agg, 16.0)
-        loss, _, _ = critic.micro_batch_loss(samples[:3], plan.normalizer)
+        objective = critic.objective()
+        loss, _, _ = critic.micro_batch(samples[:3], objective, dict.fromkeys(objective.groups(), plan.normalizer), Metrics())
         loss.backward()
         results[packed] = (old, loss.item(), torch.cat([p.grad.flatten() for p in critic.model.parameters() if p.grad is not None]))
         for s in samples:

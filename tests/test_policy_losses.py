@@ -96,3 +96,27 @@ def test_registry():
     assert set(POLICY_LOSSES) == {"ppo", "gspo", "reinforce"}
     with pytest.raises(ValueError, match="unknown policy loss 'dapo'; choose one of gspo, ppo, reinforce"):
         get_policy_loss("dapo")
+
+
+def dual_clip_by_the_paper(r: float, a: float, eps: float, c: float) -> float:
+    """Ye et al. 2020 (arXiv 1912.09729), eq. 5: for A < 0, max(min(r A, clip(r, 1-eps, 1+eps) A), c A);
+    for A >= 0 the plain clipped objective. Returned as a loss (negated)."""
+    clipped = min(r * a, min(max(r, 1 - eps), 1 + eps) * a)
+    return -(max(clipped, c * a) if a < 0 else clipped)
+
+
+def test_dual_clip_ppo_against_the_paper():
+    ratios = (5.0, 3.5, 2.0, 0.5, 5.0, 1.0)
+    advs = (-1.0, -2.0, -1.0, -1.0, 1.0, -0.5)
+    adv = torch.tensor([advs], dtype=torch.float64)
+    x = PolicyInput(lp(*ratios), torch.zeros(1, 6, dtype=torch.float64), adv, torch.ones(1, 6), 0.2, 0.2, dual_clip=3.0)
+    loss, _, clipped = get_policy_loss("ppo")(x)
+    expected = [dual_clip_by_the_paper(r, a, 0.2, 3.0) for r, a in zip(ratios, advs)]
+    # r=5, A=-1: PPO alone gives 5 (unbounded in r); dual-clip caps it at c |A| = 3; r=3.5, A=-2: 7 -> 6
+    assert loss[0].tolist() == pytest.approx(expected, rel=1e-12) and loss[0, :2].tolist() == pytest.approx([3.0, 6.0])
+    assert clipped[0].tolist() == [1.0, 1.0, 0.0, 1.0, 1.0, 0.0]
+    logp = lp(*ratios).requires_grad_()
+    get_policy_loss("ppo")(PolicyInput(logp, torch.zeros(1, 6, dtype=torch.float64), adv, torch.ones(1, 6), dual_clip=3.0))[0].sum().backward()
+    assert logp.grad[0, :2].tolist() == [0.0, 0.0]  # the bound c A does not depend on the policy
+    off, _, _ = get_policy_loss("ppo")(PolicyInput(lp(*ratios), torch.zeros(1, 6, dtype=torch.float64), adv, torch.ones(1, 6)))
+    assert off[0, 0].item() == pytest.approx(5.0)  # without it, as before

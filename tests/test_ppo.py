@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from exactrl.algorithms.rl import Sample, attach_advantages
+from exactrl.algorithms.rl import attach_advantages
+from exactrl.data.batch import Sample
 from exactrl.config import RLConfig, load_config
 from exactrl.models.loading import load_value_model
 from exactrl.tasks.tiny_model import save_tiny_model

@@ -13,14 +13,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from exactrl.algorithms.rl import (AdaptiveKL, OnPolicyCheckError, Sample, attach_advantages, check_on_policy, policy_micro_batch_loss,
-                                   train_rl)
+from exactrl.algorithms.rl import AdaptiveKL, attach_advantages, train_rl
+from exactrl.checks.on_policy import OnPolicyCheckError, on_policy_check
+from exactrl.data.batch import Sample
 from exactrl.config import RLConfig, load_config
 from exactrl.distributed.engine import build_engine
 from exactrl.distributed.step_plan import plan_step
 from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin
 from reward_fixtures import length, varied
-from rl_helpers import attach_logprobs, consecutive
+from rl_helpers import attach_logprobs, consecutive, policy_micro_batch_loss
 
 ROOT_EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -67,16 +68,16 @@ def test_ratio_is_exactly_one_at_first_update_and_stale_logprobs_are_caught(toke
     samples = make_samples(tokenizer)
     dev, engine = run_first_update(model, tokenizer, samples, cfg)
     assert dev == 0.0
-    check_on_policy(dev, cfg, rollout=0)
+    on_policy_check(cfg, rollout=0).verify(dev)
     # Reuse the old log-probs after the update (the DeepSpeed-Chat staleness): the check fires.
     plan = plan_step([len(s.response_ids) for s in samples], 2, "token-mean")
     _, _, m = policy_micro_batch_loss(model, engine, samples[:2], plan.normalizer, cfg, tokenizer.pad_token_id)
     assert m["ratio_dev"] > cfg.algo.ratio_tol
     with pytest.raises(OnPolicyCheckError, match="rollout 7"):
-        check_on_policy(m["ratio_dev"], cfg, rollout=7)
+        on_policy_check(cfg, rollout=7).verify(m["ratio_dev"])
     with pytest.warns(UserWarning, match="on-policy check failed"):
-        check_on_policy(m["ratio_dev"], rl_cfg("algo.ratio_check=warn"), rollout=7)
-    check_on_policy(m["ratio_dev"], rl_cfg("algo.ratio_check=off"), rollout=7)
+        on_policy_check(rl_cfg("algo.ratio_check=warn"), rollout=7).verify(m["ratio_dev"])
+    on_policy_check(rl_cfg("algo.ratio_check=off"), rollout=7).verify(m["ratio_dev"])
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
@@ -206,7 +207,7 @@ def test_adaptive_kl_by_hand():
 
 
 def test_overlong_penalty_by_hand():
-    from exactrl.algorithms.rl import overlong_penalty
+    from exactrl.rollout.collect import overlong_penalty
 
     assert [overlong_penalty(n, 48, 8, 0.5) for n in (10, 40, 44, 48)] == [0.0, 0.0, -0.25, -0.5]
     assert overlong_penalty(48, 48, 0, 1.0) == 0.0  # off
@@ -227,7 +228,7 @@ class ScriptedEngine:
 
 
 def test_dynamic_sampling_drops_flat_groups_and_refills_deterministically():
-    from exactrl.algorithms.rl import RolloutError, collect_dynamic_rollout
+    from exactrl.rollout.collect import RolloutError, collect_dynamic_rollout
     from exactrl.data.encode import Prompt
     from exactrl.rewards import load_rewards
 
@@ -248,7 +249,7 @@ def test_dynamic_sampling_drops_flat_groups_and_refills_deterministically():
 def test_dynamic_sampling_reports_the_groups_it_trains_on():
     """Reward, accuracy and length describe the kept groups (the flat ones it dropped are not
     trained on); generated_tokens counts every response of every round."""
-    from exactrl.algorithms.rl import collect_dynamic_rollout
+    from exactrl.rollout.collect import collect_dynamic_rollout
     from exactrl.data.encode import Prompt
     from exactrl.rewards import load_rewards
 

@@ -11,14 +11,15 @@ import pytest
 import torch
 from test_rl import response_advantages, rl_cfg
 
-from exactrl.algorithms.rl import (OnPolicyCheckError, Sample, check_on_policy, policy_micro_batch_loss,
-                                   reuses_first_forward, train_rl)
+from exactrl.algorithms.rl import reuses_first_forward, train_rl
+from exactrl.checks.on_policy import OnPolicyCheckError, on_policy_check
+from exactrl.data.batch import Sample
 from exactrl.distributed.engine import build_engine
 from exactrl.distributed.step_plan import plan_step
 from exactrl.config import RLConfig, load_config
 from exactrl.rollout.hf import HFEngine
 from exactrl.tasks.builtin import BuiltinSpec
-from rl_helpers import attach_logprobs, consecutive
+from rl_helpers import attach_logprobs, consecutive, policy_micro_batch_loss
 
 
 def generated_samples(tokenizer, model, temperature=0.7, top_p=1.0, top_k=0):
@@ -63,11 +64,11 @@ def test_one_update_rollout_reuses_its_forward_and_checks_the_generator(tokenize
     _, _, m = policy_micro_batch_loss(model, build_engine(model, cfg, 1), samples, plan.normalizer, cfg, tokenizer.pad_token_id)
     assert m["ratio_dev"] > 0.04
     with pytest.raises(OnPolicyCheckError, match="generator's log-probs"):
-        check_on_policy(m["ratio_dev"], cfg, rollout=3, against_generator=True)
+        on_policy_check(cfg, rollout=3, against_generator=True).verify(m["ratio_dev"])
     # Against the generator the check allows decoding's rounding (algo.gen_ratio_tol), not ratio_tol.
-    check_on_policy(2.4e-4, cfg, rollout=3, against_generator=True)
+    on_policy_check(cfg, rollout=3, against_generator=True).verify(2.4e-4)
     with pytest.raises(OnPolicyCheckError, match="old log-probs"):
-        check_on_policy(2.4e-4, cfg, rollout=3)
+        on_policy_check(cfg, rollout=3).verify(2.4e-4)
 
 
 def test_which_rollouts_reuse_the_update_forward(tokenizer, make_model):

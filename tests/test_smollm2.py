@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from exactrl.algorithms.sft import sft_micro_batch_loss
+from rl_helpers import sft_micro_batch_loss
 from exactrl.config import SFTConfig, load_config
 from exactrl.data.encode import encode_prompts, encode_sft
 from exactrl.data.jsonl import Row, read_jsonl

@@ -5,6 +5,9 @@ advantages and returns, in a registry keyed by the names users know (verl's core
 Every estimator takes an ``AdvantageInput`` and returns ``(advantages, returns)``, both
 [N, T] and zero outside ``mask``. Responses come in whole groups of ``group_size`` consecutive
 rows (the responses to one prompt). Outcome-reward estimators ignore ``values``; GAE needs them.
+Every estimator reads ``token_rewards`` (the KL in the reward); ``TOKEN_REWARDS`` says how, and
+rl.py refuses algo.kl_in_reward for an estimator that does not declare it, so a KL cannot
+land nowhere.
 Batch-level statistics (REINFORCE++'s whitening) are taken over what is passed in: the caller
 passes the whole global rollout (all ranks), so advantages never depend on how it is split.
 """
@@ -49,6 +52,15 @@ def _per_token(per_response: torch.Tensor, x: AdvantageInput) -> tuple[torch.Ten
     return adv, adv
 
 
+def _scores(x: AdvantageInput) -> torch.Tensor:
+    """Each response's score for a group baseline: its outcome reward plus the sum of its
+    per-token reward terms over its response tokens, as verl does for the KL in the reward
+    (apply_kl_penalty, then compute_grpo_outcome_advantage on token_level_rewards.sum(-1))."""
+    if x.token_rewards is None:
+        return x.rewards
+    return x.rewards + (x.token_rewards.to(torch.float64) * x.mask.to(torch.float64)).sum(1).to(x.rewards.dtype)
+
+
 def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool = True, eps: float = EPS) -> torch.Tensor:
     """A_i = (r_i - mean(group)) / (std(group) + eps), one value per response (GRPO, Shao et al.
     2024, arXiv 2402.03300). std is the unbiased sample std, as in the paper and TRL.
@@ -63,12 +75,12 @@ def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool
 
 @register("grpo")
 def grpo(x: AdvantageInput):
-    return _per_token(group_advantages(x.rewards, x.group_size, x.std_normalize), x)
+    return _per_token(group_advantages(_scores(x), x.group_size, x.std_normalize), x)
 
 
 @register("dr_grpo")
 def dr_grpo(x: AdvantageInput):
-    return _per_token(group_advantages(x.rewards, x.group_size, std_normalize=False), x)
+    return _per_token(group_advantages(_scores(x), x.group_size, std_normalize=False), x)
 
 
 @register("rloo")
@@ -77,7 +89,7 @@ def rloo(x: AdvantageInput):
     2402.14740), i.e. G/(G-1) (r_i - group mean): an unbiased baseline."""
     if x.group_size < 2:
         raise ValueError("rloo needs algo.group_size >= 2 (the baseline is the other responses' mean)")
-    g = _groups(x)
+    g = _groups(AdvantageInput(_scores(x), x.mask, x.group_size))
     others = (g.sum(dim=1, keepdim=True) - g) / (x.group_size - 1)
     return _per_token((g - others).view(-1), x)
 
@@ -143,3 +155,14 @@ def gae(x: AdvantageInput):
     deltas = _token_rewards(x, x.rewards.to(torch.float64)) + x.gamma * next_values - values
     adv = _discounted_sum(deltas * mask, mask, x.gamma * x.lam)
     return adv.to(x.mask.dtype), ((adv + values) * mask).to(x.mask.dtype)
+
+
+# How each estimator takes the per-token reward terms (the KL in the reward).
+TOKEN_REWARDS = {
+    "grpo": "summed into each response's score before the group baseline (verl)",
+    "dr_grpo": "summed into each response's score before the group baseline (verl)",
+    "rloo": "summed into each response's score before the leave-one-out baseline (verl)",
+    "reinforce_pp": "per token, in the return to go",
+    "reinforce_pp_baseline": "per token, in the return to go after the group baseline",
+    "gae": "per token, in GAE's rewards",
+}

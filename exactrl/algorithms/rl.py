@@ -1,8 +1,9 @@
 """Policy-gradient RL from rewards: PPO, GRPO and their relatives, one loop.
 
 ``algo.name`` picks an entry of exactrl/algorithms/registry.py: an advantage estimator
-(exactrl/advantages), a policy loss (exactrl/losses/policy.py), whether a critic trains
-beside the policy, and where rollouts come from. Per rollout:
+(exactrl/advantages), its loss as declared data (an Objective of exactrl/losses/objective.py:
+policy surrogate, KL, entropy), whether a critic trains beside the policy, and where rollouts
+come from. Per rollout:
   1. draw prompts; each rank samples ``group_size`` responses for its share of them and
      scores them; every rank then holds the whole rollout (exactrl/rollout/collect.py);
   2. old log-probs (and reference log-probs when kl_coef > 0, the critic's values for ppo)
@@ -10,11 +11,12 @@ beside the policy, and where rollouts come from. Per rollout:
   3. advantages over the whole rollout (group baselines, REINFORCE++'s whitening over all
      its tokens, or GAE on the critic's values; the KL in the reward when algo.kl_in_reward);
   4. for each PPO epoch and mini-batch (one optimizer step each): plan the step over all
-     ranks, backprop each of this rank's micro-batches' exact share of the policy loss, step;
-     then the critic (ppo) the same way with its own optimizer.
-On-policy check: at the first update after a rollout the policy ratio must be exactly 1; a
-deviation means the log-probs the loss uses are stale or computed differently (the failure
-mode behind DeepSpeed-Chat's "one generation batch, one PPO epoch" guidance).
+     ranks, then Worker.train_step backprops each of this rank's micro-batches' exact share of
+     the objective and steps; then the critic (ppo) the same way with its own optimizer.
+On-policy check: at the first update after a rollout the policy ratio must be exactly 1 (declared
+in that step's objective, verified before the step is applied); a deviation means the log-probs
+the loss uses are stale or computed differently (the failure mode behind DeepSpeed-Chat's "one
+generation batch, one PPO epoch" guidance).
 """
 
 from __future__ import annotations
@@ -24,41 +26,36 @@ import random
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from exactrl.advantages import AdvantageInput, get_advantage
 from exactrl.advantages.estimators import EPS, whiten
-from exactrl.algorithms.sft import resolve
 from exactrl.algorithms.common import check_data_size, check_world, seed_everything
 from exactrl.algorithms.registry import ALGORITHMS
 from exactrl.algorithms.resume import prepare_resume
-from exactrl.checks.on_policy import OnPolicyCheckError, check_on_policy
+from exactrl.algorithms.sft import resolve
+from exactrl.checks.on_policy import on_policy_check
 from exactrl.config.schema import RLConfig
-from exactrl.data.batch import Sample, collate
+from exactrl.data.batch import Sample
 from exactrl.data.batching import StepSampler, pad_right
 from exactrl.data.encode import load_prompts
 from exactrl.distributed.checkpoint import resume
 from exactrl.distributed.launch import is_main, rank
-from exactrl.distributed.step_plan import StepPlan, plan_step
-from exactrl.losses import aggregate, canary_share, masked_mean
-from exactrl.losses.policy import PolicyInput, get_policy_loss
-from exactrl.losses.token_losses import kl_penalty, token_entropy, token_logprobs
+from exactrl.distributed.step_plan import StepPlan, plan_samples
+from exactrl.losses.objective import Objective
+from exactrl.losses.token_losses import kl_penalty
 from exactrl.models.loading import load_tokenizer
-from exactrl.models.packing import model_batch
 from exactrl.rewards import load_rewards, require_answers
-from exactrl.rollout.collect import RolloutError, collect_dynamic_rollout, collect_rollout, overlong_penalty
 from exactrl.rollout.hf import HFEngine
 from exactrl.run.context import RunContext
 from exactrl.run.evaluation import eval_data, load_eval_set
 from exactrl.tasks.builtin import BuiltinSpec
+from exactrl.workers.critic import Critic
 from exactrl.workers.load import check_generator
 from exactrl.workers.worker import Worker
-
-__all__ = ["OnPolicyCheckError", "RolloutError", "Sample", "check_on_policy", "collect_dynamic_rollout", "collect_rollout",
-           "overlong_penalty", "train_rl"]
 
 
 @dataclass
@@ -97,7 +94,7 @@ def attach_advantages(samples: list[Sample], cfg: RLConfig, kl_coef: float | Non
     a, alg = cfg.algo, ALGORITHMS.lookup(cfg.algo.name)
     kl_coef = a.kl_coef if kl_coef is None else kl_coef
     mask = pad_right([[0] * (len(s.prompt_ids) - 1) + [1] * len(s.response_ids) for s in samples], 0).to(torch.float64)
-    pad = lambda ts: torch.nn.utils.rnn.pad_sequence([t.double() for t in ts], batch_first=True)  # noqa: E731
+    pad = lambda ts: torch.nn.utils.rnn.pad_sequence([t.double() for t in ts], batch_first=True)
     token_rewards = values = None
     if a.kl_coef > 0 and a.kl_in_reward:  # -beta * KL(old policy || reference) per token, k1
         token_rewards = -kl_coef * pad([kl_penalty(s.old_logprobs.double(), s.ref_logprobs.double(), "k1") for s in samples])
@@ -113,40 +110,6 @@ def attach_advantages(samples: list[Sample], cfg: RLConfig, kl_coef: float | Non
     for s, row, ret in zip(samples, adv, returns):
         n = len(s.prompt_ids) + len(s.response_ids) - 1
         s.advantages, s.returns = row[:n].float(), ret[:n].float()
-
-
-def policy_micro_batch_loss(model, engine, samples: list[Sample], normalizer, cfg: RLConfig, pad_id: int,
-                            kl_coef: float | None = None):
-    """This micro-batch's part of the step loss, its canary share, and its metrics."""
-    b = collate(samples, pad_id, engine.device)
-    mb = model_batch(model, [s.ids for s in samples], pad_id, cfg.train.padding_free)
-    with engine.autocast():
-        logits = engine.forward(model, **mb.inputs).logits
-    logp = mb.repad(token_logprobs(logits, mb.inputs["input_ids"], cfg.rollout.temperature, engine.logprob_chunk))
-    mask = b["loss_mask"]
-    a = cfg.algo
-    # A rollout that feeds a single update needs no separate old-log-prob pass: this forward's
-    # own log-probs are the old ones (ratio 1, as TRL does); on-policy is then checked against
-    # the log-probs the generator sampled with.
-    old = b["old_logprobs"] if "old_logprobs" in b else logp.detach()
-    tok_loss, ratio, clipped = get_policy_loss(a.policy_loss or ALGORITHMS.lookup(a.name).policy_loss)(
-        PolicyInput(logp, old, b["advantages"], mask, a.clip_eps, a.clip_eps_high or a.clip_eps))
-    m = {}
-    if a.kl_coef > 0 and not a.kl_in_reward:
-        kl = kl_penalty(logp, b["ref_logprobs"], a.kl_estimator)
-        tok_loss = tok_loss + (a.kl_coef if kl_coef is None else kl_coef) * kl
-        m["kl"] = masked_mean(kl.detach(), mask).item()
-    with torch.set_grad_enabled(a.entropy_coef > 0 and torch.is_grad_enabled()):
-        entropy = mb.repad(token_entropy(logits, cfg.rollout.temperature, engine.logprob_chunk))
-    if a.entropy_coef > 0:  # a bonus: higher entropy lowers the loss
-        tok_loss = tok_loss - a.entropy_coef * entropy
-    with torch.no_grad():
-        m["clip_frac"] = masked_mean(clipped, mask).item()
-        m["entropy"] = masked_mean(entropy.detach(), mask).item()
-        if "old_logprobs" not in b:
-            ratio = torch.exp(logp.detach() - b["gen_logprobs"])
-        m["ratio_dev"] = ((ratio - 1).abs() * mask).max().item()
-    return aggregate(tok_loss, mask, normalizer), canary_share(mask, normalizer), m
 
 
 def fragile_settings(cfg: RLConfig) -> list[str]:
@@ -173,18 +136,18 @@ def fragile_settings(cfg: RLConfig) -> list[str]:
     return out
 
 
-def step_plan(batch: list[Sample], cfg: RLConfig, engine) -> StepPlan:
-    """One optimizer step over ``batch`` (all ranks' samples): this rank's micro-batches, the step's normaliser."""
+def step_plan(batch: list[Sample], cfg: RLConfig, world_size: int) -> StepPlan:
+    """One optimizer step over ``batch`` (all ranks' samples, each its own unit)."""
     t = cfg.train
-    return plan_step([len(s.response_ids) for s in batch], t.micro_batch_size, t.loss_agg, t.loss_agg_norm or cfg.rollout.max_new_tokens,
-                     world_size=engine.world_size, rank=engine.rank)
+    return plan_samples(batch, t.micro_batch_size, t.loss_agg, t.loss_agg_norm or cfg.rollout.max_new_tokens, world_size)
 
 
 def first_pass_micro_batches(samples: list[Sample], cfg: RLConfig, engine) -> list[list[int]]:
     """This rank's micro-batches (indices into the rollout) of the first epoch, the one in
     which old log-probs are computed and the ratio must be exactly 1."""
     g = cfg.train.global_batch_size
-    return [[start + i for i in mb] for start in range(0, len(samples), g) for mb in step_plan(samples[start : start + g], cfg, engine).micro_batches]
+    return [[start + i for i in mb] for start in range(0, len(samples), g)
+            for mb in step_plan(samples[start : start + g], cfg, engine.world_size).for_rank(engine.rank).micro_batches]
 
 
 def reuses_first_forward(cfg: RLConfig, samples: list[Sample]) -> bool:
@@ -209,7 +172,38 @@ def mini_batches(samples: list[Sample], cfg: RLConfig, engine, group_rng: random
         order = [s for group in groups for s in group]
         for start in range(0, len(order), g):
             batch = order[start : start + g]
-            yield batch, step_plan(batch, cfg, engine), epoch == 0 and start == 0
+            yield batch, step_plan(batch, cfg, engine.world_size), epoch == 0 and start == 0
+
+
+def attach_fields(samples: list[Sample], cfg: RLConfig, policy: Worker, reference: Worker | None, critic: Critic | None) -> bool:
+    """The per-token fields fixed for the rollout (old log-probs, reference log-probs, the
+    critic's values), each computed once in the first update's micro-batches and shared by every
+    rank. Returns whether the old-log-prob pass was skipped (the update's own forward stands for it)."""
+    first_pass = first_pass_micro_batches(samples, cfg, policy.engine)
+    reused = reuses_first_forward(cfg, samples)
+    for worker, name, key in ((None if reused else policy, "logprobs", "old_logprobs"), (reference, "logprobs", "ref_logprobs"),
+                              (critic, "values", "old_values")):
+        if worker is not None:
+            for s, values in zip(samples, worker.forward(samples, name, first_pass)):
+                setattr(s, key, values)
+    return reused
+
+
+def update(policy: Worker | None, critic: Critic | None, batch: list[Sample], plan: StepPlan,
+           objective: Objective) -> tuple[float, dict]:
+    """One optimizer step of the policy (None: the critic's warm-up) then, with a critic, one of it,
+    on the same mini-batch and plan. Returns the policy's loss and the step's stats."""
+    stats = {"responses": len(batch), "loss_tokens": plan.normalizer.num_tokens, "ratio_dev_first": None}
+    loss = 0.0
+    if policy is not None:
+        result = policy.train_step(batch, plan, objective)
+        ratio_dev = result.metrics.pop("ratio_dev")
+        if objective.on_policy is not None:
+            stats["ratio_dev_first"] = ratio_dev
+        loss, stats = result.loss, stats | result.metrics | result.stats
+    if critic is not None:
+        stats |= critic.step(batch, plan)
+    return loss, stats
 
 
 def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = BuiltinSpec(), phase: str = "rl",
@@ -219,6 +213,7 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     for message in fragile_settings(cfg) if rank() == 0 else []:
         warnings.warn(message, UserWarning, stacklevel=2)
     a, t, alg = cfg.algo, cfg.train, ALGORITHMS.lookup(cfg.algo.name)
+    objective = alg.objective(cfg)  # the policy's loss as data; refuses a KL that would land nowhere before anything loads
     model_path = model_path or resolve(cfg.model.path, "model", spec)
     train_path, eval_path = resolve(cfg.data.train, "rl_train", spec), resolve(eval_data(cfg), "eval", spec)
     tok = load_tokenizer(model_path, cfg.model.trust_remote_code, cfg.data.chat_template)
@@ -276,45 +271,27 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
         gen_tokens += rstats["generated_tokens"]
 
         # 2. per-token fields fixed for the rollout, computed in the first update's micro-batches
-        first_pass = first_pass_micro_batches(samples, cfg, engine)
-        if not reuses_first_forward(cfg, samples):
-            for s, logprobs in zip(samples, policy.forward(samples, "logprobs", first_pass)):
-                s.old_logprobs = logprobs
-        if reference is not None:
-            for s, logprobs in zip(samples, reference.forward(samples, "logprobs", first_pass)):
-                s.ref_logprobs = logprobs
-        if critic is not None:
-            for s, values in zip(samples, critic.forward(samples, "values", first_pass)):
-                s.old_values = values
+        reused = attach_fields(samples, cfg, policy, reference, critic)
 
-        # 3. advantages over the whole rollout
-        kl_coef = kl_control.coef  # this rollout's; the controller moves it for the next
+        # 3. advantages over the whole rollout, under this rollout's KL coefficient (the controller moves it for the next)
+        kl_coef = kl_control.coef
         if reference is not None:
             rstats["rollout_kl"], rstats["kl_coef"] = kl_control.update(samples), kl_coef
         attach_advantages(samples, cfg, kl_coef)
 
         # 4. epochs x mini-batches, one verified optimizer step each (during the critic's warm-up only the critic steps)
-        reused = samples[0].old_logprobs is None  # no old-log-prob pass: the on-policy check reads the generator's
+        loss_now = objective.with_term("kl", coef=kl_coef).with_term("policy", old="self" if reused else "old_logprobs")
         train_policy = critic is None or rollout >= cfg.critic.warmup_rollouts
         for batch, plan, first in mini_batches(samples, cfg, engine, group_rng):
-            stats = {"responses": len(batch), "loss_tokens": plan.normalizer.num_tokens, "ratio_dev_first": None}
-            loss, parts = 0.0, []
-            if train_policy:
-                def on_policy(parts):  # the first update must see ratio 1 on every rank, before it is applied
-                    stats["ratio_dev_first"] = engine.max_over_ranks(max(p["ratio_dev"] for p in parts))
-                    check_on_policy(stats["ratio_dev_first"], cfg, rollout, against_generator=reused)
-
-                result = policy.train_step(batch, plan, lambda w, chunk, norm: policy_micro_batch_loss(
-                    w.model, w.engine, chunk, norm, cfg, pad, kl_coef), before_step=on_policy if first else None)
-                loss, parts, stats = result.loss, result.parts, stats | result.stats
-            if critic is not None:
-                stats |= critic.step(batch, plan)
+            # the first update must see ratio 1 on every rank, checked before it is applied
+            check = on_policy_check(cfg, rollout, against_generator=reused) if first else None
+            loss, stats = update(policy if train_policy else None, critic, batch, plan, replace(loss_now, on_policy=check))
             step += 1
 
             # 5. log, evaluate, checkpoint
             if ctx.logs(step):
-                ctx.write(step, {"rollout": rollout, "loss": loss, **policy.mean_metrics(parts, skip=("ratio_dev",)), **stats,
-                                 **rstats, "gen_tokens_per_s": rstats["generated_tokens"] / gen_seconds})
+                ctx.write(step, {"rollout": rollout, "loss": loss, **stats, **rstats,
+                                 "gen_tokens_per_s": rstats["generated_tokens"] / gen_seconds})
             ctx.step_done(step, {"policy": policy, "critic": critic},
                           {"step": step, "rollout": rollout, "group_rng": group_rng.getstate(), "kl_coef": kl_control.coef},
                           {"reward": f"{rstats['reward_mean']:.3f}"})

@@ -3,8 +3,8 @@
 Per optimizer step:
   1. the sampler draws the global batch (independent of micro-batch size);
   2. the step plan counts its loss tokens and fixes the normaliser before any backward;
-  3. each micro-batch backpropagates its exact share of the step loss;
-  4. the engine checks every sample was seen once, clips the full gradient and steps.
+  3. each micro-batch backpropagates its exact share of the step loss (the objective: one NLL term);
+  4. the worker checks every sample and loss token was seen once; the engine clips the full gradient and steps.
 """
 
 from __future__ import annotations
@@ -21,15 +21,14 @@ from filelock import FileLock
 from exactrl.algorithms.common import check_data_size, check_world, seed_everything, steps_for
 from exactrl.algorithms.resume import prepare_resume
 from exactrl.config.schema import DemoConfig, SFTConfig
-from exactrl.data.batching import StepSampler, collate_sft
-from exactrl.data.encode import load_sft
+from exactrl.data.batch import Sample
+from exactrl.data.batching import StepSampler
+from exactrl.data.encode import SFTExample, load_sft
 from exactrl.distributed.checkpoint import resume
 from exactrl.distributed.launch import is_main
-from exactrl.distributed.step_plan import plan_step
-from exactrl.losses import aggregate, canary_share
-from exactrl.losses.token_losses import sft_loss, token_logprobs
+from exactrl.distributed.step_plan import plan_samples
+from exactrl.losses.objective import NLLTerm, Objective
 from exactrl.models.loading import load_tokenizer
-from exactrl.models.packing import model_batch
 from exactrl.run.context import RunContext
 from exactrl.run.evaluation import eval_data, load_eval_set
 from exactrl.run_dir import LAUNCH_DIR
@@ -48,15 +47,14 @@ class SFTResult:
     trained_tokens: int
 
 
-def sft_micro_batch_loss(model, engine, examples, pad_id: int, normalizer, packed: bool = True):
-    """Forward one micro-batch (``packed``: padding-free, see exactrl/models/packing.py); return
-    its part of the step loss (not yet backpropagated) and its canary share."""
-    mb = model_batch(model, [e.input_ids for e in examples], pad_id, packed)
-    with engine.autocast():
-        logits = engine.forward(model, **mb.inputs).logits
-    logprobs = mb.repad(token_logprobs(logits, mb.inputs["input_ids"], chunk=engine.logprob_chunk))
-    mask = collate_sft(examples, pad_id, engine.device)["loss_mask"]
-    return aggregate(sft_loss(logprobs), mask, normalizer), canary_share(mask, normalizer)
+def demonstration(e: SFTExample) -> Sample:
+    """An SFT example as a sample of the typed batch: its loss mask is the example's, on the targets."""
+    return Sample([], e.input_ids, source="demonstration", mask=tuple(e.loss_mask[1:]))
+
+
+def sft_objective(loss_agg: str, norm_len: float | None) -> Objective:
+    """SFT's loss: the NLL of the completion tokens under the step's one normaliser."""
+    return Objective((NLLTerm(agg=loss_agg, norm_len=norm_len),))
 
 
 def train_sft(cfg: SFTConfig, run_dir: Path | None = None, spec: BuiltinSpec = BuiltinSpec(), phase: str = "sft", final_name: str = "final") -> SFTResult:
@@ -84,20 +82,16 @@ def train_sft(cfg: SFTConfig, run_dir: Path | None = None, spec: BuiltinSpec = B
         check_generator(cfg, model, tok, ctx.run_dir, phase, sampled=False, synced=policy.engine.synced_decoding)
     sampler = StepSampler(len(examples), t.global_batch_size, t.seed)
     norm_len = t.loss_agg_norm or cfg.data.max_length
-
-    def loss_fn(worker, chunk, normalizer):
-        loss, share = sft_micro_batch_loss(worker.model, worker.engine, chunk, tok.pad_token_id, normalizer, t.padding_free)
-        return loss, share, {}
+    objective, samples = sft_objective(t.loss_agg, norm_len), [demonstration(e) for e in examples]
 
     trained_tokens, t0 = 0, time.perf_counter()
     ctx.start(steps, start)
     for step in range(start + 1, steps + 1):
         # the step's global batch (independent of micro-batch size and ranks), planned, then one verified step
-        batch = [examples[i] for i in sampler.batch(step - 1)]
-        plan = plan_step([e.loss_tokens for e in batch], t.micro_batch_size, t.loss_agg, norm_len,
-                         lengths=[len(e.input_ids) for e in batch], world_size=policy.engine.world_size, rank=policy.engine.rank)
-        result = policy.train_step(batch, plan, loss_fn)
-        trained_tokens += sum(len(e.input_ids) for e in batch)
+        batch = [samples[i] for i in sampler.batch(step - 1)]
+        plan = plan_samples(batch, t.micro_batch_size, t.loss_agg, norm_len, policy.engine.world_size, sort=True)
+        result = policy.train_step(batch, plan, objective)
+        trained_tokens += sum(len(s.ids) for s in batch)
         if ctx.logs(step):
             ctx.write(step, {"loss": result.loss, "epoch": sampler.epoch_of(step),
                              "tokens_per_s": trained_tokens / (time.perf_counter() - t0),

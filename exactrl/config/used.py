@@ -56,6 +56,8 @@ USED_WHEN = [
              "use another algo.policy_loss"),
     UsedWhen("algo.clip_eps_high", lambda c: c.algo.policy_loss != "reinforce", "algo.policy_loss=reinforce does "
              "not clip", "use another algo.policy_loss"),
+    UsedWhen("algo.dual_clip", lambda c: c.algo.policy_loss != "reinforce", "algo.policy_loss=reinforce does not clip",
+             "use another algo.policy_loss"),
     UsedWhen("algo.ratio_tol", lambda c: c.algo.ratio_check != "off", "the on-policy check is off "
              "(algo.ratio_check=off)", "set algo.ratio_check=error or warn"),
     UsedWhen("reward.fn", lambda c: c.reward.url is None, "reward.url replaces it", "list the URL in reward.fn instead"),

@@ -2,7 +2,9 @@
 
 A batch is a list of ``Sample`` rows. Per-token fields are declared once below (``per_token``),
 each a tensor of length len(prompt + response) - 1 aligned with the next-token targets, and
-``collate`` derives its keys from that declaration. ``slots`` makes the declaration binding:
+per-sequence ones (``per_sequence``) one number per row; ``collate`` derives its keys from
+these declarations. A sample has ONE loss mask (``loss_mask``): the step plan counts it and
+collate pads it, so what is planned is what the loss sees. ``slots`` makes the declaration binding:
 a field nobody declared cannot be set. ``source`` says where a sequence comes from, so loops
 that mix data (on-policy rollouts with demonstrations, preference pairs) can tell them apart.
 """
@@ -24,16 +26,23 @@ def per_token(doc: str):
     return field(default=None, metadata={"per_token": True, "doc": doc})
 
 
+def per_sequence(default, doc: str):
+    """A declared per-sequence number (collated as a [B] tensor)."""
+    return field(default=default, metadata={"per_sequence": True, "doc": doc})
+
+
 @dataclass(slots=True)
 class Sample:
     prompt_ids: list[int]
     response_ids: list[int]
-    reward: float = 0.0  # the weighted sum of the rewards, with any overlong shaping
-    finished: bool = True  # the model stopped by itself within rollout.max_new_tokens
+    reward: float = per_sequence(0.0, "the weighted sum of the rewards, with any overlong shaping")
+    finished: bool = per_sequence(True, "the model stopped by itself within rollout.max_new_tokens")
     parts: dict[str, float] = field(default_factory=dict)  # each reward.fn's own value
-    penalty: float = 0.0  # overlong shaping included in ``reward``
+    penalty: float = per_sequence(0.0, "overlong shaping included in ``reward``")
     source: Source = "on_policy"
     weights_version: int | None = None  # the generator's weights version that sampled it (on-policy)
+    # 1 on the targets the loss counts (num_targets long); None: every response token, no prompt token
+    mask: tuple[int, ...] | None = None
     advantages: torch.Tensor | None = per_token("zero on prompt targets")
     old_logprobs: torch.Tensor | None = per_token("the policy's before the rollout's first update, fixed for the rollout")
     gen_logprobs: torch.Tensor | None = per_token("the generator's at sampling time, zero on prompt targets")
@@ -51,22 +60,41 @@ class Sample:
         """Length of every per-token field: one per next-token target."""
         return len(self.prompt_ids) + len(self.response_ids) - 1
 
+    @property
+    def loss_mask(self) -> tuple[int, ...]:
+        """1 on the next-token targets the loss counts: the one mask the plan and collate read."""
+        if self.mask is not None:
+            return self.mask
+        return (0,) * (len(self.prompt_ids) - 1) + (1,) * len(self.response_ids)
+
+    @property
+    def loss_tokens(self) -> int:
+        return sum(self.loss_mask)
+
 
 TOKEN_FIELDS = tuple(f.name for f in fields(Sample) if f.metadata.get("per_token"))
+SEQUENCE_FIELDS = tuple(f.name for f in fields(Sample) if f.metadata.get("per_sequence"))
 
 
 def collate(samples: list[Sample], pad_id: int, device: torch.device | None = None) -> dict[str, torch.Tensor]:
-    """Prompt+response sequences, right-padded. ``loss_mask`` [B, L-1] marks response targets;
-    every declared per-token field set on all samples is padded to the same width. On ``device``
-    (the model's), else the CPU."""
+    """Prompt+response sequences, right-padded. ``loss_mask`` [B, L-1] is each sample's own
+    ``loss_mask``; every declared per-token field set on all samples is padded to the same width
+    (one set on only some is refused: a loss would read the missing rows as absent), every
+    per-sequence field is a [B] tensor. On ``device`` (the model's), else the CPU."""
     seqs = [s.ids for s in samples]
     ids = pad_right(seqs, pad_id)
     attn = pad_right([[1] * len(s) for s in seqs], 0)
-    mask = pad_right([[0] * len(s.prompt_ids) + [1] * len(s.response_ids) for s in samples], 0)[:, 1:]
-    out = {"input_ids": ids, "attention_mask": attn, "loss_mask": mask}
+    out = {"input_ids": ids, "attention_mask": attn, "loss_mask": pad_right([list(s.loss_mask) for s in samples], 0)}
     width = ids.size(1) - 1
     for key in TOKEN_FIELDS:
         values = [getattr(s, key) for s in samples]
-        if all(v is not None for v in values):
-            out[key] = torch.stack([torch.nn.functional.pad(v, (0, width - v.numel())) for v in values])
+        unset = [i for i, v in enumerate(values) if v is None]
+        if len(unset) == len(values):
+            continue
+        if unset:
+            raise ValueError(f"per-token field '{key}' is set on {len(values) - len(unset)} of the {len(values)} samples of a "
+                             f"micro-batch (unset at rows {unset[:8]}): compute it for every sample or for none")
+        out[key] = torch.stack([torch.nn.functional.pad(v, (0, width - v.numel())) for v in values])
+    for key in SEQUENCE_FIELDS:
+        out[key] = torch.tensor([float(getattr(s, key)) for s in samples], dtype=torch.float64)
     return out if device is None else {k: v.to(device) for k, v in out.items()}

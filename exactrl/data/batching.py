@@ -1,4 +1,4 @@
-"""Padded batches whose per-sample token counts travel with them, and the step sampler."""
+"""Right-padding of token lists, and the step sampler."""
 
 from __future__ import annotations
 
@@ -10,15 +10,6 @@ import torch
 def pad_right(seqs: list[list[int]], pad_value: int) -> torch.Tensor:
     width = max(len(s) for s in seqs)
     return torch.tensor([s + [pad_value] * (width - len(s)) for s in seqs], dtype=torch.long)
-
-
-def collate_sft(examples, pad_id: int, device: torch.device | None = None) -> dict[str, torch.Tensor]:
-    """input_ids/attention_mask [B, L]; loss_mask [B, L-1] aligned with next-token targets (on ``device``, else the CPU)."""
-    ids = pad_right([e.input_ids for e in examples], pad_id)
-    attn = pad_right([[1] * len(e.input_ids) for e in examples], 0)
-    loss_mask = pad_right([e.loss_mask for e in examples], 0)[:, 1:]
-    batch = {"input_ids": ids, "attention_mask": attn, "loss_mask": loss_mask}
-    return batch if device is None else {k: v.to(device) for k, v in batch.items()}
 
 
 class StepSampler:

@@ -1,43 +1,98 @@
-"""The step plan: which samples go to which micro-batch, and the step-wide normaliser.
+"""The step plan: every micro-batch of one optimizer step, the rank that runs it, and the
+step-wide counts every normaliser is built from.
 
 The global batch of an optimizer step is drawn first (by the sampler, independent of the
 micro-batch size); the plan then splits it. So runs that differ only in layout see the
-same samples per step and, by the aggregation rule, apply the same gradient.
+same samples per step and, by the aggregation rule, apply the same gradient. The plan covers
+every rank (a controller holding no rank can build it and hand each rank ``for_rank(r)``),
+and it splits in *units* (a sample, a preference pair: ``unit`` consecutive samples) that
+never straddle two micro-batches. It counts loss tokens, sequences and units per ``source``,
+so each term of an objective can be normalised over the samples it applies to.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from exactrl.losses.aggregation import StepNormalizer
 
 
 @dataclass(frozen=True)
-class StepPlan:
-    micro_batches: tuple[tuple[int, ...], ...]  # positions in the global batch, in order
-    normalizer: StepNormalizer
+class SourceCount:
+    source: str
+    tokens: int  # loss tokens
+    seqs: int
+    units: int
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank's part of a step: what its engine is told and checks."""
+
+    micro_batches: tuple[tuple[int, ...], ...]
 
     @property
     def num_samples(self) -> int:
         return sum(len(mb) for mb in self.micro_batches)
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    micro_batches: tuple[tuple[int, ...], ...]  # every micro-batch of the step: positions in the global batch
+    world_size: int  # micro-batch c runs on rank c % world_size
+    counts: tuple[SourceCount, ...]  # per source, over the whole step
+    normalizer: StepNormalizer  # the step's default: every source, the plan's aggregation mode
+
+    @property
+    def num_samples(self) -> int:
+        return sum(len(mb) for mb in self.micro_batches)
+
+    def for_rank(self, rank: int) -> RankPlan:
+        return RankPlan(self.micro_batches[rank :: self.world_size])
+
+    def count(self, sources: Iterable[str] | None = None) -> tuple[int, int]:
+        """(loss tokens, sequences) of the step's samples from ``sources`` (None: all)."""
+        chosen = [c for c in self.counts if sources is None or c.source in sources]
+        return sum(c.tokens for c in chosen), sum(c.seqs for c in chosen)
+
+    def normalizer_for(self, mode: str, norm_len: float | None, sources: Iterable[str] | None = None) -> StepNormalizer:
+        """The step-wide normaliser of a loss term over the samples of ``sources``."""
+        tokens, seqs = self.count(sources)
+        return StepNormalizer(mode=mode, num_tokens=tokens, num_seqs=seqs, norm_len=norm_len)
+
+
 def plan_step(loss_tokens: Sequence[int], micro_batch_size: int, mode: str, norm_len: float | None = None,
-              lengths: Sequence[int] | None = None, world_size: int = 1, rank: int = 0) -> StepPlan:
+              lengths: Sequence[int] | None = None, world_size: int = 1, sources: Sequence[str] | None = None,
+              unit: int = 1) -> StepPlan:
     """Plan one optimizer step over a global batch whose sample i has ``loss_tokens[i]`` tokens.
 
-    The normaliser counts every sample of the step, on every rank, before any backward, so
-    each micro-batch's loss is its exact share of the step loss whatever the split. Given the
-    samples' padded ``lengths``, samples of similar length share micro-batches (less padding
-    to compute); the step's gradient is a sum over samples, so the grouping does not change
-    it. Micro-batch c of the step goes to rank c % world_size; this plan holds ``rank``'s.
+    The counts cover every sample of the step, on every rank, before any backward, so each
+    micro-batch's loss is its exact share of the step loss whatever the split. Given the
+    samples' padded ``lengths``, units of similar length share micro-batches (less padding to
+    compute); the step's gradient is a sum over samples, so the grouping does not change it.
     """
     n = len(loss_tokens)
     if n == 0 or n % (micro_batch_size * world_size):
         raise ValueError(f"a global batch of {n} samples does not split into micro-batches of {micro_batch_size} "
                          f"on {world_size} rank(s)")
+    if n % unit or micro_batch_size % unit:
+        raise ValueError(f"units of {unit} samples do not fit a batch of {n} in micro-batches of {micro_batch_size}")
+    units = [tuple(range(i, i + unit)) for i in range(0, n, unit)]
+    if lengths is not None:
+        units.sort(key=lambda u: max(lengths[i] for i in u))
+    order = [i for u in units for i in u]
+    micro = tuple(tuple(order[i : i + micro_batch_size]) for i in range(0, n, micro_batch_size))
+    sources = list(sources) if sources is not None else ["on_policy"] * n
+    counts = tuple(SourceCount(src, sum(t for t, s in zip(loss_tokens, sources) if s == src), sources.count(src),
+                               sum(1 for u in units if sources[u[0]] == src))
+                   for src in dict.fromkeys(sources))
     normalizer = StepNormalizer(mode=mode, num_tokens=int(sum(loss_tokens)), num_seqs=n, norm_len=norm_len)
-    order = sorted(range(n), key=lambda i: lengths[i]) if lengths is not None else list(range(n))
-    micro = [tuple(order[i : i + micro_batch_size]) for i in range(0, n, micro_batch_size)]
-    return StepPlan(tuple(micro[rank::world_size]), normalizer)
+    return StepPlan(micro, world_size, counts, normalizer)
+
+
+def plan_samples(samples: Sequence, micro_batch_size: int, mode: str, norm_len: float | None = None,
+                 world_size: int = 1, sort: bool = False, unit: int = 1) -> StepPlan:
+    """``plan_step`` over ``Sample`` rows: each counted by its one ``loss_mask`` (the one collate pads)."""
+    return plan_step([s.loss_tokens for s in samples], micro_batch_size, mode, norm_len,
+                     [len(s.ids) for s in samples] if sort else None, world_size, [s.source for s in samples], unit)

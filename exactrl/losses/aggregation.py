@@ -85,8 +85,3 @@ def canary_share(mask: torch.Tensor, norm: StepNormalizer) -> float:
     n = mask.sum(dim=-1).to(torch.float64)
     return float((norm.sequence_weights(n) * n).sum() / norm.total_weight())
 
-
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Plain mean over masked entries, for metrics only (never for a loss that is backpropagated)."""
-    mask = mask.to(values.dtype)
-    return (values * mask).sum() / mask.sum().clamp(min=1)

@@ -25,6 +25,7 @@ class PolicyInput:
     mask: torch.Tensor  # [B, T] response tokens that count
     clip_low: float = 0.2  # ratio kept >= 1 - clip_low where that lowers a positive-advantage objective
     clip_high: float = 0.2  # and <= 1 + clip_high; DAPO's clip-higher sets clip_high > clip_low
+    dual_clip: float | None = None  # c > 1: dual-clip PPO's lower bound c * A for negative advantages; None: off
 
 
 PolicyLoss = Callable[[PolicyInput], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -35,14 +36,25 @@ register, get_policy_loss = POLICY_LOSSES.register, POLICY_LOSSES.lookup
 def _clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, x: PolicyInput):
     unclipped = ratio * advantages
     clipped = ratio.clamp(1.0 - x.clip_low, 1.0 + x.clip_high) * advantages
-    return -torch.minimum(unclipped, clipped), ratio, (clipped < unclipped).to(ratio.dtype)
+    objective = torch.minimum(unclipped, clipped)
+    active = clipped < unclipped
+    if x.dual_clip is not None:
+        # Dual-clip PPO (Ye et al. 2020, arXiv 1912.09729, eq. 5; verl's clip_ratio_c, OpenRLHF's
+        # dual_clip): for A < 0 the objective is max(min(r A, clip(r) A), c A), so a huge ratio on a
+        # bad action cannot push an unbounded gradient.
+        bound = x.dual_clip * advantages
+        lower = (advantages < 0) & (objective < bound)
+        objective = torch.where(lower, bound, objective)
+        active = active | lower
+    return -objective, ratio, active.to(ratio.dtype)
 
 
 @register("ppo")
 def ppo_clip(x: PolicyInput):
     """PPO's clipped surrogate per token (Schulman et al. 2017, arXiv 1707.06347), as GRPO,
     RLOO and REINFORCE++ use it; with clip_high > clip_low it is DAPO's clip-higher (Yu et al.
-    2025, arXiv 2503.14476), which lets low-probability tokens grow and keeps entropy up."""
+    2025, arXiv 2503.14476), which lets low-probability tokens grow and keeps entropy up; with
+    ``dual_clip`` it is dual-clip PPO."""
     return _clipped_surrogate(torch.exp(x.logprobs - x.old_logprobs), x.advantages, x)
 
 

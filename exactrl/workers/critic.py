@@ -20,11 +20,10 @@ from pathlib import Path
 import torch
 
 from exactrl.config.schema import RLConfig
-from exactrl.data.batch import Sample, collate
+from exactrl.data.batch import Sample
 from exactrl.distributed.engine import build_engine
 from exactrl.distributed.step_plan import StepPlan
-from exactrl.losses import aggregate, canary_share, masked_mean
-from exactrl.losses.policy import value_loss
+from exactrl.losses.objective import Objective, ValueTerm
 from exactrl.losses.token_losses import at_least_fp32
 from exactrl.models.loading import load_value_model
 from exactrl.workers.load import load_model
@@ -62,21 +61,14 @@ class Critic(Worker):
             raise ValueError(f"the critic computes values, not '{name}'")
         return token_values(logits)
 
-    def micro_batch_loss(self, samples: list[Sample], normalizer):
-        """This micro-batch's part of the step's value loss, its canary share, and metrics."""
-        b, mb = collate(samples, self.pad_id, self.engine.device), self.model_batch(samples)
-        with self.engine.autocast():
-            out = self.engine.forward(self.model, **mb.inputs)
-        values, mask = mb.repad(token_values(out.logits)), b["loss_mask"]
-        tok = value_loss(values, b["old_values"], b["returns"], self.cfg.critic.value_clip)
-        with torch.no_grad():
-            clipped = value_loss(values, b["old_values"], b["returns"], None) < tok
-            m = {"critic_clip_frac": masked_mean(clipped.float(), mask).item(),
-                 "value_mean": masked_mean(values.detach(), mask).item()}
-        return aggregate(tok, mask, normalizer), canary_share(mask, normalizer), m
+    def objective(self) -> Objective:
+        """The critic's loss: the value term, aggregated like the policy's loss."""
+        t = self.cfg.train
+        return Objective((ValueTerm(clip=self.cfg.critic.value_clip, agg=t.loss_agg,
+                                    norm_len=t.loss_agg_norm or self.cfg.rollout.max_new_tokens),))
 
     def step(self, batch: list[Sample], plan: StepPlan) -> dict:
         """One critic optimizer step on the policy's mini-batch, in the policy's micro-batches."""
-        result = self.train_step(batch, plan, lambda worker, samples, normalizer: worker.micro_batch_loss(samples, normalizer))
+        result = self.train_step(batch, plan, self.objective())
         return {"critic_loss": result.loss, "critic_grad_norm": result.stats["grad_norm"],
-                "critic_canary": result.stats["canary"], **self.mean_metrics(result.parts)}
+                "critic_canary": result.stats["canary"], **result.metrics}

@@ -5,16 +5,20 @@ the run's config by role, and is driven the same way:
 
     worker = Worker.build(cfg, "policy", path, ...)              # model, self-checks, engine
     fields = worker.forward(samples, "logprobs", micro_batches)   # per-token, no gradient
-    result = worker.train_step(batch, plan, loss_fn)             # one verified optimizer step
+    result = worker.train_step(batch, plan, objective)           # one verified optimizer step
     worker.push_weights(generator)                               # to a rollout engine
     worker.save(path, tokenizer)                                 # Hugging Face format
 
 Nothing outside a worker needs its model or engine: checkpoints go through ``save_state`` /
 ``load_state``, a generator receives ``export_weights()``.
 
-``train_step`` is the only place micro-batches are backpropagated: each one's exact share of
-the step loss under the plan's one normaliser, then the engine's sample accounting, canary
-and optimizer step. ``forward`` computes a per-token field for this rank's micro-batches and
+``train_step`` is the only place micro-batches are backpropagated. The objective is data
+(exactrl/losses/objective.py); per micro-batch of this rank: collate, one forward, the per-token
+fields the objective reads, its exact share of every term under the plan's step-wide
+normalisers, backward. Then, once per step, one reduction over ranks of the metrics and of
+what the backward saw (rows and loss tokens, counted from the tensors that entered the loss,
+against the plan's step-wide counts), the objective's declared on-policy check, and the
+engine's canary and optimizer step. ``forward`` computes a per-token field for this rank's micro-batches and
 hands every rank every sample's values, so per-token fields computed once per rollout (old
 log-probs, reference log-probs, values) are the same on every rank.
 """
@@ -29,18 +33,15 @@ from pathlib import Path
 
 import torch
 
-from exactrl.data.batch import Sample
+from exactrl.data.batch import Sample, collate
 from exactrl.distributed.collectives import gather
-from exactrl.distributed.engine import build_engine
+from exactrl.distributed.engine import SampleAccountingError, build_engine
 from exactrl.distributed.step_plan import StepPlan
+from exactrl.losses.objective import Metrics, Objective, micro_batch_loss
 from exactrl.losses.token_losses import token_entropy, token_logprobs
 from exactrl.models.lora import reference_mode
 from exactrl.models.packing import model_batch
 from exactrl.workers.load import load_model
-
-# loss_fn(worker, samples of one micro-batch, the step's normaliser) -> (this micro-batch's part
-# of the step loss, its canary share, its metrics)
-LossFn = Callable[["Worker", list[Sample], object], tuple[torch.Tensor, float, dict[str, float]]]
 
 
 # role -> the worker class that builds it, as "module:Class" (imported when a run asks for the
@@ -55,7 +56,7 @@ ROLES = {
 @dataclass
 class StepResult:
     loss: float  # the step's loss, summed over micro-batches and ranks
-    parts: list[dict[str, float]] = field(default_factory=list)  # this rank's per-micro-batch metrics
+    metrics: dict[str, float] = field(default_factory=dict)  # over the step: means over its loss tokens, maxima
     stats: dict = field(default_factory=dict)  # the engine's: grad_norm, lr, canary, micro-batches, samples...
 
 
@@ -141,27 +142,54 @@ class Worker:
             raise RuntimeError(f"the {self.role}'s {name} were computed for no micro-batch holding samples {missing[:8]}")
         return out
 
-    def train_step(self, batch: list, plan: StepPlan, loss_fn: LossFn,
-                   before_step: Callable[[list[dict]], None] | None = None) -> StepResult:
-        """One optimizer step over ``batch`` (every rank's samples) as ``plan`` lays it out.
-        ``before_step(parts)`` sees this rank's micro-batch metrics once all are backpropagated
-        and may stop the step before it is applied (the on-policy check does)."""
-        total, parts = 0.0, []
-        self.engine.begin_step(len(plan.micro_batches))
-        for mb in plan.micro_batches:
-            loss, share, metrics = loss_fn(self, [batch[i] for i in mb], plan.normalizer)
-            self.engine.backward(loss, share, num_samples=len(mb))
-            total += loss.item()
-            parts.append(metrics)
-        if before_step is not None:
-            before_step(parts)
-        stats = self.engine.step(plan)
-        return StepResult(self.engine.sum_over_ranks(total), parts, stats)
+    def micro_batch(self, samples: list[Sample], objective: Objective, normalizers: dict, metrics: Metrics):
+        """One micro-batch: its part of the step loss (not yet backpropagated), its canary
+        share, and the loss mask that entered the loss."""
+        on_cpu = collate(samples, self.pad_id)
+        b = {k: v.to(self.engine.device) for k, v in on_cpu.items()}
+        mb = self.model_batch(samples)
+        with self.autocast():
+            logits = self.engine.forward(self.model, **mb.inputs).logits
+        fields = {}
+        for name in objective.fields():  # a field only a metric reads is computed without a graph
+            trains = any(name in t.fields for t in objective.terms)
+            with torch.set_grad_enabled(trains and torch.is_grad_enabled()):
+                fields[name] = mb.repad(self.token_field(name, logits, mb.inputs["input_ids"]))
+        # the canary share from the CPU copy of the mask: no device-to-host copy per micro-batch
+        loss, share = micro_batch_loss(objective, fields, b, on_cpu["loss_mask"], [s.source for s in samples], normalizers, metrics)
+        return loss, share, b["loss_mask"]
 
-    def mean_metrics(self, parts: list[dict[str, float]], skip: tuple[str, ...] = ()) -> dict[str, float]:
-        """Per-micro-batch metrics averaged over this rank's micro-batches, then over ranks."""
-        keys = [k for k in (parts[0] if parts else {}) if k not in skip]
-        return self.engine.mean_over_ranks({k: sum(p[k] for p in parts) / len(parts) for k in keys})
+    def train_step(self, batch: list[Sample], plan: StepPlan, objective: Objective) -> StepResult:
+        """One optimizer step over ``batch`` (every rank's samples) as ``plan`` lays it out,
+        minimising ``objective``; this rank runs ``plan.for_rank(rank)``."""
+        mine = plan.for_rank(self.engine.rank)
+        objective = objective.at(self.engine.step_count)
+        normalizers, metrics = objective.normalizers(plan), Metrics()
+        self.engine.begin_step(len(mine.micro_batches))  # where the engine's accumulation boundary is
+        dev = self.engine.device
+        total, rows, tokens = (torch.zeros((), dtype=torch.float64, device=dev) for _ in range(3))
+        for mb in mine.micro_batches:
+            loss, share, mask = self.micro_batch([batch[i] for i in mb], objective, normalizers, metrics)
+            self.engine.backward(loss, share, num_samples=mask.size(0))
+            total, rows, tokens = total + loss.detach().double(), rows + mask.size(0), tokens + mask.sum()
+        means, maxima = list(metrics.sums), list(metrics.maxima)
+        summed = torch.stack([total, rows, tokens, *metrics.sums.values(), *metrics.counts.values()])
+        peak = torch.stack(list(metrics.maxima.values())) if maxima else None
+        if self.engine.world_size > 1:  # the step's only reductions of its metrics, one of each kind
+            torch.distributed.all_reduce(summed)
+            if peak is not None:
+                torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+        summed, peak = summed.tolist(), [] if peak is None else peak.tolist()
+        loss, seen = summed[0], (int(summed[1]), int(summed[2]))
+        if seen != (plan.num_samples, plan.count()[0]):
+            raise SampleAccountingError(
+                f"step {self.engine.step_count}: the plan has {plan.num_samples} samples / {plan.count()[0]} loss tokens, "
+                f"the {self.role}'s losses saw {seen[0]} / {seen[1]} over all ranks")
+        n = len(means)
+        out = {k: s / max(c, 1.0) for k, s, c in zip(means, summed[3 : 3 + n], summed[3 + n :])} | dict(zip(maxima, peak))
+        if objective.on_policy is not None:  # before the step is applied
+            objective.on_policy.verify(out["ratio_dev"])
+        return StepResult(loss, out, self.engine.step(mine))
 
     def export_weights(self, adapters: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """The model's full weights, Hugging Face-named, one tensor at a time, from every

@@ -3,7 +3,7 @@
 
 usage: python equivalence.py {fsdp2,deepspeed} WORLD OUT.json
 
-For each case: two optimizer steps of SFT through the real path (plan_step per rank,
+For each case: two optimizer steps of SFT through the real path (plan_step, each rank its part,
 sft_micro_batch_loss, the backend's engine) from the same initial model, then the full
 parameters are compared on rank 0 with an independent single-process reference: one
 padded forward per step over the whole global batch, the loss written out by its
@@ -25,7 +25,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from exactrl.algorithms.sft import sft_micro_batch_loss
 from exactrl.checks.canary import CanaryError
 from exactrl.config import SFTConfig, load_config
 from exactrl.data.encode import encode_sft
@@ -37,6 +36,9 @@ from exactrl.distributed.step_plan import plan_step
 from exactrl.tasks.arithmetic import Problem, worked_solution
 from exactrl.tasks.tiny_model import build_tiny_model
 from exactrl.tasks.tokenizer import build_tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared helpers
+from rl_helpers import sft_micro_batch_loss
 
 SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, intermediate_size=64)
 COMPLETIONS = ["1", "#### 15", worked_solution(Problem(347, 285)), "ab", worked_solution(Problem(123456, 654321)),
@@ -104,9 +106,10 @@ def exactrl_run(model, steps, tok, cfg, fault=None):
     t = cfg.train
     for exs in steps:
         plan = plan_step([e.loss_tokens for e in exs], t.micro_batch_size, t.loss_agg, NORM_LEN,
-                         lengths=[len(e.input_ids) for e in exs], world_size=engine.world_size, rank=engine.rank)
-        engine.begin_step(len(plan.micro_batches))
-        for i, mb in enumerate(plan.micro_batches):
+                         lengths=[len(e.input_ids) for e in exs], world_size=engine.world_size)
+        mine = plan.for_rank(engine.rank)
+        engine.begin_step(len(mine.micro_batches))
+        for i, mb in enumerate(mine.micro_batches):
             batch = [exs[j] for j in mb]
             norm = plan.normalizer
             if fault == "rank_local_normalizer":
@@ -114,7 +117,7 @@ def exactrl_run(model, steps, tok, cfg, fault=None):
             loss, share = sft_micro_batch_loss(model, engine, batch, tok.pad_token_id, norm)
             scale = {("drop", 1): 0.0, ("duplicate", 0): 2.0}.get((fault, i), 1.0)
             engine.backward(loss * scale, share * scale, len(mb))
-        engine.step(plan)
+        engine.step(mine)
     return full_state(engine, model)
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from equivalence import COMPLETIONS, SMALL, full_state
-from exactrl.algorithms.sft import sft_micro_batch_loss
+from rl_helpers import sft_micro_batch_loss
 from exactrl.config import SFTConfig, load_config
 from exactrl.data.encode import encode_sft
 from exactrl.data.jsonl import Row
@@ -26,14 +26,15 @@ from exactrl.tasks.tokenizer import build_tokenizer
 
 
 def step(engine, model, tok, exs, poison_rank: int | None):
-    plan = plan_step([e.loss_tokens for e in exs], 2, "token-mean", world_size=engine.world_size, rank=engine.rank)
-    engine.begin_step(len(plan.micro_batches))
-    for i, mb in enumerate(plan.micro_batches):
+    plan = plan_step([e.loss_tokens for e in exs], 2, "token-mean", world_size=engine.world_size)
+    mine = plan.for_rank(engine.rank)
+    engine.begin_step(len(mine.micro_batches))
+    for i, mb in enumerate(mine.micro_batches):
         loss, share = sft_micro_batch_loss(model, engine, [exs[j] for j in mb], tok.pad_token_id, plan.normalizer)
-        if engine.rank == poison_rank and i == len(plan.micro_batches) - 1:
+        if engine.rank == poison_rank and i == len(mine.micro_batches) - 1:
             loss = loss * float("nan")
         engine.backward(loss, share, len(mb))
-    return engine.step(plan)
+    return engine.step(mine)
 
 
 def main(backend: str, world: int, out_path: str) -> None:

@@ -5,8 +5,8 @@ usage: python rl_equivalence.py {fsdp2,deepspeed} WORLD OUT.json
 
 Losses: for each policy loss (PPO's clipped ratio with and without clip-higher, KL and
 entropy terms; GSPO's sequence ratio; plain REINFORCE) and the critic's clipped value loss,
-two optimizer steps on one fixed rollout through the real path (rl.step_plan per rank,
-policy_micro_batch_loss or Critic.step, the backend's engine, the canary on), from the
+two optimizer steps on one fixed rollout through the real path (rl.step_plan, Worker.train_step
+under the algorithm's objective or Critic.step, the backend's engine, the canary on), from the
 same initial model, compared on rank 0 with an independent single-process reference: one
 padded forward over the whole rollout, each loss written out from its paper's definition,
 plain torch SGD. Old log-probs are perturbed so that the ratio and the clipping are active
@@ -30,7 +30,11 @@ import torch.distributed as dist
 from equivalence import SMALL, dtype_of, full_state, in_dtype, precision, relative_error
 from transformers import LlamaForTokenClassification
 
-from exactrl.algorithms.rl import Sample, attach_advantages, collect_rollout, policy_micro_batch_loss, step_plan
+from exactrl.algorithms.registry import ALGORITHMS
+from exactrl.algorithms.rl import attach_advantages, step_plan
+from exactrl.data.batch import Sample
+from exactrl.rollout.collect import collect_rollout
+from exactrl.workers.worker import Worker
 from exactrl.workers.critic import Critic
 from exactrl.distributed.collectives import gather, shard
 from exactrl.config import RLConfig, load_config
@@ -206,17 +210,15 @@ def exactrl_run(case, samples, tok, layout) -> dict:
         model = fresh_critic(tok, dtype_of(cfg))
         critic = Critic(cfg, model, 2, tok.pad_token_id)
         for _ in range(2):
-            critic.step(samples, step_plan(samples, cfg, critic.engine))
+            critic.step(samples, step_plan(samples, cfg, critic.engine.world_size))
         return full_state(critic.engine, model)
     model = fresh_policy(tok, dtype=dtype_of(cfg))
     engine = build_engine(model, cfg, total_steps=2)
+    policy = Worker("policy", model, engine, pad_id=tok.pad_token_id, packed=cfg.train.padding_free,
+                    temperature=cfg.rollout.temperature)
+    objective = ALGORITHMS.lookup(cfg.algo.name).objective(cfg)
     for _ in range(2):
-        plan = step_plan(samples, cfg, engine)
-        engine.begin_step(len(plan.micro_batches))
-        for mb in plan.micro_batches:
-            loss, share, _ = policy_micro_batch_loss(model, engine, [samples[i] for i in mb], plan.normalizer, cfg, tok.pad_token_id)
-            engine.backward(loss, share, len(mb))
-        engine.step(plan)
+        policy.train_step(samples, step_plan(samples, cfg, engine.world_size), objective)
     return full_state(engine, model)
 
 

@@ -82,7 +82,7 @@ def exactrl_run(cfg, data) -> tuple[dict | None, list[dict], int, str | None]:
     engine = build_engine(model, cfg, total_steps=len(data))
     stats = []
     for x, y in data:
-        plan = plan_step([1] * len(x), MICRO, "token-mean", world_size=engine.world_size, rank=engine.rank)
+        plan = plan_step([1] * len(x), MICRO, "token-mean", world_size=engine.world_size).for_rank(engine.rank)
         engine.begin_step(len(plan.micro_batches))
         for mb in plan.micro_batches:
             loss = ((engine.forward(model, x=x[list(mb)]) - y[list(mb)]) ** 2).sum() / len(x)

@@ -1,0 +1,215 @@
+"""A step's loss as declared data: an ``Objective`` is a tuple of terms, each a frozen dataclass
+(picklable: a controller can send it to a worker it holds only a handle to), and this module
+turns it, from one forward per micro-batch, into the micro-batch's exact share of the step loss.
+
+A term names the per-token loss it computes (policy surrogate, KL to a reference, entropy
+bonus, NLL, value), its coefficient (a constant, a ``Linear`` schedule over optimizer steps, or
+a value the loop sets per rollout with ``with_term``, as the adaptive KL does), the samples it
+applies to (``sources``) and its aggregation. Terms that share samples and aggregation share a
+normaliser: their token losses are summed (in declaration order) and aggregated once, as one
+loss would be. Each normaliser counts its samples over the whole step (the plan's per-source
+counts), so every term keeps the one rule of the maths (aggregation.py) by itself.
+
+The canary share of a micro-batch is the mean over the step's normalisers of its share under
+each: every normaliser's shares sum to exactly 1 over the step, so their mean does too.
+Metrics stay tensors (sums and counts, or maxima) until the step ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from exactrl.losses.aggregation import aggregate, canary_share
+from exactrl.losses.policy import PolicyInput, get_policy_loss, value_loss
+from exactrl.losses.token_losses import kl_penalty
+
+
+@dataclass(frozen=True)
+class Linear:
+    """A coefficient moved linearly from ``start`` to ``end`` over ``steps`` optimizer steps, then held."""
+
+    start: float
+    end: float
+    steps: int
+
+    def at(self, step: int) -> float:
+        return self.end if step >= self.steps else self.start + (self.end - self.start) * step / self.steps
+
+
+@dataclass(frozen=True, kw_only=True)
+class Term:
+    coef: float | Linear = 1.0
+    sources: tuple[str, ...] | None = None  # the samples it applies to; None: all
+    agg: str = "token-mean"  # an aggregation mode of aggregation.py
+    norm_len: float | None = None  # seq-mean-token-sum-norm's constant length
+    kind = ""
+    fields: tuple[str, ...] = ()  # per-token fields of the forward it reads (Worker.token_field)
+
+    def token_loss(self, f: dict, b: dict, mask: torch.Tensor, m: Metrics) -> torch.Tensor:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyTerm(Term):
+    """A policy loss of losses/policy.py. ``old``: the log-probs the ratio is taken against,
+    the batch's ``old_logprobs``, or "self" (this forward's own, detached: a rollout that feeds
+    one update needs no old-log-prob pass); then the ratio metric is taken against the
+    generator's ``gen_logprobs``."""
+
+    kind = "policy"
+    fields: tuple[str, ...] = ("logprobs",)
+    loss: str = "ppo"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    old: str = "old_logprobs"
+
+    def token_loss(self, f, b, mask, m):
+        logp = f["logprobs"]
+        if self.old == "self":
+            old = logp.detach()
+        elif "old_logprobs" in b:
+            old = b["old_logprobs"]
+        else:
+            raise ValueError("the policy term reads old_logprobs, which this micro-batch's samples do not carry")
+        tok, ratio, clipped = get_policy_loss(self.loss)(
+            PolicyInput(logp, old, b["advantages"], mask, self.clip_low, self.clip_high, self.dual_clip))
+        with torch.no_grad():
+            m.mean("clip_frac", clipped, mask)
+            if self.old == "self":
+                ratio = torch.exp(logp.detach() - b["gen_logprobs"])
+            m.max("ratio_dev", (ratio - 1).abs() * mask)
+        return tok
+
+
+@dataclass(frozen=True, kw_only=True)
+class KLTerm(Term):
+    """KL(policy || reference) per token, an estimator of token_losses.kl_penalty."""
+
+    kind = "kl"
+    fields: tuple[str, ...] = ("logprobs",)
+    estimator: str = "k3"
+
+    def token_loss(self, f, b, mask, m):
+        kl = kl_penalty(f["logprobs"], b["ref_logprobs"], self.estimator)
+        m.mean("kl", kl.detach(), mask)
+        return kl
+
+
+@dataclass(frozen=True, kw_only=True)
+class EntropyTerm(Term):
+    """An entropy bonus: the token loss is -entropy, so higher entropy lowers the loss."""
+
+    kind = "entropy"
+    fields: tuple[str, ...] = ("entropy",)
+
+    def token_loss(self, f, b, mask, m):
+        m.mean("entropy", f["entropy"], mask)
+        return -f["entropy"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class NLLTerm(Term):
+    """Negative log-likelihood per token (SFT)."""
+
+    kind = "nll"
+    fields: tuple[str, ...] = ("logprobs",)
+
+    def token_loss(self, f, b, mask, m):
+        return -f["logprobs"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ValueTerm(Term):
+    """The critic's 0.5 (V - R)^2, clipped around the rollout's values when ``clip`` (losses/policy.py)."""
+
+    kind = "value"
+    fields: tuple[str, ...] = ("values",)
+    clip: float | None = None
+
+    def token_loss(self, f, b, mask, m):
+        values = f["values"]
+        tok = value_loss(values, b["old_values"], b["returns"], self.clip)
+        with torch.no_grad():
+            m.mean("critic_clip_frac", (value_loss(values, b["old_values"], b["returns"], None) < tok).float(), mask)
+            m.mean("value_mean", values.detach(), mask)
+        return tok
+
+
+@dataclass(frozen=True)
+class Objective:
+    terms: tuple[Term, ...]
+    metrics: tuple[str, ...] = ()  # per-token fields logged as means even when no term trains on them ("entropy")
+    on_policy: object | None = None  # a declared check of the step's max |ratio - 1| (checks/on_policy.py)
+
+    def fields(self) -> tuple[str, ...]:
+        """The per-token fields one forward must produce, in a fixed order."""
+        return tuple(dict.fromkeys([*(f for t in self.terms for f in t.fields), *self.metrics]))
+
+    def at(self, step: int) -> Objective:
+        """The objective with every scheduled coefficient resolved at optimizer step ``step``."""
+        return replace(self, terms=tuple(replace(t, coef=t.coef.at(step)) if isinstance(t.coef, Linear) else t for t in self.terms))
+
+    def with_term(self, kind: str, **changes) -> Objective:
+        """The objective with the ``kind`` term changed (e.g. the adaptive KL's coefficient, per rollout)."""
+        return replace(self, terms=tuple(replace(t, **changes) if t.kind == kind else t for t in self.terms))
+
+    def groups(self) -> dict[tuple, list[Term]]:
+        """Terms by the normaliser they share: (sources, aggregation, constant length)."""
+        out: dict[tuple, list[Term]] = {}
+        for t in self.terms:
+            out.setdefault((t.sources, t.agg, t.norm_len), []).append(t)
+        return out
+
+    def normalizers(self, plan) -> dict[tuple, object]:
+        """Each group's step-wide normaliser; a group whose samples the step lacks has none."""
+        return {key: plan.normalizer_for(key[1], key[2], key[0]) for key in self.groups() if plan.count(key[0])[0] > 0}
+
+
+@dataclass
+class Metrics:
+    """A step's metrics as device tensors: masked sums and counts (means) and maxima."""
+
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    counts: dict[str, torch.Tensor] = field(default_factory=dict)
+    maxima: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def mean(self, name: str, values: torch.Tensor, mask: torch.Tensor) -> None:
+        mask = mask.to(torch.float64)
+        s, n = (values.detach().to(torch.float64) * mask).sum(), mask.sum()
+        self.sums[name] = self.sums[name] + s if name in self.sums else s
+        self.counts[name] = self.counts[name] + n if name in self.counts else n
+
+    def max(self, name: str, values: torch.Tensor) -> None:
+        v = values.detach().to(torch.float64).max()
+        self.maxima[name] = torch.maximum(self.maxima[name], v) if name in self.maxima else v
+
+
+def _rows(mask: torch.Tensor, sources: list[str], chosen: tuple[str, ...] | None) -> torch.Tensor:
+    """``mask`` restricted to the rows whose source is in ``chosen`` (None: every row)."""
+    return mask if chosen is None else mask * torch.tensor([s in chosen for s in sources], device=mask.device)[:, None]
+
+
+def micro_batch_loss(objective: Objective, f: dict[str, torch.Tensor], b: dict[str, torch.Tensor], cpu_mask: torch.Tensor,
+                     sources: list[str], normalizers: dict[tuple, object], m: Metrics) -> tuple[torch.Tensor, float]:
+    """This micro-batch's share of the step loss under ``objective`` and its canary share.
+    ``f``: the forward's per-token fields; ``b``: the collated batch; ``cpu_mask``: its loss
+    mask on the CPU (the canary share is a host number); ``sources``: each row's."""
+    mask = b["loss_mask"]
+    loss, shares = None, []
+    for key, terms in objective.groups().items():
+        if key not in normalizers:
+            continue
+        rows = _rows(mask, sources, key[0])
+        tok = None
+        for t in terms:
+            part = t.token_loss(f, b, rows, m)
+            tok = t.coef * part if tok is None else tok + t.coef * part
+        part = aggregate(tok, rows, normalizers[key])
+        loss = part if loss is None else loss + part
+        shares.append(canary_share(_rows(cpu_mask, sources, key[0]), normalizers[key]))
+    for name in objective.metrics:
+        m.mean(name, f[name], mask)
+    return loss, sum(shares) / len(shares)

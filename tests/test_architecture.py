@@ -101,7 +101,9 @@ def test_the_typed_batch_refuses_undeclared_fields_and_collates_declared_ones():
     t = Sample([1], [3, 4], 0.0, source="demonstration", advantages=torch.tensor([2.0, 3.0]))
     b = collate([s, t], pad_id=0)
     assert SEQUENCE_FIELDS == ("reward", "finished", "penalty")  # per-sequence fields, declared like per-token ones
-    assert set(b) == {"input_ids", "attention_mask", "loss_mask", "advantages", *SEQUENCE_FIELDS}  # only fields every sample holds
+    # only fields every sample holds
+    assert set(b) == {"input_ids", "attention_mask", "loss_mask", "origin", "advantages", *SEQUENCE_FIELDS}
+    assert b["origin"].tolist() == [[0, 0, 0, 0], [1, 1, 0, 0]]  # each row's source's origin: policy, demonstration
     assert b["advantages"].tolist() == [[1.0, 1.0, 1.0, 1.0], [2.0, 3.0, 0.0, 0.0]]
     assert b["loss_mask"].tolist() == [[0, 1, 1, 1], [1, 1, 0, 0]]
     assert b["reward"].tolist() == [1.0, 0.0]

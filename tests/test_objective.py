@@ -11,12 +11,12 @@ import torch
 from exactrl.algorithms.registry import ALGORITHMS, Algorithm
 from exactrl.algorithms.sft import demonstration
 from exactrl.config import ConfigError, RLConfig, SFTConfig, load_config
-from exactrl.data.batch import Sample
+from exactrl.data.batch import ORIGINS, Sample, collate
 from exactrl.data.encode import encode_sft
 from exactrl.data.jsonl import Row
 from exactrl.distributed.engine import SampleAccountingError, build_engine
 from exactrl.distributed.step_plan import plan_samples, plan_step
-from exactrl.losses.objective import Linear, NLLTerm, Objective
+from exactrl.losses.objective import Linear, Metrics, NLLTerm, Objective, PolicyTerm
 from exactrl.workers.worker import Worker
 
 COMPLETIONS = ["1", "2+2+0=04 #### 04", "#### 77", "9+9+0=18 1+1+1=03 #### 318", "x", "12345678901234567890", "ab", "#### 1"]
@@ -121,3 +121,119 @@ def test_a_micro_batch_missing_old_logprobs_is_refused_not_read_as_its_own(token
     objective = ALGORITHMS.lookup("grpo").objective(cfg)
     with pytest.raises(ValueError, match="reads old_logprobs, which this micro-batch's samples do not carry"):
         sgd_worker(make_model(0), tokenizer).train_step(samples, plan_samples(samples, 2, "token-mean"), objective)
+
+
+
+def prefix_guided(tokenizer) -> tuple[list[Sample], list[list[str]]]:
+    """Rows as a prefix-guided step (LUFFY, issue 23) has them: demonstrations (0, 4), a policy
+    response (1), and policy responses continuing a demonstration's prefix, whose first half of
+    the loss tokens the demonstration wrote (one, row 2, all prefix: no policy token). Returns the
+    samples and each target's origin, written out independently of Sample's own derivation."""
+    samples, written = [], []
+    for i, e in enumerate(examples(tokenizer)):
+        s = demonstration(e)
+        s.advantages = torch.full((s.num_targets,), (-1.0) ** i * (1 + i) / 4)
+        s.gen_logprobs = torch.zeros(s.num_targets)
+        loss_at = [t for t, m in enumerate(s.loss_mask) if m]
+        cut = {0: len(loss_at), 4: len(loss_at), 1: 0, 2: len(loss_at)}.get(i, (len(loss_at) + 1) // 2)
+        tokens = ["policy"] * s.num_targets
+        for t in loss_at[:cut]:
+            tokens[t] = "demonstration"
+        if i not in (0, 4):
+            s.source, s.origin = "on_policy", None if i == 1 else tuple(tokens)
+        samples.append(s)
+        written.append(tokens)
+    return samples, written
+
+
+# LUFFY-style: the policy-gradient term on the policy's own tokens, one mean per sequence that has
+# any; an NLL term on the demonstrations' tokens (whole or prefix), one mean over all of them.
+PREFIX_GUIDED = Objective((PolicyTerm(old="self", origins=("policy",), agg="seq-mean-token-mean"),
+                           NLLTerm(coef=0.5, origins=("demonstration",))))
+
+
+def prefix_guided_reference(model, samples, written, pad_id):
+    """The step loss of PREFIX_GUIDED in one pass over the padded batch, from plain masks."""
+    width = max(len(s.ids) for s in samples)
+    ids = torch.tensor([s.ids + [pad_id] * (width - len(s.ids)) for s in samples])
+    attn = torch.tensor([[1] * len(s.ids) + [0] * (width - len(s.ids)) for s in samples])
+    pad = [0] * (width - 1)
+    mask = torch.tensor([(list(s.loss_mask) + pad)[: width - 1] for s in samples]).float()
+    demo = mask * torch.tensor([([o == "demonstration" for o in w] + pad)[: width - 1] for w in written])
+    pol = mask - demo
+    adv = torch.stack([torch.nn.functional.pad(s.advantages, (0, width - 1 - s.num_targets)) for s in samples])
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+    logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+    surrogate = -adv * torch.exp(logp - logp.detach())  # the ratio is 1 in value, grad log p in gradient
+    has = pol.sum(1) > 0  # row 2 (all prefix) is no sequence of the policy term
+    policy = ((surrogate * pol).sum(1)[has] / pol.sum(1)[has]).mean()
+    return policy + 0.5 * (-logp * demo).sum() / demo.sum()
+
+
+@pytest.mark.parametrize("micro", [1, 2, 4])
+def test_terms_scoped_by_token_origin_give_the_exact_prefix_guided_gradient(tokenizer, make_model, micro):
+    """Sequences part demonstration prefix, part policy continuation: each term applies to its
+    origin's tokens only, normalised over exactly those tokens (and the sequences having one) of
+    the whole step; the update is the one-pass gradient and the canary is exactly 1."""
+    samples, written = prefix_guided(tokenizer)
+    ref = make_model(3)
+    loss = prefix_guided_reference(ref, samples, written, tokenizer.pad_token_id)
+    loss.backward()
+    model = make_model(3)
+    p0 = [p.detach().clone() for p in model.parameters()]
+    plan = plan_samples(samples, micro, "token-mean", sort=True)
+    result = sgd_worker(model, tokenizer).train_step(samples, plan, PREFIX_GUIDED)
+    assert result.stats["canary"] == pytest.approx(1.0, abs=1e-6)
+    assert result.loss == pytest.approx(loss.item(), rel=1e-6)
+    for p, q, before in zip(model.parameters(), ref.parameters(), p0):
+        assert torch.allclose(before - p.detach(), q.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_origin_scoped_normalisers_hold_across_ranks(tokenizer, make_model):
+    """World size 2 as the global plan lays it out: each rank's micro-batches, run through the
+    worker's own micro-batch path under the plan's step-wide normalisers, add up over both ranks
+    to the one-pass loss and gradient, and their canary shares to exactly 1."""
+    samples, written = prefix_guided(tokenizer)
+    ref = make_model(3)
+    loss = prefix_guided_reference(ref, samples, written, tokenizer.pad_token_id)
+    loss.backward()
+    model = make_model(3)
+    worker = sgd_worker(model, tokenizer)
+    plan = plan_samples(samples, 2, "token-mean", world_size=2, sort=True)
+    normalizers, total, shares = PREFIX_GUIDED.normalizers(plan), 0.0, 0.0
+    for rank in (0, 1):
+        for mb in plan.for_rank(rank).micro_batches:
+            part, share, _ = worker.micro_batch([samples[i] for i in mb], PREFIX_GUIDED, normalizers, Metrics())
+            part.backward()
+            total, shares = total + part.item(), shares + share
+    assert shares == pytest.approx(1.0, abs=1e-12) and total == pytest.approx(loss.item(), rel=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_the_plan_counts_tokens_and_sequences_per_source_and_origin():
+    demo = Sample([], [1, 2, 3, 4], source="demonstration", mask=(1, 1, 1))  # 3 loss tokens, demonstration
+    mixed = Sample([1, 2], [3, 4, 5], origin=("policy", "demonstration", "demonstration", "policy"))  # 2 demo, 1 policy
+    prefix = Sample([1, 2], [3, 4], origin=("policy", "demonstration", "demonstration"))  # all prefix
+    own = Sample([1, 2], [3, 4])  # 2 policy
+    plan = plan_samples([demo, mixed, prefix, own], 2, "token-mean")
+    assert plan.count() == (10, 4) and plan.count(origins=("policy",)) == (3, 2)
+    assert plan.count(origins=("demonstration",)) == (7, 3) and plan.count(["on_policy"], ["demonstration"]) == (4, 2)
+    assert plan.count(origins=ORIGINS) == (10, 4)  # a sequence with tokens of both origins counts once
+    assert pickle.loads(pickle.dumps(plan)) == plan
+    assert collate([mixed, prefix], 0)["origin"].tolist() == [[0, 1, 1, 0], [0, 1, 1, 0]]
+    with pytest.raises(ValueError, match=r"origin names one of policy, demonstration per target \(4 of them\); got 3"):
+        plan_samples([Sample([1, 2], [3, 4, 5], origin=("policy",) * 3)], 1, "token-mean")
+    with pytest.raises(ValueError, match="a nll term's origins are some of policy, demonstration"):
+        NLLTerm(origins=("teacher",))
+
+
+def test_a_step_no_term_applies_to_is_refused(tokenizer, make_model):
+    """Before: a step holding no token of any term's sources or origins divided by zero
+    (ZeroDivisionError) inside the worker; now it is refused, saying what the step has."""
+    samples = [Sample([1, 5, 6], [7, 8]) for _ in range(2)]
+    plan, worker = plan_samples(samples, 2, "token-mean"), sgd_worker(make_model(0), tokenizer)
+    for term in (NLLTerm(origins=("demonstration",)), NLLTerm(sources=("demonstration",))):
+        with pytest.raises(ValueError, match=r"no term of the objective applies to a loss token of this step .*"
+                                             r"by source/origin: on_policy/policy: 4\)"):
+            worker.train_step(samples, plan, Objective((term,)))

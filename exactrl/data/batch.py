@@ -6,7 +6,9 @@ per-sequence ones (``per_sequence``) one number per row; ``collate`` derives its
 these declarations. A sample has ONE loss mask (``loss_mask``): the step plan counts it and
 collate pads it, so what is planned is what the loss sees. ``slots`` makes the declaration binding:
 a field nobody declared cannot be set. ``source`` says where a sequence comes from, so loops
-that mix data (on-policy rollouts with demonstrations, preference pairs) can tell them apart.
+that mix data (on-policy rollouts with demonstrations, preference pairs) can tell them apart;
+``origin`` says who wrote each of its tokens, for a sequence that mixes them (a demonstration's
+prefix continued by the policy, as prefix-guided methods such as LUFFY train on).
 """
 
 from __future__ import annotations
@@ -19,6 +21,11 @@ import torch
 from exactrl.data.batching import pad_right
 
 Source = Literal["on_policy", "demonstration", "chosen", "rejected"]
+# Who wrote a token: the policy being trained, or a text it is shown (a demonstration, a
+# preference pair's response). A term of the objective may apply to the tokens of some origins.
+ORIGINS = ("policy", "demonstration")
+SOURCE_ORIGIN = {"on_policy": "policy", "demonstration": "demonstration", "chosen": "demonstration",
+                 "rejected": "demonstration"}  # the origin of every token of a row that declares none
 
 
 def per_token(doc: str):
@@ -43,6 +50,9 @@ class Sample:
     weights_version: int | None = None  # the generator's weights version that sampled it (on-policy)
     # 1 on the targets the loss counts (num_targets long); None: every response token, no prompt token
     mask: tuple[int, ...] | None = None
+    # who wrote each target, one of ORIGINS per target (num_targets long), for a row that mixes them (a
+    # demonstration's prefix, then the policy's continuation); None: all are its source's (SOURCE_ORIGIN)
+    origin: tuple[str, ...] | None = None
     advantages: torch.Tensor | None = per_token("zero on prompt targets")
     old_logprobs: torch.Tensor | None = per_token("the policy's before the rollout's first update, fixed for the rollout")
     gen_logprobs: torch.Tensor | None = per_token("the generator's at sampling time, zero on prompt targets")
@@ -71,20 +81,50 @@ class Sample:
     def loss_tokens(self) -> int:
         return sum(self.loss_mask)
 
+    @property
+    def token_origins(self) -> tuple[str, ...]:
+        """Each target's origin: the declared ``origin``, else the source's for every target."""
+        if self.origin is None:
+            return (SOURCE_ORIGIN[self.source],) * self.num_targets
+        unknown = sorted(set(self.origin) - set(ORIGINS))
+        if len(self.origin) != self.num_targets or unknown:
+            raise ValueError(f"a sample's origin names one of {', '.join(ORIGINS)} per target ({self.num_targets} of "
+                             f"them); got {len(self.origin)}" + (f", with {unknown}" if unknown else ""))
+        return self.origin
+
+    @property
+    def origin_tokens(self) -> dict[str, int]:
+        """Loss tokens by origin (in ORIGINS order, only origins that have some): what the plan counts."""
+        if self.origin is None:
+            return {SOURCE_ORIGIN[self.source]: self.loss_tokens} if self.loss_tokens else {}
+        counts = dict.fromkeys(ORIGINS, 0)
+        for o, m in zip(self.token_origins, self.loss_mask):
+            counts[o] += m
+        return {o: n for o, n in counts.items() if n}
+
 
 TOKEN_FIELDS = tuple(f.name for f in fields(Sample) if f.metadata.get("per_token"))
 SEQUENCE_FIELDS = tuple(f.name for f in fields(Sample) if f.metadata.get("per_sequence"))
 
 
+def _origin_positions(s: Sample) -> list[int]:
+    """Each target's origin as its position in ORIGINS (a row declaring none: one position, repeated)."""
+    if s.origin is None:
+        return [ORIGINS.index(SOURCE_ORIGIN[s.source])] * s.num_targets
+    return [ORIGINS.index(o) for o in s.token_origins]
+
+
 def collate(samples: list[Sample], pad_id: int, device: torch.device | None = None) -> dict[str, torch.Tensor]:
     """Prompt+response sequences, right-padded. ``loss_mask`` [B, L-1] is each sample's own
-    ``loss_mask``; every declared per-token field set on all samples is padded to the same width
-    (one set on only some is refused: a loss would read the missing rows as absent), every
-    per-sequence field is a [B] tensor. On ``device`` (the model's), else the CPU."""
+    ``loss_mask``, ``origin`` [B, L-1] its ``token_origins`` as positions in ORIGINS; every
+    declared per-token field set on all samples is padded to the same width (one set on only
+    some is refused: a loss would read the missing rows as absent), every per-sequence field is
+    a [B] tensor. On ``device`` (the model's), else the CPU."""
     seqs = [s.ids for s in samples]
     ids = pad_right(seqs, pad_id)
     attn = pad_right([[1] * len(s) for s in seqs], 0)
-    out = {"input_ids": ids, "attention_mask": attn, "loss_mask": pad_right([list(s.loss_mask) for s in samples], 0)}
+    out = {"input_ids": ids, "attention_mask": attn, "loss_mask": pad_right([list(s.loss_mask) for s in samples], 0),
+           "origin": pad_right([_origin_positions(s) for s in samples], 0)}
     width = ids.size(1) - 1
     for key in TOKEN_FIELDS:
         values = [getattr(s, key) for s in samples]

@@ -6,8 +6,9 @@ micro-batch size); the plan then splits it. So runs that differ only in layout s
 same samples per step and, by the aggregation rule, apply the same gradient. The plan covers
 every rank (a controller holding no rank can build it and hand each rank ``for_rank(r)``),
 and it splits in *units* (a sample, a preference pair: ``unit`` consecutive samples) that
-never straddle two micro-batches. It counts loss tokens, sequences and units per ``source``,
-so each term of an objective can be normalised over the samples it applies to.
+never straddle two micro-batches. It counts loss tokens, sequences and units per ``source``
+and per origin of the tokens (who wrote them: data/batch.py ORIGINS), so each term of an
+objective can be normalised over exactly the samples and tokens it applies to.
 """
 
 from __future__ import annotations
@@ -15,15 +16,20 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from exactrl.data.batch import SOURCE_ORIGIN
 from exactrl.losses.aggregation import StepNormalizer
 
 
 @dataclass(frozen=True)
 class SourceCount:
+    """The step's rows of one ``source`` whose loss tokens come from the same origins."""
+
     source: str
     tokens: int  # loss tokens
     seqs: int
-    units: int
+    units: int  # units whose first sample is one of these rows
+    # (origin, its loss tokens) of these rows; every row has at least one token of each, none of any other
+    origins: tuple[tuple[str, int], ...]
 
 
 @dataclass(frozen=True)
@@ -41,7 +47,7 @@ class RankPlan:
 class StepPlan:
     micro_batches: tuple[tuple[int, ...], ...]  # every micro-batch of the step: positions in the global batch
     world_size: int  # micro-batch c runs on rank c % world_size
-    counts: tuple[SourceCount, ...]  # per source, over the whole step
+    counts: tuple[SourceCount, ...]  # per source and origins of the loss tokens, over the whole step
     normalizer: StepNormalizer  # the step's default: every source, the plan's aggregation mode
 
     @property
@@ -51,21 +57,28 @@ class StepPlan:
     def for_rank(self, rank: int) -> RankPlan:
         return RankPlan(self.micro_batches[rank :: self.world_size])
 
-    def count(self, sources: Iterable[str] | None = None) -> tuple[int, int]:
-        """(loss tokens, sequences) of the step's samples from ``sources`` (None: all)."""
+    def count(self, sources: Iterable[str] | None = None, origins: Iterable[str] | None = None) -> tuple[int, int]:
+        """(loss tokens, sequences) of the step's samples from ``sources`` (None: all). With
+        ``origins``: their loss tokens of those origins, and the sequences having at least one."""
         chosen = [c for c in self.counts if sources is None or c.source in sources]
-        return sum(c.tokens for c in chosen), sum(c.seqs for c in chosen)
+        if origins is None:
+            return sum(c.tokens for c in chosen), sum(c.seqs for c in chosen)
+        origins = set(origins)
+        scoped = [(sum(n for o, n in c.origins if o in origins), c.seqs) for c in chosen]
+        return sum(t for t, _ in scoped), sum(s for t, s in scoped if t)
 
-    def normalizer_for(self, mode: str, norm_len: float | None, sources: Iterable[str] | None = None) -> StepNormalizer:
-        """The step-wide normaliser of a loss term over the samples of ``sources``."""
-        tokens, seqs = self.count(sources)
+    def normalizer_for(self, mode: str, norm_len: float | None, sources: Iterable[str] | None = None,
+                       origins: Iterable[str] | None = None) -> StepNormalizer:
+        """The step-wide normaliser of a loss term over the samples of ``sources``, their tokens of ``origins``."""
+        tokens, seqs = self.count(sources, origins)
         return StepNormalizer(mode=mode, num_tokens=tokens, num_seqs=seqs, norm_len=norm_len)
 
 
 def plan_step(loss_tokens: Sequence[int], micro_batch_size: int, mode: str, norm_len: float | None = None,
               lengths: Sequence[int] | None = None, world_size: int = 1, sources: Sequence[str] | None = None,
-              unit: int = 1) -> StepPlan:
-    """Plan one optimizer step over a global batch whose sample i has ``loss_tokens[i]`` tokens.
+              unit: int = 1, origins: Sequence[dict[str, int]] | None = None) -> StepPlan:
+    """Plan one optimizer step over a global batch whose sample i has ``loss_tokens[i]`` tokens,
+    ``origins[i]`` of them by origin (None: all of its source's origin, data/batch.py SOURCE_ORIGIN).
 
     The counts cover every sample of the step, on every rank, before any backward, so each
     micro-batch's loss is its exact share of the step loss whatever the split. Given the
@@ -84,15 +97,23 @@ def plan_step(loss_tokens: Sequence[int], micro_batch_size: int, mode: str, norm
     order = [i for u in units for i in u]
     micro = tuple(tuple(order[i : i + micro_batch_size]) for i in range(0, n, micro_batch_size))
     sources = list(sources) if sources is not None else ["on_policy"] * n
-    counts = tuple(SourceCount(src, sum(t for t, s in zip(loss_tokens, sources) if s == src), sources.count(src),
-                               sum(1 for u in units if sources[u[0]] == src))
-                   for src in dict.fromkeys(sources))
+    if origins is None:
+        origins = [{SOURCE_ORIGIN[s]: t} if t else {} for s, t in zip(sources, loss_tokens)]
+    rows: dict[tuple, list[int]] = {}  # (source, origins present) -> its samples
+    for i, (src, by_origin) in enumerate(zip(sources, origins)):
+        rows.setdefault((src, tuple(o for o, t in by_origin.items() if t)), []).append(i)
+    first = {u[0] for u in units}
+    counts = tuple(SourceCount(src, sum(loss_tokens[i] for i in group), len(group), len(first.intersection(group)),
+                               tuple((o, sum(origins[i][o] for i in group)) for o in present))
+                   for (src, present), group in rows.items())
     normalizer = StepNormalizer(mode=mode, num_tokens=int(sum(loss_tokens)), num_seqs=n, norm_len=norm_len)
     return StepPlan(micro, world_size, counts, normalizer)
 
 
 def plan_samples(samples: Sequence, micro_batch_size: int, mode: str, norm_len: float | None = None,
                  world_size: int = 1, sort: bool = False, unit: int = 1) -> StepPlan:
-    """``plan_step`` over ``Sample`` rows: each counted by its one ``loss_mask`` (the one collate pads)."""
+    """``plan_step`` over ``Sample`` rows: each counted by its one ``loss_mask`` (the one collate pads)
+    and the origins of its tokens."""
     return plan_step([s.loss_tokens for s in samples], micro_batch_size, mode, norm_len,
-                     [len(s.ids) for s in samples] if sort else None, world_size, [s.source for s in samples], unit)
+                     [len(s.ids) for s in samples] if sort else None, world_size, [s.source for s in samples], unit,
+                     [s.origin_tokens for s in samples])

@@ -5,10 +5,13 @@ turns it, from one forward per micro-batch, into the micro-batch's exact share o
 A term names the per-token loss it computes (policy surrogate, KL to a reference, entropy
 bonus, NLL, value), its coefficient (a constant, a ``Linear`` schedule over optimizer steps, or
 a value the loop sets per rollout with ``with_term``, as the adaptive KL does), the samples it
-applies to (``sources``) and its aggregation. Terms that share samples and aggregation share a
-normaliser: their token losses are summed (in declaration order) and aggregated once, as one
-loss would be. Each normaliser counts its samples over the whole step (the plan's per-source
-counts), so every term keeps the one rule of the maths (aggregation.py) by itself.
+applies to (``sources``), the tokens of theirs it applies to (``origins``: who wrote them, as a
+sample declares, data/batch.py) and its aggregation. Terms that share samples, tokens and
+aggregation share a normaliser: their token losses are summed (in declaration order) and
+aggregated once, as one loss would be. Each normaliser counts its tokens over the whole step
+(the plan's per-source, per-origin counts), so every term keeps the one rule of the maths
+(aggregation.py) by itself. A term whose samples or tokens a step lacks adds nothing to it; a
+step that no term applies to is refused.
 
 The canary share of a micro-batch is the mean over the step's normalisers of its share under
 each: every normaliser's shares sum to exactly 1 over the step, so their mean does too.
@@ -21,6 +24,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from exactrl.data.batch import ORIGINS
 from exactrl.losses.aggregation import aggregate, canary_share
 from exactrl.losses.policy import PolicyInput, get_policy_loss, value_loss
 from exactrl.losses.token_losses import kl_penalty
@@ -40,12 +44,25 @@ class Linear:
 
 @dataclass(frozen=True, kw_only=True)
 class Term:
+    """One term of the loss. It applies to the samples of ``sources`` and, of those, to the loss
+    tokens whose origin is in ``origins`` (data/batch.py ORIGINS: "policy" for what the policy
+    sampled, "demonstration" for a text it is shown, such as a demonstration's prefix that the
+    policy continues in one sequence); None: every sample, every loss token. Its normaliser counts
+    exactly those tokens over the step, and a sequence counts if it has at least one of them."""
+
     coef: float | Linear = 1.0
-    sources: tuple[str, ...] | None = None  # the samples it applies to; None: all
+    sources: tuple[str, ...] | None = None
+    origins: tuple[str, ...] | None = None
     agg: str = "token-mean"  # an aggregation mode of aggregation.py
     norm_len: float | None = None  # seq-mean-token-sum-norm's constant length
     kind = ""
     fields: tuple[str, ...] = ()  # per-token fields of the forward it reads (Worker.token_field)
+
+    def __post_init__(self):
+        unknown = sorted(set(self.origins or ()) - set(ORIGINS))
+        if unknown or self.origins == ():
+            raise ValueError(f"a {self.kind or 'loss'} term's origins are some of {', '.join(ORIGINS)} (or None: all), "
+                             f"not {self.origins}")
 
     def token_loss(self, f: dict, b: dict, mask: torch.Tensor, m: Metrics) -> torch.Tensor:
         raise NotImplementedError
@@ -157,15 +174,25 @@ class Objective:
         return replace(self, terms=tuple(replace(t, **changes) if t.kind == kind else t for t in self.terms))
 
     def groups(self) -> dict[tuple, list[Term]]:
-        """Terms by the normaliser they share: (sources, aggregation, constant length)."""
+        """Terms by the normaliser they share: (sources, origins, aggregation, constant length)."""
         out: dict[tuple, list[Term]] = {}
         for t in self.terms:
-            out.setdefault((t.sources, t.agg, t.norm_len), []).append(t)
+            out.setdefault((t.sources, t.origins, t.agg, t.norm_len), []).append(t)
         return out
 
     def normalizers(self, plan) -> dict[tuple, object]:
-        """Each group's step-wide normaliser; a group whose samples the step lacks has none."""
-        return {key: plan.normalizer_for(key[1], key[2], key[0]) for key in self.groups() if plan.count(key[0])[0] > 0}
+        """Each group's step-wide normaliser; a group whose tokens the step lacks has none (adds
+        nothing). A step with no token for any group is refused: its loss would be 0/0."""
+        out = {key: plan.normalizer_for(key[2], key[3], key[0], key[1])
+               for key in self.groups() if plan.count(key[0], key[1])[0]}
+        if not out:
+            pairs = dict.fromkeys((c.source, o) for c in plan.counts for o, _ in c.origins)
+            has = ", ".join(f"{src}/{o}: {plan.count([src], [o])[0]}" for src, o in pairs) or "none"
+            wants = "; ".join(f"{t.kind}: sources {'/'.join(t.sources or ['any'])}, "
+                              f"origins {'/'.join(t.origins or ['any'])}" for t in self.terms)
+            raise ValueError(f"no term of the objective applies to a loss token of this step (its terms: {wants}; "
+                             f"the step's loss tokens by source/origin: {has}): give it samples some term applies to")
+        return out
 
 
 @dataclass
@@ -187,29 +214,37 @@ class Metrics:
         self.maxima[name] = torch.maximum(self.maxima[name], v) if name in self.maxima else v
 
 
-def _rows(mask: torch.Tensor, sources: list[str], chosen: tuple[str, ...] | None) -> torch.Tensor:
-    """``mask`` restricted to the rows whose source is in ``chosen`` (None: every row)."""
-    return mask if chosen is None else mask * torch.tensor([s in chosen for s in sources], device=mask.device)[:, None]
+def _scope(b: dict[str, torch.Tensor], sources: list[str], chosen: tuple[str, ...] | None,
+           origins: tuple[str, ...] | None) -> torch.Tensor:
+    """``b``'s loss mask restricted to the rows whose source is in ``chosen`` and to the tokens
+    whose origin is in ``origins`` (None: every row, every token)."""
+    mask = b["loss_mask"]
+    if chosen is not None:
+        mask = mask * torch.tensor([s in chosen for s in sources], device=mask.device)[:, None]
+    if origins is not None:
+        mask = mask * torch.isin(b["origin"], torch.tensor([ORIGINS.index(o) for o in origins], device=mask.device))
+    return mask
 
 
-def micro_batch_loss(objective: Objective, f: dict[str, torch.Tensor], b: dict[str, torch.Tensor], cpu_mask: torch.Tensor,
-                     sources: list[str], normalizers: dict[tuple, object], m: Metrics) -> tuple[torch.Tensor, float]:
+def micro_batch_loss(objective: Objective, f: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
+                     cpu: dict[str, torch.Tensor], sources: list[str], normalizers: dict[tuple, object],
+                     m: Metrics) -> tuple[torch.Tensor, float]:
     """This micro-batch's share of the step loss under ``objective`` and its canary share.
-    ``f``: the forward's per-token fields; ``b``: the collated batch; ``cpu_mask``: its loss
-    mask on the CPU (the canary share is a host number); ``sources``: each row's."""
+    ``f``: the forward's per-token fields; ``b``: the collated batch; ``cpu``: the same on the
+    CPU (the canary share is a host number); ``sources``: each row's."""
     mask = b["loss_mask"]
     loss, shares = None, []
     for key, terms in objective.groups().items():
         if key not in normalizers:
             continue
-        rows = _rows(mask, sources, key[0])
+        rows = _scope(b, sources, key[0], key[1])
         tok = None
         for t in terms:
             part = t.token_loss(f, b, rows, m)
             tok = t.coef * part if tok is None else tok + t.coef * part
         part = aggregate(tok, rows, normalizers[key])
         loss = part if loss is None else loss + part
-        shares.append(canary_share(_rows(cpu_mask, sources, key[0]), normalizers[key]))
+        shares.append(canary_share(_scope(cpu, sources, key[0], key[1]), normalizers[key]))
     for name in objective.metrics:
         m.mean(name, f[name], mask)
     return loss, sum(shares) / len(shares)

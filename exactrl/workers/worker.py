@@ -156,7 +156,7 @@ class Worker:
             with torch.set_grad_enabled(trains and torch.is_grad_enabled()):
                 fields[name] = mb.repad(self.token_field(name, logits, mb.inputs["input_ids"]))
         # the canary share from the CPU copy of the mask: no device-to-host copy per micro-batch
-        loss, share = micro_batch_loss(objective, fields, b, on_cpu["loss_mask"], [s.source for s in samples], normalizers, metrics)
+        loss, share = micro_batch_loss(objective, fields, b, on_cpu, [s.source for s in samples], normalizers, metrics)
         return loss, share, b["loss_mask"]
 
     def train_step(self, batch: list[Sample], plan: StepPlan, objective: Objective) -> StepResult:

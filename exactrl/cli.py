@@ -22,7 +22,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="exactrl: LLM post-training where every optimizer step applies exactly the gradient asked for.")
 console = Console(stderr=True)
 
-ConfigOpt = typer.Option(None, "--config", "-c", help="YAML config file (e.g. examples/sft_tiny.yaml or runs/X/config.yaml).")
+ConfigOpt = typer.Option(None, "--config", "-c",
+                         help="YAML config file (e.g. examples/sft_tiny.yaml or runs/X/config.yaml).")
 OverridesArg = typer.Argument(None, help="Dotted overrides, e.g. optim.lr=3e-4 train.micro_batch_size=4")
 DemoOverridesArg = typer.Argument(None, help="Dotted overrides, e.g. task.n_sft=5000 sft.train.max_steps=200 "
                                               "rl.optim.lr=1e-4")
@@ -104,7 +105,8 @@ def _relaunch(nproc: int) -> typer.Exit:
     cause = next((e for e in ends if e["state"] != "interrupted"), ends[0] if ends else None)
     if cause is None:
         cause = {"state": "error", "label": "error", "code": code,
-                 "message": f"torchrun ended with exit code {code} before any rank said why; its output, if any, is above"}
+                 "message": f"torchrun ended with exit code {code} before any rank said why; its output, if any, "
+                            "is above"}
     if run_dir is not None:
         adopt(run_dir)
     return _fail(cause["state"], cause["label"], cause["message"], cause["code"])
@@ -279,8 +281,11 @@ def evaluate(config: Path | None = ConfigOpt, overrides: list[str] | None = Over
 @app.command()
 def merge(adapter: Annotated[Path, typer.Argument(help="A LoRA run's final/ or checkpoint-N/ (adapter_config.json, "
                                                       "adapter_model.safetensors).")],
-          output: Annotated[Path, typer.Argument(help="Directory to write the merged model to (must not exist, or be empty).")],
-          base: Annotated[Path | None, typer.Option("--base", help="The base model directory (default: the one the adapter's "
+          output: Annotated[Path,
+                            typer.Argument(help="Directory to write the merged model to (must not exist, or be "
+                                                "empty).")],
+          base: Annotated[Path | None, typer.Option("--base",
+                                                    help="The base model directory (default: the one the adapter's "
                                                                    "adapter_config.json records).")] = None):
     """Merge a LoRA adapter into its base model: a Hugging Face model directory that loads without peft."""
     from exactrl.models.loading import ModelLoadError
@@ -294,8 +299,9 @@ def merge(adapter: Annotated[Path, typer.Argument(help="A LoRA run's final/ or c
         raise typer.Exit(2) from None
     except OSError as e:  # a full disk, a directory that cannot be written
         where = f" '{e.filename}'" if e.filename else ""
-        console.print(f"[bold red]error:[/bold red] {escape(f'{e.strerror or e}{where}')}; free space or fix the permissions, "
-                      "then run again", highlight=False, soft_wrap=True)
+        console.print("[bold red]error:[/bold red] "
+                      f"{escape(f'{e.strerror or e}{where}')}; free space or fix the "
+                      "permissions, then run again", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
     console.print(f"merged model: {path}", highlight=False, soft_wrap=True)
 
@@ -306,7 +312,9 @@ app.add_typer(audit_app, name="audit")
 
 @audit_app.command("stack")
 def audit_stack_cmd(as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
-                    python: Optional[str] = typer.Option(None, help="Audit another environment's python (default: this one)."),
+                    python: Optional[str] = typer.Option(None,
+                                                         help="Audit another environment's python (default: this "
+                                                              "one)."),
                     world: list[int] = typer.Option([1, 2], help="World sizes to test.")):
     """Tiny real runs of every backend configuration; EXACT / BROKEN / ERROR per row. Exit 1 unless all exact."""
     import json
@@ -331,7 +339,9 @@ def audit_stack_cmd(as_json: bool = typer.Option(False, "--json", help="Machine-
 
 
 @audit_app.command("run")
-def audit_run_cmd(paths: list[Path] = typer.Argument(..., help="Run directories or files (configs, launch scripts, pip freeze...)."),
+def audit_run_cmd(paths: list[Path] = typer.Argument(...,
+                                                     help="Run directories or files (configs, launch scripts, pip "
+                                                          "freeze...)."),
                   as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")):
     """Read what past runs left behind; AFFECTED / NOT AFFECTED / CONDITIONAL / UNKNOWN per known bug.
 

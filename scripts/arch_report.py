@@ -84,7 +84,8 @@ def measure(name: str, tmp: Path) -> dict:
         ref_rows = []
         for s in seqs:
             ids = torch.tensor([s])
-            ref_rows.append(ref(input_ids=ids).logits.float().log_softmax(-1)[0, :-1].gather(-1, ids[0, 1:, None])[:, 0])
+            ref_rows.append(ref(input_ids=ids).logits.float().log_softmax(-1)[0, :-1].gather(-1, ids[0, 1:, None])[
+                :, 0])
         sum((r * w).sum() for r, w in zip(ref_rows, weights)).backward()
         mb = packing.model_batch(model, seqs, 0, packed=True)
         lp = mb.repad(token_logprobs(model(**mb.inputs).logits, mb.inputs["input_ids"]))
@@ -141,7 +142,8 @@ def cli(name: str, tmp: Path) -> dict:
 
     model_dir = save(name, tmp / f"{name}-cli", tokenizer=build_tokenizer())
     data = write_data(tmp / "data.jsonl")
-    common = [f"model.path={model_dir}", f"data.train={data}", "data.eval=null", "train.max_steps=2", "train.log_every=1",
+    common = [f"model.path={model_dir}", f"data.train={data}", "data.eval=null", "train.max_steps=2",
+              "train.log_every=1",
               "train.micro_batch_size=4", "train.global_batch_size=8"]
     runs = {"sft": ["sft", *common, f"output_dir={tmp / 'sft'}"],
             "rl": ["rl", *common, "algo.group_size=4", "rollout.max_new_tokens=12",

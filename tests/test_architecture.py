@@ -101,7 +101,8 @@ def test_the_typed_batch_refuses_undeclared_fields_and_collates_declared_ones():
     t = Sample([1], [3, 4], 0.0, source="demonstration", advantages=torch.tensor([2.0, 3.0]))
     b = collate([s, t], pad_id=0)
     assert SEQUENCE_FIELDS == ("reward", "finished", "penalty")  # per-sequence fields, declared like per-token ones
-    assert set(b) == {"input_ids", "attention_mask", "loss_mask", "advantages", *SEQUENCE_FIELDS}  # only fields every sample holds
+    # only fields every sample holds
+    assert set(b) == {"input_ids", "attention_mask", "loss_mask", "advantages", *SEQUENCE_FIELDS}
     assert b["advantages"].tolist() == [[1.0, 1.0, 1.0, 1.0], [2.0, 3.0, 0.0, 0.0]]
     assert b["loss_mask"].tolist() == [[0, 1, 1, 1], [1, 1, 0, 0]]
     assert b["reward"].tolist() == [1.0, 0.0]
@@ -149,7 +150,8 @@ def test_which_algorithms_use_a_setting_agrees_with_the_registry():
     from exactrl.algorithms.registry import ALGORITHMS
     from exactrl.config.used import CRITIC_ALGOS, DISCOUNT_ALGOS, STD_ALGOS
 
-    assert {a.name for a in ALGORITHMS.values() if a.critic} == {a.name for a in ALGORITHMS.values() if a.config == "gae"}
+    assert {a.name for a in ALGORITHMS.values() if a.critic} == {a.name for a in ALGORITHMS.values()
+                                                                 if a.config == "gae"}
     assert {a.name for a in ALGORITHMS.values() if a.critic} == set(CRITIC_ALGOS)
     assert {a.name for a in ALGORITHMS.values() if a.advantage == "grpo"} == set(STD_ALGOS)
     discounting = {"gae", "reinforce_pp", "reinforce_pp_baseline"}  # the estimators that read x.gamma
@@ -171,7 +173,8 @@ def module_imports(path: Path) -> set[str]:
 
 def test_no_two_modules_import_each_other():
     """Not even lazily: a cycle means two modules that are one, or one that sits on the wrong floor."""
-    graph = {".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts): module_imports(p) for p in PACKAGE.rglob("*.py")}
+    graph = {".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts): module_imports(p)
+             for p in PACKAGE.rglob("*.py")}
     graph = {k.removesuffix(".__init__"): v for k, v in graph.items()}
     cycles, done = [], set()
 

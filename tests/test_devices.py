@@ -68,7 +68,8 @@ def test_autocast_runs_on_the_engines_device_type(make_model, monkeypatch):
     with engine.autocast():
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
     seen = []
-    monkeypatch.setattr(torch, "autocast", lambda device_type, dtype: seen.append((device_type, dtype)) or contextlib.nullcontext())
+    monkeypatch.setattr(torch, "autocast", lambda device_type, dtype: seen.append((device_type, dtype))
+                        or contextlib.nullcontext())
     engine.device = torch.device("meta")
     with engine.autocast():
         pass
@@ -112,7 +113,8 @@ def recorded_all_reduce(monkeypatch):
 def test_metric_reductions_use_tensors_on_the_engines_device(make_model, recorded_all_reduce):
     engine = build_engine(make_model(0), load_config(SFTConfig, None, []), total_steps=1)
     engine.world_size, engine.device = 2, torch.device("meta")
-    for reduce in (lambda: engine.sum_over_ranks(1.0), lambda: engine.max_over_ranks(1.0), lambda: engine.mean_over_ranks({"a": 1.0})):
+    for reduce in (lambda: engine.sum_over_ranks(1.0), lambda: engine.max_over_ranks(1.0),
+                   lambda: engine.mean_over_ranks({"a": 1.0})):
         with pytest.raises(Reduced):
             reduce()
     assert recorded_all_reduce == [torch.device("meta")] * 3

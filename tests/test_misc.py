@@ -106,7 +106,8 @@ def test_warmup_is_linear_up_to_one(scheduler):
 
 def test_cosine_and_linear_endpoints_and_midpoints():
     # warm-up 10 of 110 steps: the decay runs over steps 10..110.
-    cos, lin = cfg(scheduler="cosine", warmup_steps=10, min_lr_ratio=0.1), cfg(scheduler="linear", warmup_steps=10, min_lr_ratio=0.1)
+    cos, lin = cfg(scheduler="cosine", warmup_steps=10, min_lr_ratio=0.1), cfg(
+        scheduler="linear", warmup_steps=10, min_lr_ratio=0.1)
     assert lr_factor(10, cos, 110) == 1.0 and lr_factor(10, lin, 110) == 1.0
     assert lr_factor(60, cos, 110) == pytest.approx(0.1 + 0.9 * 0.5, rel=1e-12)  # half way: cos(pi/2) = 0
     assert lr_factor(60, lin, 110) == pytest.approx(0.1 + 0.9 * 0.5, rel=1e-12)

@@ -260,7 +260,8 @@ def _expand(word: str, number: int, env: dict[str, list[Token]]) -> list[Token]:
     if alone and alone.group(1) in env:
         return list(env[alone.group(1)])
     text = _VAR.sub(lambda m: " ".join(t.text for t in env[m.group(1) or m.group(3)])
-                    if (m.group(1) or m.group(3)) in env else m.group(2) if m.group(2) is not None else m.group(0), word)
+                    if (m.group(1) or m.group(3)) in env else m.group(2) if m.group(2) is not None else m.group(0),
+                    word)
     return [Token(text, number)]
 
 

@@ -150,7 +150,8 @@ class Objective:
 
     def at(self, step: int) -> Objective:
         """The objective with every scheduled coefficient resolved at optimizer step ``step``."""
-        return replace(self, terms=tuple(replace(t, coef=t.coef.at(step)) if isinstance(t.coef, Linear) else t for t in self.terms))
+        return replace(self, terms=tuple(replace(t, coef=t.coef.at(step)) if isinstance(t.coef, Linear) else t
+                                         for t in self.terms))
 
     def with_term(self, kind: str, **changes) -> Objective:
         """The objective with the ``kind`` term changed (e.g. the adaptive KL's coefficient, per rollout)."""
@@ -192,7 +193,8 @@ def _rows(mask: torch.Tensor, sources: list[str], chosen: tuple[str, ...] | None
     return mask if chosen is None else mask * torch.tensor([s in chosen for s in sources], device=mask.device)[:, None]
 
 
-def micro_batch_loss(objective: Objective, f: dict[str, torch.Tensor], b: dict[str, torch.Tensor], cpu_mask: torch.Tensor,
+def micro_batch_loss(objective: Objective, f: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
+                     cpu_mask: torch.Tensor,
                      sources: list[str], normalizers: dict[tuple, object], m: Metrics) -> tuple[torch.Tensor, float]:
     """This micro-batch's share of the step loss under ``objective`` and its canary share.
     ``f``: the forward's per-token fields; ``b``: the collated batch; ``cpu_mask``: its loss

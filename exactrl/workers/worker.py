@@ -139,7 +139,8 @@ class Worker:
                 out[i] = row
         missing = [i for i, row in enumerate(out) if row is None]
         if missing:
-            raise RuntimeError(f"the {self.role}'s {name} were computed for no micro-batch holding samples {missing[:8]}")
+            raise RuntimeError(f"the {self.role}'s {name} were computed for no micro-batch holding samples "
+                               f"{missing[:8]}")
         return out
 
     def micro_batch(self, samples: list[Sample], objective: Objective, normalizers: dict, metrics: Metrics):
@@ -156,7 +157,8 @@ class Worker:
             with torch.set_grad_enabled(trains and torch.is_grad_enabled()):
                 fields[name] = mb.repad(self.token_field(name, logits, mb.inputs["input_ids"]))
         # the canary share from the CPU copy of the mask: no device-to-host copy per micro-batch
-        loss, share = micro_batch_loss(objective, fields, b, on_cpu["loss_mask"], [s.source for s in samples], normalizers, metrics)
+        loss, share = micro_batch_loss(objective, fields, b, on_cpu["loss_mask"], [s.source for s in samples],
+                                       normalizers, metrics)
         return loss, share, b["loss_mask"]
 
     def train_step(self, batch: list[Sample], plan: StepPlan, objective: Objective) -> StepResult:
@@ -183,10 +185,11 @@ class Worker:
         loss, seen = summed[0], (int(summed[1]), int(summed[2]))
         if seen != (plan.num_samples, plan.count()[0]):
             raise SampleAccountingError(
-                f"step {self.engine.step_count}: the plan has {plan.num_samples} samples / {plan.count()[0]} loss tokens, "
-                f"the {self.role}'s losses saw {seen[0]} / {seen[1]} over all ranks")
+                f"step {self.engine.step_count}: the plan has {plan.num_samples} samples / {plan.count()[0]} loss "
+                f"tokens, the {self.role}'s losses saw {seen[0]} / {seen[1]} over all ranks")
         n = len(means)
-        out = {k: s / max(c, 1.0) for k, s, c in zip(means, summed[3 : 3 + n], summed[3 + n :])} | dict(zip(maxima, peak))
+        out = {k: s / max(c, 1.0) for k, s, c in zip(means, summed[3 : 3 + n], summed[3 + n :])} | dict(zip(
+            maxima, peak))
         if objective.on_policy is not None:  # before the step is applied
             objective.on_policy.verify(out["ratio_dev"])
         return StepResult(loss, out, self.engine.step(mine))

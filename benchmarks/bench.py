@@ -134,7 +134,7 @@ def grpo_part(say: Report, results: dict[str, list[dict]], g: dict) -> None:
         checks = (f"{first['optimizer_steps']} optimizer steps ({first['timed_steps']} timed), completions/step "
                   f"{first['completions_per_step']}, prompts/step {first['prompts_per_step']}, responses/prompt "
                   f"{first['responses_per_prompt']}")
-        column = lambda key, fmt=",.0f": spread([r[key] for r in rs], fmt)  # noqa: E731
+        column = lambda key, fmt=",.0f", rs=rs: spread([r[key] for r in rs], fmt)  # noqa: E731
         rows.append([s, column("steps_per_s", ".3f"), column("gen_tokens_per_s"), column("mean_completion_len", ".1f"),
                      column("reward_mean", ".3f"), column("peak_rss_mb"), checks])
     say("", f"GRPO ({g['prompts']} prompts x {g['group']} responses per step, <= {g['max_new']} new tokens, "
@@ -156,7 +156,6 @@ def grpo_part(say: Report, results: dict[str, list[dict]], g: dict) -> None:
 
 def mfu_part(say: Report, sft: dict[str, list[dict]], model_dir: Path, data: Path, batch: int, threads: int) -> None:
     import torch
-
     from mfu import gemm_peak, sft_flops
 
     torch.set_num_threads(threads)

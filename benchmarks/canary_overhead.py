@@ -32,7 +32,6 @@ from exactrl.models.loading import load_causal_lm, load_tokenizer
 from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin
 from exactrl.workers.worker import Worker
 
-
 LAYOUTS = {
     "single": [],
     "fsdp2": ["distributed.backend=fsdp2"],

@@ -26,12 +26,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def starting_accuracy(eval_size: int):
     """Greedy accuracy of the built-in SFT model on the examples' eval prompts."""
-    from exactrl.run.evaluation import evaluate_accuracy
+    from exactrl.algorithms.sft import resolve
     from exactrl.data.encode import encode_prompts
     from exactrl.data.jsonl import read_jsonl
     from exactrl.models.loading import load_causal_lm, load_tokenizer
     from exactrl.rewards import load_rewards
-    from exactrl.algorithms.sft import resolve
+    from exactrl.run.evaluation import evaluate_accuracy
 
     path = resolve("builtin-sft", "model")
     tok = load_tokenizer(path)

@@ -40,7 +40,6 @@ from pathlib import Path
 from worker_common import count_optimizer_steps, run, trl_clock
 
 
-
 def load_verifier():
     """exactrl/tasks/arithmetic.py by its path: stdlib only, so TRL's side needs no exactrl package."""
     spec = importlib.util.spec_from_file_location("bench_arithmetic",

@@ -7,7 +7,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 import yaml
@@ -112,28 +112,27 @@ def _relaunch(nproc: int) -> typer.Exit:
     return _fail(cause["state"], cause["label"], cause["message"], cause["code"])
 
 
-def _run(kind: str, config: Optional[Path], overrides: Optional[list[str]], fn) -> None:
+def _run(kind: str, config: Path | None, overrides: list[str] | None, fn) -> None:
     """Exit codes: 0 success, 2 a problem in the config, data, model, checkpoint, output_dir or
     disk, 1 the final evaluation failed (the model is saved), 3 stopped by a verification check
     (the canary; the packing, generation or determinism self-check; the on-policy ratio; a weight
     sync), 4 a non-finite loss, gradient or weight, 130/143 SIGINT/SIGTERM.
     Every run directory's status.json records the same end."""
-    from exactrl.run.context import EvaluationError
+    from exactrl.algorithms.common import preflight
     from exactrl.checks.canary import CanaryError
     from exactrl.checks.determinism import DeterminismError
     from exactrl.checks.generation import GenerationCheckError
     from exactrl.checks.on_policy import OnPolicyCheckError
     from exactrl.checks.packing import PackingCheckError
-    from exactrl.rollout.generator import WeightSyncError
     from exactrl.data.jsonl import DataError
     from exactrl.distributed.checkpoint import CheckpointError
     from exactrl.distributed.engine import NonFiniteError
+    from exactrl.distributed.launch import shutdown, under_launcher
     from exactrl.models.loading import ModelLoadError
     from exactrl.rewards import RewardError
+    from exactrl.rollout.generator import WeightSyncError
+    from exactrl.run.context import EvaluationError
     from exactrl.run_dir import forget_current, note_end, record_event, set_status
-
-    from exactrl.algorithms.common import preflight
-    from exactrl.distributed.launch import shutdown, under_launcher
 
     global _signalled
     previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -186,7 +185,7 @@ def _run(kind: str, config: Optional[Path], overrides: Optional[list[str]], fn) 
         forget_current()
 
 
-def _replay_overrides(config: Optional[Path], overrides: list[str]) -> list[str]:
+def _replay_overrides(config: Path | None, overrides: list[str]) -> list[str]:
     """Replaying ``--config runs/X/config.yaml`` of a run with an explicit output_dir would
     collide with that run: unless output_dir is given, the replay goes next to it."""
     if config is None or config.name != "config.yaml" or any(o.startswith("output_dir=") for o in overrides):
@@ -230,7 +229,7 @@ def _main(version: bool = typer.Option(False, "--version", callback=_version, is
 
 
 @app.command()
-def sft(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg):
+def sft(config: Path | None = ConfigOpt, overrides: list[str] | None = OverridesArg):
     """Supervised fine-tuning (prompt/completion or chat messages JSONL)."""
     from exactrl.algorithms.sft import train_sft
 
@@ -238,7 +237,7 @@ def sft(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = Ove
 
 
 @app.command(short_help="RL from verifiable rewards: ppo, grpo, dr_grpo, dapo, rloo, reinforce_pp(_baseline), gspo.")
-def rl(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg):
+def rl(config: Path | None = ConfigOpt, overrides: list[str] | None = OverridesArg):
     """RL from verifiable rewards. algo.name (README "RL algorithms"):
 
     \b
@@ -257,7 +256,7 @@ def rl(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = Over
 
 
 @app.command()
-def demo(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = DemoOverridesArg):
+def demo(config: Path | None = ConfigOpt, overrides: list[str] | None = DemoOverridesArg):
     """Built-in task, tiny model: accuracy before, after SFT and after SFT -> GRPO."""
     from exactrl.pipelines.demo import run_demo
 
@@ -312,7 +311,7 @@ app.add_typer(audit_app, name="audit")
 
 @audit_app.command("stack")
 def audit_stack_cmd(as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
-                    python: Optional[str] = typer.Option(None,
+                    python: str | None = typer.Option(None,
                                                          help="Audit another environment's python (default: this "
                                                               "one)."),
                     world: list[int] = typer.Option([1, 2], help="World sizes to test.")):

@@ -7,9 +7,9 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+import matplotlib.pyplot as plt
 
-from exactrl.metrics import read_metrics  # noqa: E402
+from exactrl.metrics import read_metrics
 
 
 def plot_run(run_dir: Path, milestones: list[tuple[str, float, tuple[float, float]]] | None = None) -> Path:

@@ -20,9 +20,8 @@ import random
 
 import pytest
 import torch
-from archs import ARCHS, VOCAB, WINDOW, build, save
-from test_cli_failures import exactrl
 
+from archs import ARCHS, VOCAB, WINDOW, build, save
 from exactrl.checks.generation import check_generation
 from exactrl.checks.packing import PackingCheckError, check_packing
 from exactrl.losses.token_losses import token_logprobs
@@ -30,6 +29,7 @@ from exactrl.models import packing
 from exactrl.models.loading import load_causal_lm
 from exactrl.rollout.hf import sample
 from exactrl.tasks.tokenizer import build_tokenizer
+from test_cli_failures import exactrl
 
 # Packing must be refused: ALiBi computed inside the model (Falcon, Bloom); state carried along the
 # row by linear-attention, SSM and short-convolution layers; DSA's indexer picking keys over a row.

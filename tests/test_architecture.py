@@ -12,8 +12,8 @@ import torch
 
 from exactrl.algorithms.registry import ALGORITHMS
 from exactrl.config.schema import GROUP_ALGOS, RL_ALGOS
-from exactrl.distributed.step_plan import plan_samples
 from exactrl.data.batch import SEQUENCE_FIELDS, TOKEN_FIELDS, Sample, collate
+from exactrl.distributed.step_plan import plan_samples
 from exactrl.registry import Registry
 
 PACKAGE = Path(__file__).resolve().parents[1] / "exactrl"

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from exactrl.audit.rules import Status
 from exactrl.audit.report import exit_code, format_table, to_json
+from exactrl.audit.rules import Status
 from exactrl.audit.runs import audit_runs
 
 RUNS = Path(__file__).parent / "fixtures" / "runs"

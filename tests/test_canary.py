@@ -11,7 +11,6 @@ import logging
 
 import pytest
 import torch
-from rl_helpers import sft_micro_batch_loss
 
 from exactrl.checks.canary import CanaryError
 from exactrl.config import SFTConfig, load_config
@@ -20,6 +19,7 @@ from exactrl.data.jsonl import Row
 from exactrl.distributed.engine import SingleEngine, build_engine
 from exactrl.distributed.step_plan import plan_step
 from exactrl.losses import AGG_MODES
+from rl_helpers import sft_micro_batch_loss
 
 COMPLETIONS = ["1", "2+2+0=04 #### 04", "#### 77", "9+9+0=18 1+1+1=03 #### 318", "x", "12345678901234567890", "ab",
                "#### 1"]

@@ -14,6 +14,7 @@ import os
 import subprocess
 
 import pytest
+
 from old_deepspeed import ROOT, VERSION, ds_env, old_deepspeed_python
 
 ZERO2_CPU = ["distributed.backend=deepspeed", "deepspeed.zero_stage=2", "deepspeed.offload_optimizer=cpu"]

@@ -12,9 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import SMALL
-from test_cli_failures import TINY, exactrl, one_line_error
 
+from conftest import SMALL
 from exactrl.algorithms.sft import demonstration
 from exactrl.audit.manifest import file_sha256
 from exactrl.data.batch import collate
@@ -24,6 +23,7 @@ from exactrl.data.jsonl import DataError, Row
 from exactrl.models.loading import load_tokenizer
 from exactrl.tasks.tiny_model import save_tiny_model
 from exactrl.tasks.tokenizer import save_tokenizer
+from test_cli_failures import TINY, exactrl, one_line_error
 
 SFT_ROWS = [{"prompt": "1+1=", "completion": "2"}, {"prompt": "12+345=", "completion": "357"},
             {"messages": [{"role": "user", "content": "9+9="}, {"role": "assistant", "content": "18"}]},

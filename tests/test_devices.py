@@ -11,11 +11,10 @@ import contextlib
 import pytest
 import torch
 
-from exactrl.algorithms.common import check_world
-from exactrl.data.batch import Sample
-from exactrl.config import ConfigError, SFTConfig, load_config
-from exactrl.data.batch import collate
 from exactrl import device as dev
+from exactrl.algorithms.common import check_world
+from exactrl.config import ConfigError, SFTConfig, load_config
+from exactrl.data.batch import Sample, collate
 from exactrl.distributed.engine import build_engine
 from exactrl.models.packing import model_batch
 from exactrl.rollout import hf

@@ -14,9 +14,10 @@ import sys
 import pytest
 import torch
 import yaml
-from old_deepspeed import ds_env
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from old_deepspeed import ds_env
 
 SMALL_TASK = ["task.n_sft=256", "task.n_rl=64", "task.n_eval=40"]
 
@@ -86,7 +87,7 @@ def test_config_replay_reproduces_the_resolved_config(workdir):
 
 
 def test_cli_reports_bad_config_and_data_without_traceback(workdir, tmp_path):
-    cwd, cache = workdir
+    _, cache = workdir
     proc = exactrl(["sft", "train.lr=1e-3"], cwd=tmp_path, cache=cache, check=False)
     assert proc.returncode == 2 and "did you mean 'optim.lr'" in proc.stderr and "Traceback" not in proc.stderr
     bad = tmp_path / "bad.jsonl"

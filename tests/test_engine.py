@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rl_helpers import sft_micro_batch_loss
 from exactrl.config import SFTConfig, load_config
 from exactrl.data.encode import encode_sft
 from exactrl.data.jsonl import Row
@@ -14,6 +13,7 @@ from exactrl.distributed.checkpoint import _atomic_dir, save_checkpoint
 from exactrl.distributed.engine import SampleAccountingError, build_engine
 from exactrl.distributed.step_plan import plan_step
 from exactrl.workers.worker import Worker
+from rl_helpers import sft_micro_batch_loss
 
 COMPLETIONS = ["1", "2+2+0=04 #### 04", "#### 77", "9+9+0=18 1+1+1=03 #### 318", "x", "12345678901234567890", "ab",
                "#### 1"]

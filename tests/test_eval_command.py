@@ -8,9 +8,9 @@ import json
 import math
 
 import pytest
-from test_cli_failures import exactrl, one_line_error
 
 from exactrl.run.evaluation import pass_at_k
+from test_cli_failures import exactrl, one_line_error
 
 # The parity fixture makes the accuracy depend on every generated character (an untrained model's
 # checker accuracy is 0 whatever it generates).

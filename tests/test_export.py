@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed_harness import run_cases
-from old_deepspeed import ds_env
 
+from distributed_harness import run_cases
 from exactrl.config import SFTConfig, load_config
 from exactrl.distributed.engine import build_engine
 from exactrl.rollout.generator import WeightSyncError
@@ -20,6 +19,7 @@ from exactrl.rollout.hf import HFEngine
 from exactrl.tasks.tiny_model import build_tiny_model
 from exactrl.tasks.tokenizer import build_tokenizer
 from exactrl.workers.worker import Worker
+from old_deepspeed import ds_env
 
 pytest.importorskip("peft")
 SCRIPT = Path(__file__).parent / "dist" / "export.py"

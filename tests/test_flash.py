@@ -15,8 +15,8 @@ import types
 
 import pytest
 import torch
-from archs import VOCAB, WINDOW, build, save
 
+from archs import VOCAB, WINDOW, build, save
 from exactrl.checks.packing import BF16_TOL, PackingCheckError, check_packing
 from exactrl.losses.token_losses import token_logprobs
 from exactrl.models import flash, packing

@@ -12,7 +12,9 @@ update must match to 1e-10 (distributed_harness.TOL).
 from __future__ import annotations
 
 import pytest
+
 from distributed_harness import check_faults, over_bound, run_cases
+
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["world1", "world2"])
 def results(request, tmp_path_factory):

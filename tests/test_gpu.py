@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed_harness import over_bound, run_cases
-from test_engine import examples, rel_err
 
-from rl_helpers import sft_micro_batch_loss
+from distributed_harness import over_bound, run_cases
 from exactrl.checks.packing import check_packing
 from exactrl.config import SFTConfig, load_config
 from exactrl.device import place
 from exactrl.distributed.engine import build_engine
 from exactrl.distributed.step_plan import plan_step
 from exactrl.models import packing
+from rl_helpers import sft_micro_batch_loss
+from test_engine import examples, rel_err
 
 pytestmark = pytest.mark.gpu
 

@@ -17,8 +17,6 @@ import copy
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_grad_equivalence import (SPLITS, accumulate_policy_loss, grads, grpo_reference, rel_err, rl_cfg, rl_samples,
-                                   sft_cfg, sft_examples, sft_exactrl, sft_reference)
 
 from exactrl.algorithms.rl import train_rl
 from exactrl.algorithms.sft import train_sft
@@ -33,6 +31,19 @@ from exactrl.models.lora import LoraError, apply_lora, reference_mode
 from exactrl.rollout.hf import HFEngine
 from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin
 from rl_helpers import attach_logprobs
+from test_grad_equivalence import (
+    SPLITS,
+    accumulate_policy_loss,
+    grads,
+    grpo_reference,
+    rel_err,
+    rl_cfg,
+    rl_samples,
+    sft_cfg,
+    sft_exactrl,
+    sft_examples,
+    sft_reference,
+)
 
 pytest.importorskip("peft")
 
@@ -112,8 +123,8 @@ def test_canary_stops_a_lora_step_that_lost_a_micro_batch(base_model, sft_exampl
     model = copy.deepcopy(base_model)
     cfg = sft_cfg(8, 4, "token-mean")
     engine = DropsGradient(model, cfg.model, cfg.train, cfg.optim, cfg.audit, 1)
-    from rl_helpers import sft_micro_batch_loss
     from exactrl.distributed.step_plan import plan_step
+    from rl_helpers import sft_micro_batch_loss
 
     plan = plan_step([e.loss_tokens for e in sft_examples], 2, "token-mean")
     engine.begin_step(len(plan.micro_batches))

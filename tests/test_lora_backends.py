@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from distributed_harness import LAYOUT_IDS, LAYOUTS, layout_results, over_bound
 from old_deepspeed import ds_env
 

@@ -8,13 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rl_helpers import sft_micro_batch_loss
 from exactrl.config import SFTConfig, load_config
 from exactrl.data.encode import encode_sft
 from exactrl.data.jsonl import Row
 from exactrl.distributed.engine import build_engine
 from exactrl.distributed.step_plan import plan_step
 from exactrl.losses.token_losses import token_entropy, token_logprobs
+from rl_helpers import sft_micro_batch_loss
 
 
 def one_pass_logprobs(logits, ids, temperature):

@@ -8,11 +8,11 @@ import copy
 
 import pytest
 import torch
-from test_cli_failures import exactrl, one_line_error
-from test_lora import TOL, with_adapters
 
 from exactrl.distributed.checkpoint import save_pretrained
 from exactrl.models.loading import load_causal_lm
+from test_cli_failures import exactrl, one_line_error
+from test_lora import TOL, with_adapters
 
 pytest.importorskip("peft")
 

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 import torch
 
 from exactrl.advantages import group_advantages
-from exactrl.run.evaluation import wilson_interval
 from exactrl.config.schema import OptimConfig
 from exactrl.distributed.optim import build_optimizer, build_scheduler, lr_factor
+from exactrl.run.evaluation import wilson_interval
 
 Z = 1.959964
 
@@ -117,7 +118,7 @@ def test_cosine_and_linear_endpoints_and_midpoints():
         assert lr_factor(110, c, 110) == pytest.approx(0.1, rel=1e-12)
         assert lr_factor(500, c, 110) == pytest.approx(0.1, rel=1e-12)  # clamped past the end
         values = [lr_factor(s, c, 110) for s in range(10, 111)]
-        assert all(a >= b for a, b in zip(values, values[1:]))
+        assert all(a >= b for a, b in itertools.pairwise(values))
 
 
 def test_constant_and_zero_min():

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from exactrl.algorithms.sft import train_sft
-from rl_helpers import sft_micro_batch_loss
 from exactrl.config import SFTConfig, load_config
 from exactrl.data.encode import encode_sft
 from exactrl.data.jsonl import Row
@@ -16,6 +15,7 @@ from exactrl.distributed.checkpoint import save_pretrained
 from exactrl.distributed.engine import NonFiniteError, build_engine
 from exactrl.distributed.step_plan import plan_step
 from exactrl.tasks.builtin import BuiltinSpec
+from rl_helpers import sft_micro_batch_loss
 
 SPEC = BuiltinSpec(n_sft=64, n_rl=16, n_eval=8)
 CFG = ["optim.lr=1e-2", "optim.scheduler=constant", "train.global_batch_size=4", "train.micro_batch_size=2"]

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from rl_helpers import attach_logprobs, consecutive, policy_micro_batch_loss, sft_micro_batch_loss
 
 from exactrl.config import RLConfig, SFTConfig, load_config
 from exactrl.data.batch import Sample
@@ -23,6 +22,7 @@ from exactrl.losses.objective import Metrics
 from exactrl.models import packing
 from exactrl.tasks.tiny_model import build_tiny_model
 from exactrl.workers.critic import Critic
+from rl_helpers import attach_logprobs, consecutive, policy_micro_batch_loss, sft_micro_batch_loss
 
 PAD = 0
 

@@ -51,7 +51,7 @@ def test_gspo_per_token_form_equals_the_sequence_level_objective_and_its_gradien
     shift = torch.tensor([[0.01], [0.6], [-0.6]], dtype=torch.float64)
     adv = torch.tensor([[1.0], [1.0], [-1.0]], dtype=torch.float64)
     base = (old + shift + 0.05 * torch.randn(3, 4, generator=g, dtype=torch.float64)).requires_grad_()
-    loss, ratio, clipped = get_policy_loss("gspo")(PolicyInput(base, old, adv, mask, 0.2, 0.3))
+    loss, _, clipped = get_policy_loss("gspo")(PolicyInput(base, old, adv, mask, 0.2, 0.3))
     # seq-mean-token-mean over the 3 sequences: each token carries its sequence's loss
     got = aggregate(loss, mask, StepNormalizer("seq-mean-token-mean", num_tokens=int(mask.sum()), num_seqs=3,
                                                norm_len=4))

@@ -14,13 +14,14 @@ import pytest
 import torch
 
 from exactrl.algorithms.rl import attach_advantages
-from exactrl.data.batch import Sample
 from exactrl.config import RLConfig, load_config
+from exactrl.data.batch import Sample
 from exactrl.models.loading import load_value_model
 from exactrl.tasks.tiny_model import save_tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent / "dist"))
 import rl_equivalence as R
+
 from distributed_harness import TOL
 
 

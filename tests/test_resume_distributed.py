@@ -13,8 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from old_deepspeed import ds_env
 from safetensors.torch import load_file
+
+from old_deepspeed import ds_env
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = ["--config", "examples/sft_tiny.yaml", "data.eval=null", "train.max_steps=4", "train.global_batch_size=16",

@@ -7,12 +7,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_cli_failures import TINY, exactrl, one_line_error
-from test_resume import same_weights
 
 from exactrl.config import DemoConfig, load_config
 from exactrl.config.loader import ConfigError
 from exactrl.run.context import RunContext
+from test_cli_failures import TINY, exactrl, one_line_error
+from test_resume import same_weights
 
 RUN = [*TINY, "train.max_steps=4", "train.save_every=2", "optim.warmup_steps=2", "optim.weight_decay=0.01"]
 

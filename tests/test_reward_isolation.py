@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from exactrl.rewards import RewardError, load_reward_fn, load_rewards, require_answers, score
 from exactrl.data.encode import Prompt
 from exactrl.data.jsonl import DataError
+from exactrl.rewards import RewardError, load_reward_fn, load_rewards, require_answers, score
 
 SRC = ["d.jsonl:1", "d.jsonl:2", "d.jsonl:3"]
 

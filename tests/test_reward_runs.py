@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import SMALL
 
+from conftest import SMALL
 from exactrl.config import ConfigError, SFTConfig, load_config
 from exactrl.rewards.server import make_server
 from exactrl.tasks.tiny_model import save_tiny_model

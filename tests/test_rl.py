@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 
 from exactrl.algorithms.rl import AdaptiveKL, attach_advantages, train_rl
 from exactrl.checks.on_policy import OnPolicyCheckError, on_policy_check
-from exactrl.data.batch import Sample
 from exactrl.config import RLConfig, load_config
+from exactrl.data.batch import Sample
 from exactrl.distributed.engine import build_engine
 from exactrl.distributed.step_plan import plan_step
 from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin
@@ -245,9 +245,9 @@ class ScriptedEngine:
 
 
 def test_dynamic_sampling_drops_flat_groups_and_refills_deterministically():
-    from exactrl.rollout.collect import RolloutError, collect_dynamic_rollout
     from exactrl.data.encode import Prompt
     from exactrl.rewards import load_rewards
+    from exactrl.rollout.collect import RolloutError, collect_dynamic_rollout
 
     prompts = [Prompt([k], f"p{k}", None, f"d:{k}") for k in range(20)]
     cfg = rl_cfg("algo.name=dapo", "algo.group_size=4", "train.global_batch_size=16", "train.micro_batch_size=4")
@@ -267,9 +267,9 @@ def test_dynamic_sampling_drops_flat_groups_and_refills_deterministically():
 def test_dynamic_sampling_reports_the_groups_it_trains_on():
     """Reward, accuracy and length describe the kept groups (the flat ones it dropped are not
     trained on); generated_tokens counts every response of every round."""
-    from exactrl.rollout.collect import collect_dynamic_rollout
     from exactrl.data.encode import Prompt
     from exactrl.rewards import load_rewards
+    from exactrl.rollout.collect import collect_dynamic_rollout
 
     class Counting(ScriptedEngine):
         tokens = 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from distributed_harness import LAYOUT_IDS, LAYOUTS, layout_results, over_bound
 
 SCRIPT = Path(__file__).parent / "dist" / "rl_equivalence.py"

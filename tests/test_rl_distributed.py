@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from old_deepspeed import ds_env
 from safetensors.torch import load_file
-from test_resume_distributed import rel_err
 
 from exactrl.tasks.builtin import BuiltinSpec
+from old_deepspeed import ds_env
+from test_resume_distributed import rel_err
 
 ROOT = Path(__file__).resolve().parents[1]
 # The built-in task's untrained model: its answers are wrong, so the reward is the length

@@ -18,8 +18,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from old_deepspeed import ds_env
 from safetensors.torch import load_file
+
+from old_deepspeed import ds_env
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5

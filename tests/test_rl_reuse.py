@@ -9,17 +9,17 @@ import json
 
 import pytest
 import torch
-from test_rl import response_advantages, rl_cfg
 
 from exactrl.algorithms.rl import reuses_first_forward, train_rl
 from exactrl.checks.on_policy import OnPolicyCheckError, on_policy_check
+from exactrl.config import RLConfig, load_config
 from exactrl.data.batch import Sample
 from exactrl.distributed.engine import build_engine
 from exactrl.distributed.step_plan import plan_step
-from exactrl.config import RLConfig, load_config
 from exactrl.rollout.hf import HFEngine
 from exactrl.tasks.builtin import BuiltinSpec
 from rl_helpers import attach_logprobs, consecutive, policy_micro_batch_loss
+from test_rl import response_advantages, rl_cfg
 
 
 def generated_samples(tokenizer, model, temperature=0.7, top_p=1.0, top_k=0):

@@ -82,8 +82,7 @@ def test_responses_stop_at_eos_and_groups_are_ordered(tokenizer, make_model):
     model = make_model(4)
     # Make EOS overwhelmingly likely after 2 tokens by construction: bias the LM head.
     with torch.no_grad():
-        model.lm_head.weight.zero_()
-        model.model.embed_tokens.weight  # tied: zeroing lm_head zeroes embeddings too
+        model.lm_head.weight.zero_()  # tied: this zeroes the embeddings too
     eos = tokenizer.eos_token_id
     prompts = [tokenizer("1+1=")["input_ids"], tokenizer("22+22=")["input_ids"]]
     torch.manual_seed(0)

@@ -22,9 +22,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from archs import VOCAB, build, save
-from test_cli_failures import TINY, exactrl, one_line_error
 
+from archs import VOCAB, build, save
 from exactrl.checks.determinism import check_determinism
 from exactrl.checks.generation import GenerationCheckError, check_generation
 from exactrl.checks.packing import PackingCheckError, check_packing
@@ -32,6 +31,7 @@ from exactrl.losses.token_losses import token_logprobs
 from exactrl.models import packing
 from exactrl.models.loading import load_causal_lm
 from exactrl.rollout import hf
+from test_cli_failures import TINY, exactrl, one_line_error
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -21,6 +21,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from distributed_harness import run_cases
 from old_deepspeed import ds_env
 

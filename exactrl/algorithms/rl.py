@@ -95,7 +95,10 @@ def attach_advantages(samples: list[Sample], cfg: RLConfig, kl_coef: float | Non
     a, alg = cfg.algo, ALGORITHMS.lookup(cfg.algo.name)
     kl_coef = a.kl_coef if kl_coef is None else kl_coef
     mask = pad_right([[0] * (len(s.prompt_ids) - 1) + [1] * len(s.response_ids) for s in samples], 0).to(torch.float64)
-    pad = lambda ts: torch.nn.utils.rnn.pad_sequence([t.double() for t in ts], batch_first=True)
+
+    def pad(ts):
+        return torch.nn.utils.rnn.pad_sequence([t.double() for t in ts], batch_first=True)
+
     token_rewards = values = None
     if a.kl_coef > 0 and a.kl_in_reward:  # -beta * KL(old policy || reference) per token, k1
         token_rewards = -kl_coef * pad([kl_penalty(s.old_logprobs.double(), s.ref_logprobs.double(), "k1")

@@ -116,7 +116,7 @@ class Doc:
     root: tuple = ()
 
     @classmethod
-    def parse(cls, file: str, text: str, kind: str) -> "Doc":
+    def parse(cls, file: str, text: str, kind: str) -> Doc:
         """kind is "json" or "yaml"; raises ValueError with the parser's message on bad syntax, on
         nesting too deep for the recursive parsers and on YAML aliases that expand past MAX_NODES."""
         if _bracket_depth(text) > MAX_DEPTH:
@@ -153,7 +153,7 @@ class Doc:
     def get(self, *path) -> tuple[Any, Evidence] | None:
         return (self.node(*path), self.evidence(*path)) if self.has(*path) else None
 
-    def sub(self, *path) -> "Doc":
+    def sub(self, *path) -> Doc:
         return Doc(self.file, self.data, self.lines, self.text_lines, self.root + path)
 
     def keys(self) -> list:

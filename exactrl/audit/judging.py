@@ -18,8 +18,17 @@ from fractions import Fraction
 from typing import Any
 
 from exactrl.audit.evidence import Collected, Evidence, Problem, Reading
-from exactrl.audit.rules import (HF_FAMILY, NOTHING, RELATED, VERSION_BOUNDARIES, BugRule, Status, Verdict, hint,
-                                  sentence)
+from exactrl.audit.rules import (
+    HF_FAMILY,
+    NOTHING,
+    RELATED,
+    VERSION_BOUNDARIES,
+    BugRule,
+    Status,
+    Verdict,
+    hint,
+    sentence,
+)
 from exactrl.audit.versions import exact_version, version_candidates
 
 

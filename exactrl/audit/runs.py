@@ -47,8 +47,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from exactrl.audit.evidence import (Collected, Doc, Evidence, Problem, Reading, Token, package_list_kind, package_pins,
-                                    pickle_kind, shell_commands, true, whole)
+from exactrl.audit.evidence import (
+    Collected,
+    Doc,
+    Evidence,
+    Problem,
+    Reading,
+    Token,
+    package_list_kind,
+    package_pins,
+    pickle_kind,
+    shell_commands,
+    true,
+    whole,
+)
 from exactrl.audit.judging import derive, judge
 from exactrl.audit.readers import parse_flags, read_accelerate_config, read_deepspeed_config, read_launcher
 from exactrl.audit.rules import RULES, Verdict

@@ -650,7 +650,7 @@ class RLConfig(CommonConfig):
         return self
 
 
-def check_rl_layout(cfg: "RLConfig", world: int) -> None:
+def check_rl_layout(cfg: RLConfig, world: int) -> None:
     """A rollout's prompts (whole groups) spread evenly over ``world`` ranks."""
     prompts = cfg.train.global_batch_size * cfg.algo.mini_batches // cfg.algo.group_size
     if prompts % world:
@@ -763,9 +763,9 @@ class TaskConfig(Section):
 
 
 def _demo_sft() -> SFTConfig:
-    # 800 steps of 64: past the phase change (around step 500) where the tiny model learns to
-    # read the right digits, so the worked style is ~99% right while the habit problems stay
-    # direct and mostly wrong: room for RL that SFT alone does not fill.
+    # 800 steps of 64: past the phase change where the tiny model learns to read the right
+    # digits, so the worked style is nearly always right while the habit problems stay direct
+    # and mostly wrong: room for RL that SFT alone does not fill.
     return SFTConfig(
         data=DataConfig(eval_size=500),
         train=TrainConfig(global_batch_size=64, micro_batch_size=32, max_steps=800, log_every=10, eval_every=200),

@@ -32,8 +32,8 @@ import torch
 from exactrl.checks.canary import Canary
 from exactrl.config.loader import ConfigError
 from exactrl.config.schema import AuditConfig, ModelConfig, OptimConfig, TrainConfig
-from exactrl.distributed.checkpoint import NonFiniteError, save_pretrained, write_part
 from exactrl.device import place, process_device, use_device
+from exactrl.distributed.checkpoint import NonFiniteError, save_pretrained, write_part
 from exactrl.distributed.export import hf_tensors
 from exactrl.distributed.launch import is_main
 from exactrl.distributed.optim import build_optimizer, build_scheduler

@@ -15,7 +15,6 @@ from rich.console import Console
 from rich.table import Table
 
 from exactrl.algorithms.common import seed_everything
-from exactrl.run.evaluation import Accuracy, eval_reward_spec, evaluate_accuracy
 from exactrl.algorithms.rl import train_rl
 from exactrl.algorithms.sft import train_sft
 from exactrl.audit.manifest import write_manifest
@@ -26,6 +25,7 @@ from exactrl.metrics import MetricsLog
 from exactrl.models.loading import load_causal_lm, load_tokenizer
 from exactrl.report import plot_run
 from exactrl.rewards import Rewards
+from exactrl.run.evaluation import Accuracy, eval_reward_spec, evaluate_accuracy
 from exactrl.run_dir import create_run_dir
 from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin
 

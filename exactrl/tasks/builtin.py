@@ -18,7 +18,6 @@ from exactrl.tasks.tiny_model import save_tiny_model
 from exactrl.tasks.tokenizer import save_tokenizer
 
 
-
 def cache_dir() -> Path:
     """Where built-in artefacts live: $EXACTRL_CACHE, else ~/.cache/exactrl."""
     return Path(os.environ.get("EXACTRL_CACHE") or Path.home() / ".cache" / "exactrl")

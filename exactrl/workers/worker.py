@@ -43,7 +43,6 @@ from exactrl.models.lora import reference_mode
 from exactrl.models.packing import model_batch
 from exactrl.workers.load import load_model
 
-
 # role -> the worker class that builds it, as "module:Class" (imported when a run asks for the
 # role, as the engines are): a reward model joins with one row.
 ROLES = {

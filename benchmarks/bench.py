@@ -26,8 +26,9 @@ What is compared, so anyone can rerun it:
   time of `exactrl audit stack`.
 Prints ``RATIO sft_tokens_per_s exactrl/trl``, ``RATIO grpo_steps_per_s exactrl/trl`` and
 ``RATIO peak_rss trl/exactrl`` (higher is better for exactrl; RSS: each system's larger median
-peak RSS of its SFT and GRPO runs), ``MFU sft ...``, ``canary overhead ...``, ``RATIO decode_tokens_per_s loop/generate`` and ``audit stack
-wall = X s``, and writes everything to a markdown file under benchmarks/results/.
+peak RSS of its SFT and GRPO runs), ``MFU sft ...``, ``canary overhead ...``,
+``RATIO decode_tokens_per_s loop/generate`` and ``audit stack wall = X s``, and writes everything
+to a markdown file under benchmarks/results/.
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ def prepare(name: str, work: Path) -> tuple[Path, Path, Path, int]:
 def run_worker(script: str, system: str, args: list, threads: int) -> dict:
     python = sys.executable if system == "exactrl" else str(BENCH_PY)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([python, str(HERE / script), system, *map(str, args)], capture_output=True, text=True, env=env, cwd=ROOT)
+    proc = subprocess.run([python, str(HERE / script), system, *map(str, args)], capture_output=True, text=True,
+                          env=env, cwd=ROOT)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"{script} {system} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -132,35 +134,41 @@ def grpo_part(say: Report, results: dict[str, list[dict]], g: dict) -> None:
         checks = (f"{first['optimizer_steps']} optimizer steps ({first['timed_steps']} timed), completions/step "
                   f"{first['completions_per_step']}, prompts/step {first['prompts_per_step']}, responses/prompt "
                   f"{first['responses_per_prompt']}")
-        column = lambda key, fmt=",.0f": spread([r[key] for r in rs], fmt)  # noqa: E731
+        column = lambda key, fmt=",.0f", rs=rs: spread([r[key] for r in rs], fmt)  # noqa: E731
         rows.append([s, column("steps_per_s", ".3f"), column("gen_tokens_per_s"), column("mean_completion_len", ".1f"),
                      column("reward_mean", ".3f"), column("peak_rss_mb"), checks])
-    say("", f"GRPO ({g['prompts']} prompts x {g['group']} responses per step, <= {g['max_new']} new tokens, {g['steps']} timed steps "
-        "after 1 warm-up; responses sampled from the same initial model on both sides; medians over reps, with min and max)",
-        *table(["system", "optimizer steps/s", "generated tokens per s of step time", "mean completion length", "mean reward", "peak RSS MB",
+    say("", f"GRPO ({g['prompts']} prompts x {g['group']} responses per step, <= {g['max_new']} new tokens, "
+            f"{g['steps']} timed steps after 1 warm-up; responses sampled from the same initial model on both sides; "
+            "medians over reps, with min and max)",
+        *table(["system", "optimizer steps/s", "generated tokens per s of step time", "mean completion length",
+                "mean reward", "peak RSS MB",
                 "checked (rep 0)"], rows))
     for s, rs in results.items():
         expected = (g["steps"] + 1, [g["prompts"] * g["group"]], [g["prompts"]], [g["group"]])
         for r in rs:
             got = (r["optimizer_steps"], r["completions_per_step"], r["prompts_per_step"], r["responses_per_prompt"])
             if got != expected:
-                raise SystemExit(f"GRPO {s}: (optimizer steps, completions/step, prompts/step, responses/prompt) = {got}, expected {expected}")
+                raise SystemExit(f"GRPO {s}: (optimizer steps, completions/step, prompts/step, responses/prompt) = "
+                                 f"{got}, expected {expected}")
     sps = median_of(results, "steps_per_s")
     say(f"RATIO grpo_steps_per_s exactrl/trl = {sps['exactrl'] / sps['trl']:.2f}")
 
 
 def mfu_part(say: Report, sft: dict[str, list[dict]], model_dir: Path, data: Path, batch: int, threads: int) -> None:
     import torch
-
     from mfu import gemm_peak, sft_flops
 
     torch.set_num_threads(threads)
     f = sft_flops(str(model_dir), str(data))
     peaks = gemm_peak(round(batch * f.seq_mean), f.hidden, f.intermediate)
     peak = max(peaks.values())
-    say("", f"MFU: model FLOPs per trained token = 6 N + 12 L d T = 6 x {f.matmul_params:,} + 12 x {f.layers} x {f.hidden} x "
-        f"{f.seq_eff:.1f} = {f.per_token / 1e6:.1f} MFLOP (N: every nn.Linear incl. lm_head; T = sum T_i^2 / sum T_i); "
-        "fp32 torch.mm GFLOP/s, best of 7: " + ", ".join(f"{k} {v:.1f}" for k, v in peaks.items()))
+    say("",
+        "MFU: model FLOPs per trained token = 6 N + 12 L d T = "
+        f"6 x {f.matmul_params:,} + 12 x {f.layers} x "
+        f"{f.hidden} x {f.seq_eff:.1f} = "
+        f"{f.per_token / 1e6:.1f} MFLOP (N: every nn.Linear "
+        "incl. lm_head; T = sum T_i^2 / sum T_i); fp32 "
+        "torch.mm GFLOP/s, best of 7: " + ", ".join(f"{k} {v:.1f}" for k, v in peaks.items()))
     for s, tps in median_of(sft, "tokens_per_s").items():
         say(f"MFU sft {s} = {100 * tps * f.per_token / (peak * 1e9):.1f}% of measured GEMM peak {peak:.0f} GFLOP/s")
 
@@ -177,7 +185,8 @@ def canary_part(say: Report, config: str, model_dir: Path, data: Path, batch: in
     r = measure("single", model_dir, encode_sft(read_jsonl(str(data)), tok, 256), tok, pairs, 3, batch, micro)
     q = r["quartiles"]
     say("", f"canary: median SFT step on {r['on_ms']:.1f} ms, off {r['off_ms']:.1f} ms; paired on/off ratio quartiles "
-        f"{q[0]:.3f} / {q[1]:.3f} / {q[2]:.3f} ({pairs} pairs, batch {batch} = {batch // micro} micro-batches of {micro})",
+            f"{q[0]:.3f} / {q[1]:.3f} / {q[2]:.3f} ({pairs} pairs, batch {batch} = {batch // micro} micro-batches of "
+            f"{micro})",
         f"canary overhead (single engine, {config} model) = {100 * (q[1] - 1):.1f}%")
 
 
@@ -189,7 +198,8 @@ def decode_part(say: Report, model_dir: Path, rl_data: Path, g: dict, reps: int)
 
 def audit_part(say: Report) -> None:
     t0 = time.perf_counter()
-    proc = subprocess.run([str(Path(sys.executable).with_name("exactrl")), "audit", "stack"], capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run([str(Path(sys.executable).with_name("exactrl")), "audit", "stack"], capture_output=True,
+                          text=True, cwd=ROOT)
     wall = time.perf_counter() - t0
     tail = [ln for ln in proc.stdout.splitlines() if ln.strip()][-1:] or proc.stderr.splitlines()[-1:]
     say("", f"`exactrl audit stack`: exit {proc.returncode}; last line: {tail[0].strip() if tail else '(none)'}",
@@ -212,7 +222,8 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--config", choices=sorted(CONFIGS), default="bench")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts to run, of {','.join(PARTS)} (mfu needs sft)")
+    ap.add_argument("--only", default=",".join(PARTS),
+                    help=f"comma-separated parts to run, of {','.join(PARTS)} (mfu needs sft)")
     args = ap.parse_args()
     parts = args.only.split(",")
     if unknown := set(parts) - set(PARTS):
@@ -228,8 +239,9 @@ def peak_rss_part(say: Report, sft: dict | None, grpo: dict | None) -> None:
     """Each system's larger median peak RSS over its SFT and GRPO runs, TRL's over exactrl's."""
     measured = [(name, res) for name, res in (("SFT", sft), ("GRPO", grpo)) if res]
     rss = {s: max(median_of(res, "peak_rss_mb")[s] for _, res in measured) for s in SYSTEMS}
-    say(f"RATIO peak_rss trl/exactrl = {rss['trl'] / rss['exactrl']:.2f}  (each system's larger median peak RSS of its "
-        f"{' and '.join(name for name, _ in measured)} runs: exactrl {rss['exactrl']:,.0f} MB, trl {rss['trl']:,.0f} MB)")
+    say(f"RATIO peak_rss trl/exactrl = {rss['trl'] / rss['exactrl']:.2f}  (each system's larger median peak RSS of "
+        f"its {' and '.join(name for name, _ in measured)} runs: exactrl {rss['exactrl']:,.0f} MB, trl "
+        f"{rss['trl']:,.0f} MB)")
 
 
 def main() -> None:
@@ -240,20 +252,23 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="exactrl-bench-") as tmp:
         work = Path(tmp)
         model_dir, sft_data, rl_data, params = prepare(args.config, work)
-        say(f"config {args.config}: {params / 1e6:.1f}M parameters, random init; fp32, no gradient checkpointing, {t} threads, "
-            f"{args.reps} reps interleaved; SFT: {cfg['rows']} rows, batch {cfg['batch']}, one epoch, lr 1e-4; GRPO: "
-            f"{g['prompts']} prompts x {g['group']}, <= {g['max_new']} new tokens, temperature 1, 1 + {g['steps']} steps, lr 1e-6; "
-            f"parts {','.join(parts)}; 1-min load average at start {os.getloadavg()[0]:.1f} (other processes skew every figure)")
+        say(f"config {args.config}: {params / 1e6:.1f}M parameters, random init; fp32, no gradient checkpointing, {t} "
+            f"threads, {args.reps} reps interleaved; SFT: {cfg['rows']} rows, batch {cfg['batch']}, one epoch, lr "
+            f"1e-4; GRPO: {g['prompts']} prompts x {g['group']}, <= {g['max_new']} new tokens, temperature 1, 1 + "
+            f"{g['steps']} steps, lr 1e-6; parts {','.join(parts)}; 1-min load average at start "
+            f"{os.getloadavg()[0]:.1f} (other processes skew every figure)")
         if "sft" in parts:
-            sft = interleaved(args.reps, lambda s, rep: run_worker("sft_workers.py", s, [model_dir, sft_data, cfg["batch"], t,
+            sft = interleaved(args.reps, lambda s, rep: run_worker("sft_workers.py", s, [model_dir, sft_data, cfg[
+                "batch"], t,
                                                                                       work / f"sft-{s}-{rep}"], t),
                               lambda r: f"SFT {r['tokens_per_s']:9,.0f} tok/s  {r['seconds']:6.1f} s")
         if "grpo" in parts:
-            grpo = interleaved(args.reps, lambda s, rep: run_worker("grpo_workers.py", s, [model_dir, rl_data, g["prompts"], g["group"],
+            grpo = interleaved(args.reps, lambda s, rep: run_worker("grpo_workers.py", s, [model_dir, rl_data, g[
+                "prompts"], g["group"],
                                                                                         g["max_new"], g["steps"], t,
                                                                                         work / f"grpo-{s}-{rep}"], t),
-                               lambda r: f"GRPO {r['steps_per_s']:.3f} steps/s  {r['gen_tokens_per_s']:7,.0f} gen tok/s  "
-                                         f"mean len {r['mean_completion_len']:.1f}")
+                               lambda r: f"GRPO {r['steps_per_s']:.3f} steps/s  {r['gen_tokens_per_s']:7,.0f} gen "
+                                         f"tok/s  mean len {r['mean_completion_len']:.1f}")
         if sft:
             sft_part(say, sft)
         if grpo:

@@ -32,11 +32,11 @@ from exactrl.models.loading import load_causal_lm, load_tokenizer
 from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin
 from exactrl.workers.worker import Worker
 
-
 LAYOUTS = {
     "single": [],
     "fsdp2": ["distributed.backend=fsdp2"],
-    "deepspeed-zero2-offload": ["distributed.backend=deepspeed", "deepspeed.zero_stage=2", "deepspeed.offload_optimizer=cpu"],
+    "deepspeed-zero2-offload": ["distributed.backend=deepspeed", "deepspeed.zero_stage=2",
+                                "deepspeed.offload_optimizer=cpu"],
     "deepspeed-zero3": ["distributed.backend=deepspeed", "deepspeed.zero_stage=3"],
 }
 
@@ -45,10 +45,12 @@ class Trainer:
     """One SFT setup (model + engine) for a layout and canary policy, stepped on demand."""
 
     def __init__(self, layout: str, policy: str, model_path, examples, tok, steps: int, batch: int, micro: int):
-        cfg = load_config(SFTConfig, None, [*LAYOUTS[layout], f"audit.canary={policy}", f"train.global_batch_size={batch}",
+        cfg = load_config(SFTConfig, None, [*LAYOUTS[layout], f"audit.canary={policy}",
+                                            f"train.global_batch_size={batch}",
                                             f"train.micro_batch_size={micro}"])
         torch.manual_seed(0)
-        self.model, self.samples, self.micro = load_causal_lm(str(model_path)), [demonstration(e) for e in examples], micro
+        self.model, self.samples, self.micro = load_causal_lm(str(model_path)), [demonstration(
+            e) for e in examples], micro
         self.worker = Worker("policy", self.model, build_engine(self.model, cfg, steps), pad_id=tok.pad_token_id)
         self.objective = sft_objective("token-mean", None)
         self.sampler = StepSampler(len(examples), batch, 0)
@@ -60,9 +62,11 @@ class Trainer:
         return time.perf_counter() - t0
 
 
-def measure(layout: str, model_path, examples, tok, pairs: int = 60, warmup: int = 3, batch: int = 64, micro: int = 16) -> dict:
+def measure(layout: str, model_path, examples, tok, pairs: int = 60, warmup: int = 3, batch: int = 64,
+            micro: int = 16) -> dict:
     """Median step times with the canary on and off, and the quartiles of the paired on/off ratio."""
-    on, off = (Trainer(layout, policy, model_path, examples, tok, pairs + warmup, batch, micro) for policy in ("error", "off"))
+    on, off = (Trainer(layout, policy, model_path, examples, tok, pairs + warmup, batch, micro) for policy in (
+        "error", "off"))
     # Step by step, alternating which goes first, both on the same batch: machine noise
     # (this is a VM) hits both alike, and each pair gives one ratio.
     ratios, t_on, t_off = [], [], []
@@ -89,8 +93,9 @@ def main(steps: int = 60, warmup: int = 3) -> None:
             continue
         r = measure(layout, paths.model, examples, tok, steps, warmup)
         q = r["quartiles"]
-        print(f"{layout}: median step canary on {r['on_ms']:.2f} ms, off {r['off_ms']:.2f} ms; "
-              f"paired on/off ratio quartiles {q[0]:.3f} / {q[1]:.3f} / {q[2]:.3f} ({steps} pairs, tiny built-in model, batch 64 x 4 micro-batches)")
+        print(f"{layout}: median step canary on {r['on_ms']:.2f} ms, off {r['off_ms']:.2f} ms; paired on/off ratio "
+              f"quartiles {q[0]:.3f} / {q[1]:.3f} / {q[2]:.3f} ({steps} pairs, tiny built-in model, batch 64 x 4 "
+              "micro-batches)")
         print(f"RATIO canary_on/off[{layout}] = {q[1]:.3f}", flush=True)
 
 

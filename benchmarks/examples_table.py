@@ -26,18 +26,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def starting_accuracy(eval_size: int):
     """Greedy accuracy of the built-in SFT model on the examples' eval prompts."""
-    from exactrl.run.evaluation import evaluate_accuracy
+    from exactrl.algorithms.sft import resolve
     from exactrl.data.encode import encode_prompts
     from exactrl.data.jsonl import read_jsonl
     from exactrl.models.loading import load_causal_lm, load_tokenizer
     from exactrl.rewards import load_rewards
-    from exactrl.algorithms.sft import resolve
+    from exactrl.run.evaluation import evaluate_accuracy
 
     path = resolve("builtin-sft", "model")
     tok = load_tokenizer(path)
     prompts = encode_prompts(read_jsonl(resolve("builtin", "eval"))[:eval_size], tok, 256)
     with load_rewards("exactrl.tasks.arithmetic:reward") as rewards:
-        return evaluate_accuracy(load_causal_lm(path, trainable=False), tok, prompts, rewards.eval, batch_size=500, max_new_tokens=48)
+        return evaluate_accuracy(load_causal_lm(path, trainable=False), tok, prompts, rewards.eval, batch_size=500,
+                                 max_new_tokens=48)
 
 
 def main() -> None:
@@ -53,7 +54,8 @@ def main() -> None:
             continue
         out = Path(args.out) / f"{path.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "exactrl.cli", "rl", "--config", str(path), f"output_dir={out}", *args.overrides],
+        proc = subprocess.run([sys.executable, "-m", "exactrl.cli", "rl", "--config", str(path), f"output_dir={out}",
+                               *args.overrides],
                               capture_output=True, text=True)
         wall = time.perf_counter() - t0
         if proc.returncode != 0:

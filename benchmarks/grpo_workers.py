@@ -40,11 +40,12 @@ from pathlib import Path
 from worker_common import count_optimizer_steps, run, trl_clock
 
 
-
 def load_verifier():
     """exactrl/tasks/arithmetic.py by its path: stdlib only, so TRL's side needs no exactrl package."""
-    spec = importlib.util.spec_from_file_location("bench_arithmetic", Path(__file__).resolve().parents[1] / "exactrl/tasks/arithmetic.py")
-    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # its dataclasses look their module up there
+    spec = importlib.util.spec_from_file_location("bench_arithmetic",
+                                                  Path(__file__).resolve().parents[1] / "exactrl/tasks/arithmetic.py")
+    # its dataclasses look their module up there
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
@@ -54,7 +55,8 @@ arithmetic = load_verifier()
 CALLS: list[dict] = []  # one per reward call, i.e. per generation batch
 
 
-def scored(prompts: list[str], answers: list[str], completions: list[str], lengths: list[int] | None = None) -> list[float]:
+def scored(prompts: list[str], answers: list[str], completions: list[str],
+           lengths: list[int] | None = None) -> list[float]:
     rewards = arithmetic.reward(prompts, completions, answers)
     CALLS.append({"completions": len(completions), "per_prompt": sorted(set(Counter(prompts).values())),
                   "prompts": len(set(prompts)), "lengths": lengths, "reward": sum(rewards) / len(rewards)})
@@ -69,19 +71,23 @@ def exactrl_reward(prompts: list[str], completions: list[str], answers: list[str
     return rewards
 
 
-def trl_reward(prompts: list[str], completions: list[str], completion_ids: list[list[int]], answer: list[str], **_) -> list[float]:
+def trl_reward(prompts: list[str], completions: list[str], completion_ids: list[list[int]], answer: list[str],
+               **_) -> list[float]:
     return scored(prompts, answer, completions, [len(ids) for ids in completion_ids])
 
 
-def summary(step_ends: list[float], gen_tokens: list[int], responses: list[int], optimizer_steps: int, trainer_steps: int) -> dict:
+def summary(step_ends: list[float], gen_tokens: list[int], responses: list[int], optimizer_steps: int,
+            trainer_steps: int) -> dict:
     """Figures over the timed steps 2..N+1, from per-step end times, generated tokens and responses."""
     seconds = step_ends[-1] - step_ends[0]
     timed = len(step_ends) - 1
     tokens = sum(gen_tokens[1:])
-    return {"optimizer_steps": optimizer_steps, "trainer_steps": trainer_steps, "timed_steps": timed, "seconds": seconds,
+    return {"optimizer_steps": optimizer_steps, "trainer_steps": trainer_steps, "timed_steps": timed,
+            "seconds": seconds,
             "steps_per_s": timed / seconds, "gen_tokens": tokens, "gen_tokens_per_s": tokens / seconds,
             "mean_completion_len": tokens / sum(responses[1:]), "reward_calls": len(CALLS),
-            "completions_per_step": sorted({c["completions"] for c in CALLS}), "prompts_per_step": sorted({c["prompts"] for c in CALLS}),
+            "completions_per_step": sorted({c["completions"] for c in CALLS}), "prompts_per_step": sorted({c[
+                "prompts"] for c in CALLS}),
             "responses_per_prompt": sorted({n for c in CALLS for n in c["per_prompt"]}),
             "reward_mean": sum(c["reward"] for c in CALLS) / len(CALLS)}
 
@@ -94,12 +100,18 @@ def run_exactrl(model_dir: str, data: str, prompts: int, group: int, max_new: in
     # The reward is this file's wrapper of the verifier, imported by module name in exactrl's reward process.
     calls = Path(out) / "reward_calls.jsonl"
     os.environ["EXACTRL_BENCH_CALLS"] = str(calls)
-    cfg = load_config(RLConfig, None, [f"model.path={model_dir}", f"data.train={data}", "data.eval=null", "algo.name=grpo",
-                                       f"algo.group_size={group}", "algo.kl_coef=0.0", "algo.clip_eps=0.2", "algo.ppo_epochs=1",
-                                       "algo.mini_batches=1", f"train.global_batch_size={batch}", f"train.micro_batch_size={batch}",
-                                       f"train.max_steps={steps + 1}", "train.max_grad_norm=1.0", "train.loss_agg=token-mean",
-                                       "train.log_every=1", "optim.name=adamw", "optim.lr=1e-6", "optim.weight_decay=0.0",
-                                       "optim.scheduler=constant", "optim.warmup_steps=0", f"rollout.max_new_tokens={max_new}",
+    cfg = load_config(RLConfig, None, [f"model.path={model_dir}", f"data.train={data}", "data.eval=null",
+                                       "algo.name=grpo",
+                                       f"algo.group_size={group}", "algo.kl_coef=0.0", "algo.clip_eps=0.2",
+                                       "algo.ppo_epochs=1",
+                                       "algo.mini_batches=1", f"train.global_batch_size={batch}",
+                                       f"train.micro_batch_size={batch}",
+                                       f"train.max_steps={steps + 1}", "train.max_grad_norm=1.0",
+                                       "train.loss_agg=token-mean",
+                                       "train.log_every=1", "optim.name=adamw", "optim.lr=1e-6",
+                                       "optim.weight_decay=0.0",
+                                       "optim.scheduler=constant", "optim.warmup_steps=0",
+                                       f"rollout.max_new_tokens={max_new}",
                                        "rollout.temperature=1.0", "rollout.top_p=1.0", f"rollout.batch_size={batch}",
                                        "reward.fn=grpo_workers:exactrl_reward", f"output_dir={out}"])
     counter = count_optimizer_steps()
@@ -122,10 +134,14 @@ def run_trl(model_dir: str, data: str, prompts: int, group: int, max_new: int, s
     clock = trl_clock()
     args = GRPOConfig(output_dir=out, per_device_train_batch_size=prompts * group, gradient_accumulation_steps=1,
                       steps_per_generation=1, num_iterations=1, num_generations=group, max_completion_length=max_new,
-                      temperature=1.0, top_p=1.0, top_k=0, beta=0.0, epsilon=0.2, loss_type="dapo", scale_rewards="group",
-                      use_vllm=False, max_steps=steps + 1, learning_rate=1e-6, lr_scheduler_type="constant", warmup_steps=0,
-                      max_grad_norm=1.0, weight_decay=0.0, bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=True,
-                      report_to=[], save_strategy="no", eval_strategy="no", logging_steps=1000000, dataloader_num_workers=0,
+                      temperature=1.0, top_p=1.0, top_k=0, beta=0.0, epsilon=0.2, loss_type="dapo",
+                      scale_rewards="group",
+                      use_vllm=False, max_steps=steps + 1, learning_rate=1e-6, lr_scheduler_type="constant",
+                      warmup_steps=0,
+                      max_grad_norm=1.0, weight_decay=0.0, bf16=False, fp16=False, gradient_checkpointing=False,
+                      use_cpu=True,
+                      report_to=[], save_strategy="no", eval_strategy="no", logging_steps=1000000,
+                      dataloader_num_workers=0,
                       seed=0, disable_tqdm=True)
     counter = count_optimizer_steps()
     trainer = GRPOTrainer(model=model, args=args, reward_funcs=trl_reward, train_dataset=ds, processing_class=tok,
@@ -137,7 +153,8 @@ def run_trl(model_dir: str, data: str, prompts: int, group: int, max_new: int, s
 
 def main() -> None:
     system, model_dir, data, prompts, group, max_new, steps, threads, out = sys.argv[1:10]
-    run({"exactrl": run_exactrl, "trl": run_trl}, system, int(threads), model_dir, data, int(prompts), int(group), int(max_new),
+    run({"exactrl": run_exactrl, "trl": run_trl}, system, int(threads), model_dir, data, int(prompts), int(group),
+        int(max_new),
         int(steps), out)
 
 

@@ -27,8 +27,10 @@ def run_exactrl(model_dir: str, data: str, batch: int, out: str) -> dict:
     from exactrl.config import SFTConfig, load_config
 
     cfg = load_config(SFTConfig, None, [f"model.path={model_dir}", f"data.train={data}", "data.eval=null",
-                                        f"train.global_batch_size={batch}", f"train.micro_batch_size={batch}", "train.epochs=1",
-                                        "train.max_grad_norm=1.0", "train.log_every=1000000", "optim.name=adamw", "optim.lr=1e-4",
+                                        f"train.global_batch_size={batch}", f"train.micro_batch_size={batch}",
+                                        "train.epochs=1",
+                                        "train.max_grad_norm=1.0", "train.log_every=1000000", "optim.name=adamw",
+                                        "optim.lr=1e-4",
                                         "optim.scheduler=constant", "optim.warmup_steps=0", f"output_dir={out}"])
     result = train_sft(cfg)
     return rates(result.trained_tokens, result.seconds, result.steps)
@@ -43,9 +45,12 @@ def run_trl(model_dir: str, data: str, batch: int, out: str) -> dict:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32")
     ds = load_dataset("json", data_files=data, split="train")
     clock = trl_clock()
-    args = SFTConfig(output_dir=out, per_device_train_batch_size=batch, gradient_accumulation_steps=1, num_train_epochs=1,
-                     learning_rate=1e-4, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, weight_decay=0.0,
-                     bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=True, report_to=[], save_strategy="no",
+    args = SFTConfig(output_dir=out, per_device_train_batch_size=batch, gradient_accumulation_steps=1,
+                     num_train_epochs=1,
+                     learning_rate=1e-4, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
+                     weight_decay=0.0,
+                     bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=True, report_to=[],
+                     save_strategy="no",
                      logging_steps=1000000, dataloader_num_workers=0, max_length=256, completion_only_loss=True,
                      packing=False, seed=0, disable_tqdm=True)
     trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok, callbacks=[clock])

@@ -7,7 +7,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 import yaml
@@ -22,7 +22,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="exactrl: LLM post-training where every optimizer step applies exactly the gradient asked for.")
 console = Console(stderr=True)
 
-ConfigOpt = typer.Option(None, "--config", "-c", help="YAML config file (e.g. examples/sft_tiny.yaml or runs/X/config.yaml).")
+ConfigOpt = typer.Option(None, "--config", "-c",
+                         help="YAML config file (e.g. examples/sft_tiny.yaml or runs/X/config.yaml).")
 OverridesArg = typer.Argument(None, help="Dotted overrides, e.g. optim.lr=3e-4 train.micro_batch_size=4")
 DemoOverridesArg = typer.Argument(None, help="Dotted overrides, e.g. task.n_sft=5000 sft.train.max_steps=200 "
                                               "rl.optim.lr=1e-4")
@@ -104,34 +105,34 @@ def _relaunch(nproc: int) -> typer.Exit:
     cause = next((e for e in ends if e["state"] != "interrupted"), ends[0] if ends else None)
     if cause is None:
         cause = {"state": "error", "label": "error", "code": code,
-                 "message": f"torchrun ended with exit code {code} before any rank said why; its output, if any, is above"}
+                 "message": f"torchrun ended with exit code {code} before any rank said why; its output, if any, "
+                            "is above"}
     if run_dir is not None:
         adopt(run_dir)
     return _fail(cause["state"], cause["label"], cause["message"], cause["code"])
 
 
-def _run(kind: str, config: Optional[Path], overrides: Optional[list[str]], fn) -> None:
+def _run(kind: str, config: Path | None, overrides: list[str] | None, fn) -> None:
     """Exit codes: 0 success, 2 a problem in the config, data, model, checkpoint, output_dir or
     disk, 1 the final evaluation failed (the model is saved), 3 stopped by a verification check
     (the canary; the packing, generation or determinism self-check; the on-policy ratio; a weight
     sync), 4 a non-finite loss, gradient or weight, 130/143 SIGINT/SIGTERM.
     Every run directory's status.json records the same end."""
-    from exactrl.run.context import EvaluationError
+    from exactrl.algorithms.common import preflight
     from exactrl.checks.canary import CanaryError
     from exactrl.checks.determinism import DeterminismError
     from exactrl.checks.generation import GenerationCheckError
     from exactrl.checks.on_policy import OnPolicyCheckError
     from exactrl.checks.packing import PackingCheckError
-    from exactrl.rollout.generator import WeightSyncError
     from exactrl.data.jsonl import DataError
     from exactrl.distributed.checkpoint import CheckpointError
     from exactrl.distributed.engine import NonFiniteError
+    from exactrl.distributed.launch import shutdown, under_launcher
     from exactrl.models.loading import ModelLoadError
     from exactrl.rewards import RewardError
+    from exactrl.rollout.generator import WeightSyncError
+    from exactrl.run.context import EvaluationError
     from exactrl.run_dir import forget_current, note_end, record_event, set_status
-
-    from exactrl.algorithms.common import preflight
-    from exactrl.distributed.launch import shutdown, under_launcher
 
     global _signalled
     previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -184,7 +185,7 @@ def _run(kind: str, config: Optional[Path], overrides: Optional[list[str]], fn) 
         forget_current()
 
 
-def _replay_overrides(config: Optional[Path], overrides: list[str]) -> list[str]:
+def _replay_overrides(config: Path | None, overrides: list[str]) -> list[str]:
     """Replaying ``--config runs/X/config.yaml`` of a run with an explicit output_dir would
     collide with that run: unless output_dir is given, the replay goes next to it."""
     if config is None or config.name != "config.yaml" or any(o.startswith("output_dir=") for o in overrides):
@@ -228,7 +229,7 @@ def _main(version: bool = typer.Option(False, "--version", callback=_version, is
 
 
 @app.command()
-def sft(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg):
+def sft(config: Path | None = ConfigOpt, overrides: list[str] | None = OverridesArg):
     """Supervised fine-tuning (prompt/completion or chat messages JSONL)."""
     from exactrl.algorithms.sft import train_sft
 
@@ -236,7 +237,7 @@ def sft(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = Ove
 
 
 @app.command(short_help="RL from verifiable rewards: ppo, grpo, dr_grpo, dapo, rloo, reinforce_pp(_baseline), gspo.")
-def rl(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = OverridesArg):
+def rl(config: Path | None = ConfigOpt, overrides: list[str] | None = OverridesArg):
     """RL from verifiable rewards. algo.name (README "RL algorithms"):
 
     \b
@@ -255,7 +256,7 @@ def rl(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = Over
 
 
 @app.command()
-def demo(config: Optional[Path] = ConfigOpt, overrides: Optional[list[str]] = DemoOverridesArg):
+def demo(config: Path | None = ConfigOpt, overrides: list[str] | None = DemoOverridesArg):
     """Built-in task, tiny model: accuracy before, after SFT and after SFT -> GRPO."""
     from exactrl.pipelines.demo import run_demo
 
@@ -279,8 +280,11 @@ def evaluate(config: Path | None = ConfigOpt, overrides: list[str] | None = Over
 @app.command()
 def merge(adapter: Annotated[Path, typer.Argument(help="A LoRA run's final/ or checkpoint-N/ (adapter_config.json, "
                                                       "adapter_model.safetensors).")],
-          output: Annotated[Path, typer.Argument(help="Directory to write the merged model to (must not exist, or be empty).")],
-          base: Annotated[Path | None, typer.Option("--base", help="The base model directory (default: the one the adapter's "
+          output: Annotated[Path,
+                            typer.Argument(help="Directory to write the merged model to (must not exist, or be "
+                                                "empty).")],
+          base: Annotated[Path | None, typer.Option("--base",
+                                                    help="The base model directory (default: the one the adapter's "
                                                                    "adapter_config.json records).")] = None):
     """Merge a LoRA adapter into its base model: a Hugging Face model directory that loads without peft."""
     from exactrl.models.loading import ModelLoadError
@@ -294,8 +298,9 @@ def merge(adapter: Annotated[Path, typer.Argument(help="A LoRA run's final/ or c
         raise typer.Exit(2) from None
     except OSError as e:  # a full disk, a directory that cannot be written
         where = f" '{e.filename}'" if e.filename else ""
-        console.print(f"[bold red]error:[/bold red] {escape(f'{e.strerror or e}{where}')}; free space or fix the permissions, "
-                      "then run again", highlight=False, soft_wrap=True)
+        console.print("[bold red]error:[/bold red] "
+                      f"{escape(f'{e.strerror or e}{where}')}; free space or fix the "
+                      "permissions, then run again", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
     console.print(f"merged model: {path}", highlight=False, soft_wrap=True)
 
@@ -306,7 +311,9 @@ app.add_typer(audit_app, name="audit")
 
 @audit_app.command("stack")
 def audit_stack_cmd(as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
-                    python: Optional[str] = typer.Option(None, help="Audit another environment's python (default: this one)."),
+                    python: str | None = typer.Option(None,
+                                                         help="Audit another environment's python (default: this "
+                                                              "one)."),
                     world: list[int] = typer.Option([1, 2], help="World sizes to test.")):
     """Tiny real runs of every backend configuration; EXACT / BROKEN / ERROR per row. Exit 1 unless all exact."""
     import json
@@ -331,7 +338,9 @@ def audit_stack_cmd(as_json: bool = typer.Option(False, "--json", help="Machine-
 
 
 @audit_app.command("run")
-def audit_run_cmd(paths: list[Path] = typer.Argument(..., help="Run directories or files (configs, launch scripts, pip freeze...)."),
+def audit_run_cmd(paths: list[Path] = typer.Argument(...,
+                                                     help="Run directories or files (configs, launch scripts, pip "
+                                                          "freeze...)."),
                   as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")):
     """Read what past runs left behind; AFFECTED / NOT AFFECTED / CONDITIONAL / UNKNOWN per known bug.
 

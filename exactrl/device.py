@@ -35,9 +35,9 @@ def resolve_device(setting: str = "auto") -> torch.device:
     if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise DeviceError(f"distributed.device=cuda, but this torch ({torch.__version__}) sees no CUDA device; install a CUDA "
-                          "build of torch (make setup TORCH=\"torch==... --index-url https://download.pytorch.org/whl/cu128\") "
-                          "or set distributed.device=auto")
+        raise DeviceError(f"distributed.device=cuda, but this torch ({torch.__version__}) sees no CUDA device; "
+                          "install a CUDA build of torch (make setup TORCH=\"torch==... --index-url "
+                          "https://download.pytorch.org/whl/cu128\") or set distributed.device=auto")
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
 
@@ -47,7 +47,8 @@ def use_device(setting: str = "auto") -> torch.device:
     global _process_device
     device = resolve_device(setting)
     if _process_device is not None and _process_device != device:
-        raise DeviceError(f"distributed.device={setting} gives {device}, but this process already runs on {_process_device}")
+        raise DeviceError(f"distributed.device={setting} gives {device}, but this process already runs on "
+                          f"{_process_device}")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:

@@ -7,9 +7,9 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+import matplotlib.pyplot as plt
 
-from exactrl.metrics import read_metrics  # noqa: E402
+from exactrl.metrics import read_metrics
 
 
 def plot_run(run_dir: Path, milestones: list[tuple[str, float, tuple[float, float]]] | None = None) -> Path:
@@ -21,7 +21,8 @@ def plot_run(run_dir: Path, milestones: list[tuple[str, float, tuple[float, floa
     records = read_metrics(run_dir / "metrics.jsonl")
     sft_steps = max((r["step"] for r in records if r.get("phase") == "sft"), default=0)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for phase, ax, key, label in (("sft", axes[0], "loss", "SFT loss"), ("rl", axes[1], "reward_mean", "RL mean reward")):
+    for phase, ax, key, label in (("sft", axes[0], "loss", "SFT loss"), ("rl", axes[
+        1], "reward_mean", "RL mean reward")):
         pts = [(r["step"], r[key]) for r in records if r.get("phase") == phase and key in r]
         if pts:
             ax.plot(*zip(*pts))
@@ -29,7 +30,8 @@ def plot_run(run_dir: Path, milestones: list[tuple[str, float, tuple[float, floa
         ax.set_xlabel(f"{phase.upper()} optimizer step")
     ax = axes[2]
     for phase, offset in (("sft", 0), ("rl", sft_steps)):
-        pts = [(offset + r["step"], r["eval_accuracy"]) for r in records if r.get("phase") == phase and "eval_accuracy" in r]
+        pts = [(offset + r["step"], r["eval_accuracy"]) for r in records if r.get("phase") == phase
+               and "eval_accuracy" in r]
         if pts:
             ax.plot(*zip(*pts), "o-", label=f"during {phase.upper()} (eval subset)")
     if milestones:
@@ -39,7 +41,8 @@ def plot_run(run_dir: Path, milestones: list[tuple[str, float, tuple[float, floa
         yerr = [[max(0.0, v - lo) for _, v, (lo, _) in milestones], [max(0.0, hi - v) for _, v, (_, hi) in milestones]]
         ax.errorbar(xs, values, yerr=yerr, fmt="D", color="black", capsize=5, label="phase end (all eval, 95% CI)")
         for x, (name, v, _) in zip(xs, milestones):
-            ax.annotate(f"{name}\n{100 * v:.1f}%", (x, v), textcoords="offset points", xytext=(0, -28), ha="center", fontsize=8)
+            ax.annotate(f"{name}\n{100 * v:.1f}%", (x, v), textcoords="offset points", xytext=(0, -28), ha="center",
+                        fontsize=8)
     ax.axvline(sft_steps, color="grey", linestyle=":")
     ax.set_title("held-out greedy accuracy")
     ax.set_xlabel("optimizer step (SFT, then RL)")

@@ -30,7 +30,8 @@ STATUS = "status.json"
 MANIFEST_LOCK = ".manifest.json.lock"  # held while manifest.json is updated (exactrl/audit/manifest.py)
 FAILED_STATES = ("error", "interrupted", "canary", "check", "nonfinite")
 # What a run leaves before its first saved or logged result; nothing in them is lost by reuse.
-SCAFFOLD = {STATUS, "config.yaml", ".config.yaml.tmp", "manifest.json", MANIFEST_LOCK, "metrics.jsonl", f".{STATUS}.tmp"}
+SCAFFOLD = {STATUS, "config.yaml", ".config.yaml.tmp", "manifest.json", MANIFEST_LOCK, "metrics.jsonl",
+            f".{STATUS}.tmp"}
 
 _current: Path | None = None  # the run directory this process created (its status is ours to write)
 LAUNCH_DIR = "EXACTRL_LAUNCH_DIR"
@@ -105,7 +106,8 @@ def _claim_locked(path: Path, continues: bool) -> bool:
         status = read_status(path)
         kept = continues and _continuable(path, status)
         if not kept and not _reusable(path, status):
-            if continues and status is not None and (path / "final").exists() and (status.get("state") == "success" or _ended(status)):
+            if continues and status is not None and (path / "final").exists() and (status.get(
+                "state") == "success" or _ended(status)):
                 raise ConfigError(f"output_dir '{path}' holds a run that has written final/ (it ended "
                                   f"'{status.get('state')}'): nothing is left to resume; choose another output_dir")
             raise ConfigError(_refusal(path, status))

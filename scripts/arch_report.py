@@ -37,14 +37,14 @@ def measure(name: str, tmp: Path) -> dict:
     import random
 
     import torch
-    from archs import VOCAB, build, save
-    from test_arch_matrix import LENGTHS
 
+    from archs import VOCAB, build, save
     from exactrl.checks.packing import check_packing
     from exactrl.losses.token_losses import token_logprobs
     from exactrl.models import packing
     from exactrl.models.loading import load_causal_lm
     from exactrl.rollout.hf import sample
+    from test_arch_matrix import LENGTHS
 
     row: dict = {"name": name}
     rng = random.Random(0)
@@ -52,7 +52,7 @@ def measure(name: str, tmp: Path) -> dict:
     try:
         save(name, tmp / name)
         model = load_causal_lm(tmp / name)
-    except Exception as e:  # noqa: BLE001 -- any failure is this architecture's row, not the end of the table
+    except Exception as e:
         return row | {"check": f"load fails: {one_line(e)}"}
     train_mode, random = None, ""
     try:  # the determinism self-check, where this version of exactrl has it
@@ -71,7 +71,7 @@ def measure(name: str, tmp: Path) -> dict:
         own = getattr(report, "attention", "exactrl")
         row["path"] = (f"packed, {report.kernel}" if report.packed else "padded"
                        + ("" if own == "exactrl" else f", {own} attention"))
-    except Exception as e:  # noqa: BLE001 -- any failure is this architecture's row, not the end of the table
+    except Exception as e:
         row["check"] = f"raises {one_line(e)}"
         row["path"] = "-"
     if train_mode is False:
@@ -84,7 +84,8 @@ def measure(name: str, tmp: Path) -> dict:
         ref_rows = []
         for s in seqs:
             ids = torch.tensor([s])
-            ref_rows.append(ref(input_ids=ids).logits.float().log_softmax(-1)[0, :-1].gather(-1, ids[0, 1:, None])[:, 0])
+            ref_rows.append(ref(input_ids=ids).logits.float().log_softmax(-1)[0, :-1].gather(-1, ids[0, 1:, None])[
+                :, 0])
         sum((r * w).sum() for r, w in zip(ref_rows, weights)).backward()
         mb = packing.model_batch(model, seqs, 0, packed=True)
         lp = mb.repad(token_logprobs(model(**mb.inputs).logits, mb.inputs["input_ids"]))
@@ -101,7 +102,7 @@ def measure(name: str, tmp: Path) -> dict:
             elif (n in grads) != (p.grad is not None):
                 err = float("inf")
         row["grad_err"] = err
-    except Exception as e:  # noqa: BLE001 -- any failure is this architecture's row, not the end of the table
+    except Exception as e:
         row["logprob_err"] = f"raises {one_line(e)}"
     try:  # the generation self-check, where this version of exactrl has it
         from exactrl.checks.generation import check_generation
@@ -110,7 +111,7 @@ def measure(name: str, tmp: Path) -> dict:
         row["gen_check"] = g.decoder + ("" if g.logprob_error is None else f", log-probs {g.logprob_error:.1e}")
     except ImportError:
         row["gen_check"] = "(none)"
-    except Exception as e:  # noqa: BLE001 -- any failure is this architecture's row, not the end of the table
+    except Exception as e:
         row["gen_check"] = f"raises {one_line(e)}"
     try:
         model.eval()
@@ -126,7 +127,7 @@ def measure(name: str, tmp: Path) -> dict:
                                 eos_token_id=2)[0, len(p):].tolist()
             same &= got[: len(want)] == want
         row["generate"] = "same" if same else "DIFFERS"
-    except Exception as e:  # noqa: BLE001 -- any failure is this architecture's row, not the end of the table
+    except Exception as e:
         row["generate"] = f"raises {one_line(e)}"
     return row
 
@@ -135,13 +136,13 @@ def cli(name: str, tmp: Path) -> dict:
     """exactrl sft and rl, two steps each, as test_arch_matrix.cli_two_steps runs them."""
     import test_arch_matrix
     from archs import save
-    from test_arch_matrix import write_data
-
     from exactrl.tasks.tokenizer import build_tokenizer
+    from test_arch_matrix import write_data
 
     model_dir = save(name, tmp / f"{name}-cli", tokenizer=build_tokenizer())
     data = write_data(tmp / "data.jsonl")
-    common = [f"model.path={model_dir}", f"data.train={data}", "data.eval=null", "train.max_steps=2", "train.log_every=1",
+    common = [f"model.path={model_dir}", f"data.train={data}", "data.eval=null", "train.max_steps=2",
+              "train.log_every=1",
               "train.micro_batch_size=4", "train.global_batch_size=8"]
     runs = {"sft": ["sft", *common, f"output_dir={tmp / 'sft'}"],
             "rl": ["rl", *common, "algo.group_size=4", "rollout.max_new_tokens=12",

@@ -80,13 +80,15 @@ def child(kind: str, dtype: str, device: str, steps: int, out: str) -> None:
     if kind == "sft":
         from exactrl.algorithms.sft import train_sft
 
-        cfg = load_config(SFTConfig, None, [*common, "train.global_batch_size=16", f"train.micro_batch_size={8 // world}"])
+        cfg = load_config(SFTConfig, None, [*common, "train.global_batch_size=16",
+                                            f"train.micro_batch_size={8 // world}"])
         result, tokens = train_sft(cfg, spec=spec), None
         tokens = result.trained_tokens
     else:
         from exactrl.algorithms.rl import train_rl
 
-        cfg = load_config(RLConfig, None, [*common, "train.global_batch_size=16", f"train.micro_batch_size={8 // world}",
+        cfg = load_config(RLConfig, None, [*common, "train.global_batch_size=16",
+                                           f"train.micro_batch_size={8 // world}",
                                            "algo.name=grpo", "algo.group_size=4", "rollout.max_new_tokens=16",
                                            "reward.fn=exactrl.tasks.arithmetic:reward"])
         result = train_rl(cfg, spec=spec)
@@ -95,7 +97,8 @@ def child(kind: str, dtype: str, device: str, steps: int, out: str) -> None:
         lines = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
         logged = [x for x in lines if "loss" in x]
         peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
-        Path(out).write_text(json.dumps({"loss": logged[-1]["loss"], "canary": [x["canary"] for x in logged if x.get("canary") is not None],
+        Path(out).write_text(json.dumps({"loss": logged[-1]["loss"], "canary": [x["canary"] for x in logged if x.get(
+            "canary") is not None],
                                          "tokens_per_s": tokens / result.seconds, "peak_memory_gb": peak}))
     shutdown()
 
@@ -110,7 +113,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dry-run", action="store_true", help="run everything on the CPU (gloo, world size 1)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps of each run (default 20 on GPU, 2 dry)")
-    p.add_argument("--runs", default="sft-fp32,sft-bf16,grpo-fp32,grpo-bf16", help="which training runs (kind-dtype, comma-separated)")
+    p.add_argument("--runs", default="sft-fp32,sft-bf16,grpo-fp32,grpo-bf16",
+                   help="which training runs (kind-dtype, comma-separated)")
     p.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -120,8 +124,8 @@ def main() -> int:
     import torch
 
     if not args.dry_run and not torch.cuda.is_available():
-        print(f"gpu-check: this torch ({torch.__version__}) sees no CUDA device; install a CUDA build "
-              "(make gpu-check TORCH=\"torch==... --index-url https://download.pytorch.org/whl/cu128\") or pass --dry-run")
+        print(f"gpu-check: this torch ({torch.__version__}) sees no CUDA device; install a CUDA build (make gpu-check "
+              "TORCH=\"torch==... --index-url https://download.pytorch.org/whl/cu128\") or pass --dry-run")
         return 2
     gpus = 0 if args.dry_run else torch.cuda.device_count()
     steps = args.steps or (2 if args.dry_run else 20)

@@ -35,7 +35,8 @@ ARCHS: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", LLAMA_LIKE),
     "qwen2": ("Qwen2Config", LLAMA_LIKE),
     "qwen3": ("Qwen3Config", dict(LLAMA_LIKE, head_dim=8)),
-    "qwen3_moe": ("Qwen3MoeConfig", dict(LLAMA_LIKE, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+    "qwen3_moe": ("Qwen3MoeConfig", dict(LLAMA_LIKE, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=16,
                                          decoder_sparse_step=1)),
     "mistral": ("MistralConfig", dict(LLAMA_LIKE, sliding_window=WINDOW)),
     "gemma2": ("Gemma2Config", dict(LLAMA_LIKE, head_dim=8, sliding_window=WINDOW, attn_logit_softcapping=5.0,
@@ -60,29 +61,38 @@ ARCHS: dict[str, tuple[str, dict]] = {
     # Gated delta-net linear attention (torch fallback: chunks of 64, a constant, so one chunk here)
     # before a gated full attention layer.
     "qwen3_5": ("Qwen3_5TextConfig", dict(LLAMA_LIKE, **GDN)),
-    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", dict(LLAMA_LIKE, **GDN, **MOE, num_experts=4, shared_expert_intermediate_size=16)),
-    "qwen3_next": ("Qwen3NextConfig", dict(LLAMA_LIKE, **GDN, **MOE, num_experts=4, shared_expert_intermediate_size=16)),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", dict(LLAMA_LIKE, **GDN, **MOE, num_experts=4,
+                                                 shared_expert_intermediate_size=16)),
+    "qwen3_next": ("Qwen3NextConfig", dict(LLAMA_LIKE, **GDN, **MOE, num_experts=4,
+                                           shared_expert_intermediate_size=16)),
     # Attention sinks (s_aux), a sliding layer then a full one, MoE with clamped SwiGLU; YaRN as shipped.
-    "gpt_oss": ("GptOssConfig", dict(LLAMA_LIKE, head_dim=8, sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2,
+    "gpt_oss": ("GptOssConfig", dict(LLAMA_LIKE, head_dim=8, sliding_window=WINDOW, num_local_experts=4,
+                                     num_experts_per_tok=2,
                                      intermediate_size=16, max_position_embeddings=131072)),
     # Multi-head latent attention: keys 12 wide (8 + 4 rotary), values 6; the cache holds the latents.
-    "deepseek_v3": ("DeepseekV3Config", dict(LLAMA_LIKE, **MLA, **MOE, num_key_value_heads=4, n_routed_experts=4, n_group=2,
+    "deepseek_v3": ("DeepseekV3Config", dict(LLAMA_LIKE, **MLA, **MOE, num_key_value_heads=4, n_routed_experts=4,
+                                             n_group=2,
                                              topk_group=1, first_k_dense_replace=1)),
     # DeepSeek sparse attention: the indexer keeps 4 keys per query. 8 indexer heads: with 2, ReLU
     # zeroes every head's score for many keys and top-k breaks those exact ties differently by layout.
-    "deepseek_v32": ("DeepseekV32Config", dict(LLAMA_LIKE, **MLA, **MOE, num_key_value_heads=4, n_routed_experts=4, n_group=2,
+    "deepseek_v32": ("DeepseekV32Config", dict(LLAMA_LIKE, **MLA, **MOE, num_key_value_heads=4, n_routed_experts=4,
+                                               n_group=2,
                                                topk_group=1, first_k_dense_replace=1, index_topk=INDEX_TOPK,
                                                index_head_dim=8, index_n_heads=8)),
     "glm4_moe_lite": ("Glm4MoeLiteConfig", dict(LLAMA_LIKE, **MLA, **MOE, num_key_value_heads=4, n_routed_experts=4)),
     # Kimi delta attention (linear; chunks of 64) + MLA full attention without RoPE.
-    "kimi_linear": ("KimiLinearConfig", dict(LLAMA_LIKE, **MLA, **MOE, num_key_value_heads=4, num_experts=4, linear_head_dim=8,
+    "kimi_linear": ("KimiLinearConfig", dict(LLAMA_LIKE, **MLA, **MOE, num_key_value_heads=4, num_experts=4,
+                                             linear_head_dim=8,
                                              linear_num_heads=4, layer_types=["linear_attention", "full_attention"])),
     # Mamba-2 mixers (torch SSD fallback, chunks of 8) beside (Falcon-H1) or between attention layers;
     # Granite 4.0-H and Nemotron-H attention without RoPE.
     "falcon_h1": ("FalconH1Config", dict(LLAMA_LIKE, **MAMBA2, mamba_d_ssm=64)),
-    "granitemoehybrid": ("GraniteMoeHybridConfig", dict(LLAMA_LIKE, **MAMBA2, num_local_experts=4, num_experts_per_tok=2,
-                                                        shared_intermediate_size=16, layer_types=["mamba", "attention"])),
-    "nemotron_h": ("NemotronHConfig", dict(LLAMA_LIKE, head_dim=8, num_hidden_layers=4, mamba_num_heads=4, mamba_head_dim=16,
+    "granitemoehybrid": ("GraniteMoeHybridConfig", dict(LLAMA_LIKE, **MAMBA2, num_local_experts=4,
+                                                        num_experts_per_tok=2,
+                                                        shared_intermediate_size=16, layer_types=[
+                                                            "mamba", "attention"])),
+    "nemotron_h": ("NemotronHConfig", dict(LLAMA_LIKE, head_dim=8, num_hidden_layers=4, mamba_num_heads=4,
+                                           mamba_head_dim=16,
                                            ssm_state_size=8, n_groups=1, chunk_size=WINDOW, n_routed_experts=4,
                                            moe_intermediate_size=16, moe_shared_expert_intermediate_size=16,
                                            layers_block_type=["mamba", "moe", "attention", "mlp"])),
@@ -96,8 +106,10 @@ ARCHS: dict[str, tuple[str, dict]] = {
                                        layer_types=["conv", "full_attention", "conv"])),
     # Lightning (linear) attention in blocks of 8 after a softmax attention layer; a cache class of its own.
     "minimax": ("MiniMaxConfig", dict(LLAMA_LIKE, head_dim=8, num_local_experts=4, block_size=WINDOW)),
-    "mamba2": ("Mamba2Config", {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "num_heads": 4, "head_dim": 16,
-                                "state_size": 8, "n_groups": 1, "chunk_size": WINDOW, "pad_token_id": 0, "bos_token_id": 1,
+    "mamba2": ("Mamba2Config", {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "num_heads": 4,
+                                "head_dim": 16,
+                                "state_size": 8, "n_groups": 1, "chunk_size": WINDOW, "pad_token_id": 0,
+                                "bos_token_id": 1,
                                 "eos_token_id": 2}),
     # Chunked attention (chunks of 6) on the RoPE layers; the NoPE layers scale queries by a temperature
     # that steps every floor_scale=4 positions.
@@ -110,8 +122,10 @@ ARCHS: dict[str, tuple[str, dict]] = {
     # AltUp, LAuReL, per-layer inputs, the last 2 layers reusing earlier keys and values, activation
     # sparsity on the first 2 layers, final logit softcapping.
     "gemma3n_text": ("Gemma3nTextConfig", dict(LLAMA_LIKE, head_dim=8, num_hidden_layers=4, sliding_window=WINDOW,
-                                               layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
-                                               vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, laurel_rank=4,
+                                               layer_types=["sliding_attention", "full_attention"] * 2,
+                                               num_kv_shared_layers=2,
+                                               vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
+                                               laurel_rank=4,
                                                activation_sparsity_pattern=[0.95, 0.95, 0.0, 0.0])),
     # Families an earlier survey found working, for coverage.
     "glm4": ("Glm4Config", dict(LLAMA_LIKE, head_dim=8)),  # post-norms, half-rotary
@@ -119,7 +133,8 @@ ARCHS: dict[str, tuple[str, dict]] = {
     "smollm3": ("SmolLM3Config", dict(LLAMA_LIKE, num_hidden_layers=4)),  # the 4th layer without RoPE
     "ernie4_5_moe": ("Ernie4_5_MoeConfig", dict(LLAMA_LIKE, **MOE, moe_num_experts=4, moe_num_shared_experts=1)),
     "exaone4": ("Exaone4Config", dict(LLAMA_LIKE, sliding_window=WINDOW, sliding_window_pattern=2)),
-    "olmo3": ("Olmo3Config", dict(LLAMA_LIKE, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"])),
+    "olmo3": ("Olmo3Config", dict(LLAMA_LIKE, sliding_window=WINDOW, layer_types=[
+        "sliding_attention", "full_attention"])),
     "hunyuan_v1_dense": ("HunYuanDenseV1Config", dict(LLAMA_LIKE, head_dim=8)),
     "minimax_m2": ("MiniMaxM2Config", dict(LLAMA_LIKE, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
                                            intermediate_size=16)),

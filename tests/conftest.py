@@ -60,7 +60,8 @@ DRY_RUN = os.environ.get("EXACTRL_GPU_DRY_RUN") == "1"
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available() or DRY_RUN:
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False); `make gpu-check` runs it on a GPU machine")
+    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False); `make gpu-check` runs "
+                                   "it on a GPU machine")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

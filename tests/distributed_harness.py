@@ -43,6 +43,7 @@ LAYOUT_IDS = ["fsdp2-world1", "fsdp2-world2", "deepspeed-world1", "deepspeed-wor
 def layout_results(request, tmp_path_factory, script: Path, tag: str) -> tuple[str, int, dict]:
     """(backend, world, results) of ``script`` run on the layout ``request.param`` (one of LAYOUTS)."""
     import pytest
+
     from old_deepspeed import ds_env
 
     backend, world = request.param

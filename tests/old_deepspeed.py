@@ -37,4 +37,5 @@ def ds_env(version: str | None = None) -> dict:
         from importlib.metadata import version as installed
 
         version = installed("deepspeed")
-    return {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(ROOT / ".venv-cache" / "torch_extensions" / f"deepspeed-{version}")}
+    return {"DS_ACCELERATOR": "cpu",
+            "TORCH_EXTENSIONS_DIR": str(ROOT / ".venv-cache" / "torch_extensions" / f"deepspeed-{version}")}

@@ -15,7 +15,8 @@ def consecutive(n: int, size: int) -> list[list[int]]:
     return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
 
 
-def attach_logprobs(model, samples, field: str, micro_batches, pad_id: int, temperature: float, autocast, packed: bool = True):
+def attach_logprobs(model, samples, field: str, micro_batches, pad_id: int, temperature: float, autocast,
+                    packed: bool = True):
     """Each sample's per-token log-probs under ``model`` (Worker.forward, as a run computes
     them) stored as its ``field`` (old_logprobs or ref_logprobs)."""
     worker = Worker("test", model, pad_id=pad_id, packed=packed, temperature=temperature, autocast=autocast)
@@ -37,7 +38,9 @@ def policy_micro_batch_loss(model, engine, samples, normalizer, cfg, pad_id: int
     algorithm's objective; samples without old log-probs take this forward's own (a reused rollout)."""
     objective = ALGORITHMS.lookup(cfg.algo.name).objective(cfg)
     objective = objective.with_term("policy", old="self" if samples[0].old_logprobs is None else "old_logprobs")
-    worker = Worker("policy", model, engine, pad_id=pad_id, packed=cfg.train.padding_free, temperature=cfg.rollout.temperature)
+    worker = Worker("policy", model, engine, pad_id=pad_id, packed=cfg.train.padding_free,
+                    temperature=cfg.rollout.temperature)
     m = Metrics()
     loss, share, _ = worker.micro_batch(samples, objective, dict.fromkeys(objective.groups(), normalizer), m)
-    return loss, share, {k: (m.sums[k] / m.counts[k].clamp(min=1)).item() for k in m.sums} | {k: v.item() for k, v in m.maxima.items()}
+    return loss, share, {k: (m.sums[k] / m.counts[k].clamp(min=1)).item() for k in m.sums} | {
+        k: v.item() for k, v in m.maxima.items()}

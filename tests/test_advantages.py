@@ -71,7 +71,8 @@ def loop_whiten(values, mask):
     return (values - mean) / (std + 1e-6) * mask
 
 
-KL = torch.tensor([[0, -0.1, -0.2, -0.05], [0, -0.3, 0, 0], [0, 0.1, -0.1, 0], [0, -0.2, -0.2, -0.2]], dtype=torch.float64)
+KL = torch.tensor([[0, -0.1, -0.2, -0.05], [0, -0.3, 0, 0], [0, 0.1, -0.1, 0], [0, -0.2, -0.2, -0.2]],
+                  dtype=torch.float64)
 
 
 @pytest.mark.parametrize("gamma", [1.0, 0.9])
@@ -103,7 +104,8 @@ def test_gae_by_hand_on_one_response():
     d0 = 0.0 + g * 0.4 - 0.5
     a2, a1 = d2, d1 + g * lam * d2
     a0 = d0 + g * lam * a1
-    adv, returns = get_advantage("gae")(AdvantageInput(torch.tensor([1.0], dtype=torch.float64), mask, values=values, gamma=g, lam=lam))
+    adv, returns = get_advantage("gae")(AdvantageInput(torch.tensor([1.0], dtype=torch.float64), mask, values=values,
+                                                       gamma=g, lam=lam))
     assert adv[0].tolist() == pytest.approx([0.0, a0, a1, a2], rel=1e-12)
     assert returns[0].tolist() == pytest.approx([0.0, a0 + 0.5, a1 + 0.4, a2 + 0.2], rel=1e-12)
 
@@ -151,7 +153,8 @@ def test_group_estimators_take_the_kl_in_the_reward_as_verl_does(name, std_norma
     mask = (torch.rand(8, 6, generator=g, dtype=torch.float64) < 0.8).double()
     mask[:, 0] = 0  # a prompt target
     mask[:, 1] = 1  # every response has a token
-    scores, kl = torch.rand(8, generator=g, dtype=torch.float64), torch.rand(8, 6, generator=g, dtype=torch.float64) - 0.3
+    scores, kl = torch.rand(8, generator=g, dtype=torch.float64), torch.rand(
+        8, 6, generator=g, dtype=torch.float64) - 0.3
     # the KL sits on prompt targets too (the log-probs cover the whole sequence): only response tokens may count
     adv, _ = get_advantage(name)(AdvantageInput(scores, mask, 4, token_rewards=-kl, std_normalize=std_normalize))
     ref = verl_grpo_with_kl_in_reward(scores, kl, mask, 4, std_normalize)
@@ -178,7 +181,8 @@ def test_every_estimator_declares_and_reads_the_kl_in_the_reward():
     mask, rewards = torch.ones(4, 3, dtype=torch.float64), torch.tensor([1.0, 0.0, 0.5, 0.25], dtype=torch.float64)
     values = torch.rand(4, 3, generator=g, dtype=torch.float64)
     for name in ADVANTAGES:
-        plain, _ = get_advantage(name)(AdvantageInput(rewards, mask, 4, values=values))  # one group of 4: a pair's z-scores are +-0.71 whatever the scores
+        # one group of 4: a pair's z-scores are +-0.71 whatever the scores
+        plain, _ = get_advantage(name)(AdvantageInput(rewards, mask, 4, values=values))
         kl = torch.rand(4, 3, generator=g, dtype=torch.float64)
         with_kl, _ = get_advantage(name)(AdvantageInput(rewards, mask, 4, token_rewards=-kl, values=values))
         assert (with_kl - plain).abs().max() > 1e-3, name

@@ -20,9 +20,8 @@ import random
 
 import pytest
 import torch
-from archs import ARCHS, VOCAB, WINDOW, build, save
-from test_cli_failures import exactrl
 
+from archs import ARCHS, VOCAB, WINDOW, build, save
 from exactrl.checks.generation import check_generation
 from exactrl.checks.packing import PackingCheckError, check_packing
 from exactrl.losses.token_losses import token_logprobs
@@ -30,6 +29,7 @@ from exactrl.models import packing
 from exactrl.models.loading import load_causal_lm
 from exactrl.rollout.hf import sample
 from exactrl.tasks.tokenizer import build_tokenizer
+from test_cli_failures import exactrl
 
 # Packing must be refused: ALiBi computed inside the model (Falcon, Bloom); state carried along the
 # row by linear-attention, SSM and short-convolution layers; DSA's indexer picking keys over a row.
@@ -40,7 +40,9 @@ NO_PACKING = {"falcon", "bloom", "qwen3_5", "qwen3_5_moe", "qwen3_next", "kimi_l
 # the MoE after it amplifies): its on-policy bound against the generator is 1e-3, not 1e-4.
 GEN_RATIO_TOL = {"nemotron_h": 1e-3}
 RANDOM = {"phimoe"}
-OWN_CACHE = {"minimax"}  # MiniMax-01 brings its own cache class: decoded through generate  # sparsemixer samples its experts in train mode: compared in eval mode, refused for rl
+# MiniMax-01 brings its own cache class: decoded through generate  # sparsemixer samples its experts in train mode:
+# compared in eval mode, refused for rl
+OWN_CACHE = {"minimax"}
 LENGTHS = (23, 5, 17, 12, 2)  # several longer than the sliding window (8), the chunk (6), the NoPE step (4)
 
 
@@ -67,7 +69,8 @@ def reference(name):
     return ref.eval()
 
 
-@pytest.mark.parametrize("name,attn", [(n, "sdpa") for n in ARCHS] + [("llama", "eager"), ("gemma2", "eager"), ("mistral", "eager")])
+@pytest.mark.parametrize("name,attn", [(n, "sdpa") for n in ARCHS] + [("llama", "eager"), ("gemma2", "eager"),
+                                                                      ("mistral", "eager")])
 def test_training_forward_matches_each_sequence_alone(name, attn, seqs, tmp_path):
     model, report = loaded(name, tmp_path, attn)
     assert report.packed == (name not in NO_PACKING), report
@@ -109,7 +112,8 @@ def test_decoding_matches_generate_on_each_prompt_alone(name, seqs, tmp_path):
     report = check_generation(model, VOCAB, eos=2, pad=0, policy="fallback", tol=1e-3, sampled=name not in RANDOM)
     assert report.decoder == ("generate" if name in OWN_CACHE else "exactrl loop"), report
     model.eval()
-    prompts = [[1] + seqs[0][:7], [1] + seqs[2][:3], [1] + seqs[3][:5]]  # left-padded to 8; 16 new tokens pass the window
+    # left-padded to 8; 16 new tokens pass the window
+    prompts = [[1] + seqs[0][:7], [1] + seqs[2][:3], [1] + seqs[3][:5]]
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     stop = seqs[1][0]  # a stop token (besides EOS) some rows may reach
@@ -142,7 +146,8 @@ def test_packing_refused_stops_the_run_under_the_error_policy(name, tmp_path):
     flash-linear-attention)."""
     save(name, tmp_path / name)
     why = {"falcon": "never called exactrl's packed attention", "bloom": "never called exactrl's packed attention",
-           "mamba2": "never called exactrl's packed attention", "deepseek_v32": "a packed forward fails .*sparse-attention",
+           "mamba2": "never called exactrl's packed attention",
+           "deepseek_v32": "a packed forward fails .*sparse-attention",
            **dict.fromkeys(("qwen3_5", "qwen3_5_moe", "qwen3_next"), "a packed forward fails .*flash-linear-attention")}
     with pytest.raises(PackingCheckError, match=why.get(name, "packed rows differ from each sequence alone")) as e:
         check_packing(load_causal_lm(tmp_path / name), VOCAB, 64, padding_free=True, policy="error", tol=1e-4)
@@ -173,7 +178,8 @@ def test_dropout_is_off_in_training_mode(tmp_path):
 # One architecture of each family: window, softcap, dropout, ALiBi (packing refused); gated
 # delta-net hybrid, Mamba-2 (cache_params), MLA latents, attention sinks, sparse top-k, chunks and
 # NoPE temperature, a cache class of its own (decoded through generate).
-CLI_IN_CI = ("mistral", "gemma2", "gpt2", "bloom", "qwen3_5", "mamba2", "deepseek_v3", "gpt_oss", "deepseek_v32", "llama4",
+CLI_IN_CI = ("mistral", "gemma2", "gpt2", "bloom", "qwen3_5", "mamba2", "deepseek_v3", "gpt_oss", "deepseek_v32",
+             "llama4",
              "minimax")
 
 
@@ -198,7 +204,8 @@ def run_cli(args, tmp_path):
 def cli_two_steps(name, tmp_path):
     model_dir = save(name, tmp_path / name, tokenizer=build_tokenizer())
     data = write_data(tmp_path / "data.jsonl")
-    common = [f"model.path={model_dir}", f"data.train={data}", "data.eval=null", "train.max_steps=2", "train.log_every=1",
+    common = [f"model.path={model_dir}", f"data.train={data}", "data.eval=null", "train.max_steps=2",
+              "train.log_every=1",
               "train.micro_batch_size=4"]
     run_cli(["sft", *common, "train.global_batch_size=8", f"output_dir={tmp_path / 'sft'}"], tmp_path)
     phases = ["sft"]
@@ -214,7 +221,8 @@ def cli_two_steps(name, tmp_path):
         assert name in NO_PACKING or check["packed_error"] < 1e-5, check
     if "rl" in phases:
         gen = checks["generation/rl/policy"]
-        assert gen["decoder"] == ("generate" if name in OWN_CACHE else "exactrl loop") and gen["logprob_error"] < 1e-3, gen
+        assert gen["decoder"] == ("generate" if name in OWN_CACHE
+                                  else "exactrl loop") and gen["logprob_error"] < 1e-3, gen
         lines = (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()
         steps = [json.loads(line) for line in lines if '"ratio_dev_first"' in line]
         assert len(steps) == 2 and all(s["ratio_dev_first"] < GEN_RATIO_TOL.get(name, 1e-4) for s in steps), steps

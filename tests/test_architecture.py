@@ -12,8 +12,8 @@ import torch
 
 from exactrl.algorithms.registry import ALGORITHMS
 from exactrl.config.schema import GROUP_ALGOS, RL_ALGOS
-from exactrl.distributed.step_plan import plan_samples
 from exactrl.data.batch import SEQUENCE_FIELDS, TOKEN_FIELDS, Sample, collate
+from exactrl.distributed.step_plan import plan_samples
 from exactrl.registry import Registry
 
 PACKAGE = Path(__file__).resolve().parents[1] / "exactrl"
@@ -151,7 +151,8 @@ def test_which_algorithms_use_a_setting_agrees_with_the_registry():
     from exactrl.algorithms.registry import ALGORITHMS
     from exactrl.config.used import CRITIC_ALGOS, DISCOUNT_ALGOS, STD_ALGOS
 
-    assert {a.name for a in ALGORITHMS.values() if a.critic} == {a.name for a in ALGORITHMS.values() if a.config == "gae"}
+    assert {a.name for a in ALGORITHMS.values() if a.critic} == {a.name for a in ALGORITHMS.values()
+                                                                 if a.config == "gae"}
     assert {a.name for a in ALGORITHMS.values() if a.critic} == set(CRITIC_ALGOS)
     assert {a.name for a in ALGORITHMS.values() if a.advantage == "grpo"} == set(STD_ALGOS)
     discounting = {"gae", "reinforce_pp", "reinforce_pp_baseline"}  # the estimators that read x.gamma
@@ -173,7 +174,8 @@ def module_imports(path: Path) -> set[str]:
 
 def test_no_two_modules_import_each_other():
     """Not even lazily: a cycle means two modules that are one, or one that sits on the wrong floor."""
-    graph = {".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts): module_imports(p) for p in PACKAGE.rglob("*.py")}
+    graph = {".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts): module_imports(p)
+             for p in PACKAGE.rglob("*.py")}
     graph = {k.removesuffix(".__init__"): v for k, v in graph.items()}
     cycles, done = [], set()
 

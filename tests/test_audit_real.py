@@ -39,7 +39,8 @@ TABLE = {
     ("openrlhf_0_9_ppo_dynamic_batch", DS): (N, "--use_dynamic_batch sets DeepSpeed's gradient_accumulation_steps"),
     ("openrlhf_0_9_ppo_dynamic_batch", ORLHF): (A, "With openrlhf 0.9.0 (ppo), K = 4 on 8 ranks"),
     ("openrlhf_0_9_ppo_dynamic_batch", TF): (N, "Not a Trainer-based run"),
-    ("llamafactory_0_9_dpo_z2_offload", DS): (A, "With deepspeed 0.15.4, ZeRO stage 2, offload_optimizer cpu and K = 8,"),
+    ("llamafactory_0_9_dpo_z2_offload", DS): (A,
+                                              "With deepspeed 0.15.4, ZeRO stage 2, offload_optimizer cpu and K = 8,"),
     ("llamafactory_0_9_dpo_z2_offload", ORLHF): (N, "Not an OpenRLHF run"),
     ("llamafactory_0_9_dpo_z2_offload", TF): (N, "DPO averages one loss per pair"),
     ("trl_0_11_sft_accelerate_zero2", DS): (N, "The offload_optimizer device is none"),
@@ -140,8 +141,8 @@ def test_unknown_asks_only_for_what_the_world_size_does_not_decide(tmp_path):
     ds, orlhf = of(audit, DS), of(audit, ORLHF)
     assert ds.status is U and orlhf.status is U
     for v in (ds, orlhf):
-        assert v.action == f"Provide {v.bug.split('-')[0]} version (pip freeze, conda list, requirements.txt or W&B's " \
-                           "requirements.txt)."
+        assert v.action == (f"Provide {v.bug.split('-')[0]} version (pip freeze, conda list, requirements.txt or "
+                            "W&B's requirements.txt).")
         assert v.reason.count("world size") + v.reason.count("GPUs (N)") <= 1
     assert "On 32 or 64 GPUs the run is NOT AFFECTED whatever the deepspeed version is" in ds.reason
     assert "The world size would not change that." in orlhf.reason
@@ -149,7 +150,8 @@ def test_unknown_asks_only_for_what_the_world_size_does_not_decide(tmp_path):
 
 def test_world_size_sweep_is_quick_on_large_batches(tmp_path):
     audit = run(tmp_path, {"run.sh": "deepspeed --module openrlhf.cli.train_sft --micro_train_batch_size 1 "
-                                     "--train_batch_size 8192 --adam_offload\n", "pip_freeze.txt": "deepspeed==0.16.4\n"})
+                                     "--train_batch_size 8192 --adam_offload\n",
+                                     "pip_freeze.txt": "deepspeed==0.16.4\n"})
     start = time.perf_counter()
     assert of(audit_runs([tmp_path])[0], DS).condition == "run on <= 2730 GPUs"  # 8192 / 3 = 2730.7
     assert time.perf_counter() - start < 1.0

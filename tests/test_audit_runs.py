@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from exactrl.audit.rules import Status
 from exactrl.audit.report import exit_code, format_table, to_json
+from exactrl.audit.rules import Status
 from exactrl.audit.runs import audit_runs
 
 RUNS = Path(__file__).parent / "fixtures" / "runs"
@@ -86,14 +86,16 @@ def test_openrlhf_old_flags_heredoc_script():
     run = audit("openrlhf_old_flags_affected")
     d = "openrlhf_old_flags_affected/"
     assert values(run, "framework") == ["openrlhf"]
-    assert values(run, "zero_stage") == [2] and where(run, "zero_stage") == [line_of(d + "train_sft.sh", "--zero_stage")]
+    assert values(run, "zero_stage") == [2] and where(run, "zero_stage") == [line_of(
+        d + "train_sft.sh", "--zero_stage")]
     assert values(run, "offload_optimizer") == ["cpu"]
     assert where(run, "offload_optimizer") == [line_of(d + "train_sft.sh", "--adam_offload")]
     # --micro_train_batch_size $MICRO_BATCH: the value comes from MICRO_BATCH=2, the evidence is the flag's line
     assert values(run, "micro_batch_size") == [2]
     assert where(run, "micro_batch_size") == [line_of(d + "train_sft.sh", "--micro_train_batch_size")]
     assert values(run, "global_batch_size") == [128]
-    assert values(run, "world_size") == [8] and where(run, "world_size") == [line_of(d + "train_sft.sh", "--num_gpus 8")]
+    assert values(run, "world_size") == [8] and where(run, "world_size") == [line_of(
+        d + "train_sft.sh", "--num_gpus 8")]
     (k,) = run.facts["effective_k"]
     assert k.value == 8 and k.note == "derived: 128 / (2 x 8)"
     assert values(run, "version:deepspeed") == ["==0.15.4"]
@@ -110,7 +112,8 @@ def test_openrlhf_old_flags_heredoc_script():
 def test_openrlhf_dotted_flags_two_nodes():
     run = audit("openrlhf_new_flags_fixed")
     d = "openrlhf_new_flags_fixed/"
-    assert values(run, "zero_stage") == [2] and where(run, "zero_stage") == [line_of(d + "train_sft.sh", "--ds.zero_stage")]
+    assert values(run, "zero_stage") == [2] and where(run, "zero_stage") == [line_of(
+        d + "train_sft.sh", "--ds.zero_stage")]
     assert values(run, "offload_optimizer") == ["cpu"]
     assert values(run, "micro_batch_size") == [2]
     assert where(run, "global_batch_size") == [line_of(d + "train_sft.sh", "--train.batch_size")]

@@ -27,7 +27,8 @@ def audit(*args) -> tuple[int, dict]:
     proc = subprocess.run([sys.executable, "-m", "exactrl.cli", "audit", "stack", "--json", *args], capture_output=True,
                           text=True, timeout=900, cwd=ROOT,
                           # DeepSpeed's compiled ops cached per version under .venv-cache/exactrl/torch_extensions
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "EXACTRL_CACHE": str(ROOT / ".venv-cache" / "exactrl")})
+                          env={**os.environ, "OMP_NUM_THREADS": "1",
+                               "EXACTRL_CACHE": str(ROOT / ".venv-cache" / "exactrl")})
     return proc.returncode, json.loads(proc.stdout)
 
 
@@ -47,7 +48,8 @@ def test_broken_rows_get_the_known_bug_only_where_the_rule_says():
     assert explain(broken, {"deepspeed": "0.19.8"}) is None  # broken for another reason: no false attribution
     assert explain(StackRow("deepspeed", 1, 3, stage=1, offload="cpu", rel_err=0.3), {"deepspeed": "0.18.5"}) is None
     assert explain(StackRow("deepspeed", 1, 2, stage=2, offload="cpu", rel_err=0.3), {"deepspeed": "0.18.5"}) is None
-    assert StackRow("torch", 1, 1, rel_err=2e-5).verdict == "BROKEN" and StackRow("torch", 1, 1, rel_err=1e-6).verdict == "EXACT"
+    assert StackRow("torch", 1, 1, rel_err=2e-5).verdict == "BROKEN" and StackRow(
+        "torch", 1, 1, rel_err=1e-6).verdict == "EXACT"
     assert StackRow("torch", 1, 1, error="RuntimeError: x").verdict == "ERROR"
 
 

@@ -11,7 +11,6 @@ import logging
 
 import pytest
 import torch
-from rl_helpers import sft_micro_batch_loss
 
 from exactrl.checks.canary import CanaryError
 from exactrl.config import SFTConfig, load_config
@@ -20,8 +19,10 @@ from exactrl.data.jsonl import Row
 from exactrl.distributed.engine import SingleEngine, build_engine
 from exactrl.distributed.step_plan import plan_step
 from exactrl.losses import AGG_MODES
+from rl_helpers import sft_micro_batch_loss
 
-COMPLETIONS = ["1", "2+2+0=04 #### 04", "#### 77", "9+9+0=18 1+1+1=03 #### 318", "x", "12345678901234567890", "ab", "#### 1"]
+COMPLETIONS = ["1", "2+2+0=04 #### 04", "#### 77", "9+9+0=18 1+1+1=03 #### 318", "x", "12345678901234567890", "ab",
+               "#### 1"]
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,8 @@ def examples(tokenizer):
 
 
 def cfg(*extra):
-    norm = ["train.loss_agg_norm=16"] if "train.loss_agg=seq-mean-token-sum-norm" in extra else []  # only that mode reads it
+    # only that mode reads it
+    norm = ["train.loss_agg_norm=16"] if "train.loss_agg=seq-mean-token-sum-norm" in extra else []
     return load_config(SFTConfig, None, ["optim.name=sgd", "optim.lr=0.1", "train.global_batch_size=8",
                                          "train.micro_batch_size=2", *norm, *extra])
 
@@ -61,14 +63,16 @@ class DuplicatesGradient(SingleEngine):
 
 
 def run_step(model, tokenizer, examples, config, engine_cls=None, mean_of_means=False):
-    engine = engine_cls(model, config.model, config.train, config.optim, config.audit, 1) if engine_cls else build_engine(model, config, 1)
+    engine = engine_cls(model, config.model, config.train, config.optim, config.audit,
+                        1) if engine_cls else build_engine(model, config, 1)
     t = config.train
     plan = plan_step([e.loss_tokens for e in examples], t.micro_batch_size, t.loss_agg, t.loss_agg_norm)
     engine.begin_step(len(plan.micro_batches))
     for mb in plan.micro_batches:
         batch = [examples[i] for i in mb]
         # The "mean of means" bug: each micro-batch normalised by its own counts.
-        norm = plan_step([e.loss_tokens for e in batch], len(batch), t.loss_agg, t.loss_agg_norm).normalizer if mean_of_means else plan.normalizer
+        norm = plan_step([e.loss_tokens for e in batch], len(batch), t.loss_agg,
+                         t.loss_agg_norm).normalizer if mean_of_means else plan.normalizer
         loss, share = sft_micro_batch_loss(model, engine, batch, tokenizer.pad_token_id, norm)
         engine.backward(loss, share, len(mb))
     return engine, plan
@@ -77,7 +81,8 @@ def run_step(model, tokenizer, examples, config, engine_cls=None, mean_of_means=
 @pytest.mark.parametrize("mode", AGG_MODES)
 @pytest.mark.parametrize("micro", [1, 2, 4, 8])
 def test_canary_reads_exactly_one_on_a_correct_step(make_model, tokenizer, examples, mode, micro):
-    engine, plan = run_step(make_model(0), tokenizer, examples, cfg(f"train.loss_agg={mode}", f"train.micro_batch_size={micro}"))
+    engine, plan = run_step(make_model(0), tokenizer, examples, cfg(f"train.loss_agg={mode}",
+                                                                    f"train.micro_batch_size={micro}"))
     assert engine.step(plan)["canary"] == pytest.approx(1.0, abs=1e-6)
 
 
@@ -91,7 +96,8 @@ def test_canary_stops_the_step_on_injected_faults(make_model, tokenizer, example
         engine.step(plan)
     value = float(err.value.args[0].split("carries ")[1].split(" ")[0])
     assert (value < 0.99) if expected == "<1" else (value > 1.01)
-    assert "backend=single" in str(err.value) and "4 micro-batches" in str(err.value) and torch.__version__ in str(err.value)
+    assert ("backend=single" in str(err.value) and "4 micro-batches" in str(err.value)
+            and torch.__version__ in str(err.value))
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))  # nothing applied
 
 

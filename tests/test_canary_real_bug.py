@@ -14,6 +14,7 @@ import os
 import subprocess
 
 import pytest
+
 from old_deepspeed import ROOT, VERSION, ds_env, old_deepspeed_python
 
 ZERO2_CPU = ["distributed.backend=deepspeed", "deepspeed.zero_stage=2", "deepspeed.offload_optimizer=cpu"]
@@ -22,7 +23,8 @@ ZERO2_CPU = ["distributed.backend=deepspeed", "deepspeed.zero_stage=2", "deepspe
 def sft_on_old_deepspeed(tmp_path, *overrides):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "EXACTRL_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1",
            **ds_env(VERSION)}
-    args = ["sft", "--config", "examples/sft_tiny.yaml", *ZERO2_CPU, f"output_dir={tmp_path / 'runs'}", "train.max_steps=2",
+    args = ["sft", "--config", "examples/sft_tiny.yaml", *ZERO2_CPU, f"output_dir={tmp_path / 'runs'}",
+            "train.max_steps=2",
             "train.micro_batch_size=8", "data.eval_size=8", "train.eval_every=0", *overrides]
     return subprocess.run([old_deepspeed_python(), "-m", "exactrl.cli", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=900)

@@ -52,7 +52,8 @@ def exactrl(args, cwd, cache, **kw):
 def one_line_error(proc, code: int) -> str:
     assert proc.returncode == code, (proc.returncode, proc.stderr[-2000:])
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith(("error:", "stopped:", "stopped by", "terminated:"))]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith(("error:", "stopped:", "stopped by",
+                                                                     "terminated:"))]
     assert len(lines) == 1, proc.stderr[-2000:]
     return lines[0]
 
@@ -64,7 +65,8 @@ def cache(tmp_path_factory):
 
 def test_non_finite_training_exits_4_and_records_it(tmp_path, cache):
     out = tmp_path / "run"
-    proc = exactrl(["sft", *TINY, "train.max_steps=3", "optim.lr=1e38", "train.max_grad_norm=0", f"output_dir={out}"], tmp_path, cache)
+    proc = exactrl(["sft", *TINY, "train.max_steps=3", "optim.lr=1e38", "train.max_grad_norm=0", f"output_dir={out}"],
+                   tmp_path, cache)
     line = one_line_error(proc, 4)
     assert line.startswith("stopped: optimizer step 2: the gradient norm is nan, so the step was not applied"), line
     assert json.loads((out / "status.json").read_text())["state"] == "nonfinite"
@@ -113,8 +115,10 @@ def test_sigterm_is_recorded_and_exits_143(tmp_path, cache):
     """A real process and a real signal (23 s here, mostly the interpreter's imports)."""
     out = tmp_path / "run"
     env = {**os.environ, "EXACTRL_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "exactrl.cli", "sft", *TINY, "train.max_steps=100000", "train.log_every=1",
-                             f"output_dir={out}"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "exactrl.cli", "sft", *TINY, "train.max_steps=100000",
+                             "train.log_every=1",
+                             f"output_dir={out}"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while time.time() < deadline and not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").stat().st_size):
         time.sleep(0.5)
@@ -148,7 +152,8 @@ def test_full_disk_is_one_line_and_recorded(tmp_path, monkeypatch, cache):
     monkeypatch.setattr(engine.SingleEngine, "save_pretrained", no_space)
     out = tmp_path / "run"
     line = one_line_error(exactrl(["sft", *TINY, "train.max_steps=1", f"output_dir={out}"], tmp_path, cache), 2)
-    assert line == f"error: No space left on device '{out / 'final'}'; free space or fix the permissions, then run again"
+    assert line == (f"error: No space left on device '{out / 'final'}'; free space or fix the permissions, "
+                    "then run again")
     assert json.loads((out / "status.json").read_text())["state"] == "error"
 
 

@@ -120,7 +120,8 @@ def test_indivisible_batch_in_demo_names_the_phase():
 def test_rl_batch_must_hold_whole_groups():
     msg = error_of(RLConfig, overrides=["train.global_batch_size=12", "train.micro_batch_size=4", "algo.group_size=8"])
     assert "train.global_batch_size=12" in msg and "algo.group_size=8" in msg
-    cfg = load_config(RLConfig, overrides=["train.global_batch_size=12", "train.micro_batch_size=4", "algo.group_size=4"])
+    cfg = load_config(RLConfig, overrides=["train.global_batch_size=12", "train.micro_batch_size=4",
+                                           "algo.group_size=4"])
     assert cfg.algo.group_size == 4
 
 
@@ -168,7 +169,8 @@ def test_invalid_yaml_and_missing_file(tmp_path):
 
 @pytest.mark.parametrize("cls,overrides", [
     (SFTConfig, ["optim.lr=3e-4", "optim.betas=[0.8, 0.95]", "train.loss_agg=seq-mean-token-sum-norm",
-                 "train.loss_agg_norm=100", "data.eval=null", "train.global_batch_size=32", "train.micro_batch_size=8"]),
+                 "train.loss_agg_norm=100", "data.eval=null", "train.global_batch_size=32",
+                 "train.micro_batch_size=8"]),
     (RLConfig, ["algo.group_size=4", "algo.kl_coef=0.05", "train.global_batch_size=16", "train.micro_batch_size=4",
                 "rollout.temperature=0.7"]),
     (DemoConfig, ["task.n_sft=256", "sft.train.max_steps=3", "rl.algo.std_normalize=false"]),
@@ -203,7 +205,8 @@ def test_a_misspelt_section_is_matched_as_a_section():
 
 @pytest.mark.parametrize("override,key", [("optim.lr=inf", "optim.lr"), ("optim.lr=.nan", "optim.lr"),
                                           ("train.max_grad_norm=.inf", "train.max_grad_norm"),
-                                          ("optim.betas=[0.9, .nan]", "optim.betas.1"), ("reward.fallback=.nan", "reward.fallback"),
+                                          ("optim.betas=[0.9, .nan]", "optim.betas.1"), (
+                                              "reward.fallback=.nan", "reward.fallback"),
                                           ("critic.optim.lr=-.inf", "critic.optim.lr")])
 def test_non_finite_values_are_refused_by_key(override, key):
     msg = error_of(RLConfig, overrides=[override])

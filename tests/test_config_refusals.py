@@ -26,7 +26,8 @@ def error_of(cls, path=None, overrides=()) -> str:
 
 
 @pytest.mark.parametrize("text,line,first,key", [
-    ("train:\n  max_steps: 2\n  micro_batch_size: 8\noptim:\n  lr: 0.1\ntrain:\n  micro_batch_size: 16\n", 6, 1, "train"),
+    ("train:\n  max_steps: 2\n  micro_batch_size: 8\noptim:\n  lr: 0.1\ntrain:\n  micro_batch_size: 16\n", 6, 1,
+     "train"),
     ("optim:\n  lr: 0.1\n  warmup_steps: 2\n  lr: 0.2\n", 4, 2, "optim.lr"),
 ])
 def test_a_key_given_twice_is_refused_at_its_line(tmp_path, text, line, first, key):
@@ -49,15 +50,18 @@ def test_the_same_key_in_two_sections_is_no_duplicate(tmp_path):
      ("model.lora.target_modules=[q_proj] has no effect: LoRA is off (model.lora.rank=0); set model.lora.rank > 0 "
       "or remove it")),
     (SFTConfig, ["model.lora.alpha=32"], "model.lora.alpha=32.0 has no effect: LoRA is off"),
-    (RLConfig, ["critic.value_clip=0.5"], ("critic.value_clip=0.5 has no effect: only ppo trains a critic (algo.name=grpo); "
+    (RLConfig, ["critic.value_clip=0.5"],
+     ("critic.value_clip=0.5 has no effect: only ppo trains a critic (algo.name=grpo); "
      "set algo.name=ppo or remove it")),
-    (RLConfig, ["algo.name=rloo", "algo.std_normalize=false"], ("algo.std_normalize=false has no effect: algo.name=rloo "
+    (RLConfig, ["algo.name=rloo", "algo.std_normalize=false"],
+     ("algo.std_normalize=false has no effect: algo.name=rloo "
      "does not divide by the group std")),
     (RLConfig, ["algo.gamma=0.9"], "algo.gamma=0.9 has no effect: algo.name=grpo does not discount returns"),
     (RLConfig, ["algo.kl_estimator=k1"], "algo.kl_estimator=k1 has no effect: there is no KL term (algo.kl_coef=0)"),
     (RLConfig, ["algo.kl_coef=0.1", "algo.kl_in_reward=true", "algo.kl_estimator=k2"],
      "algo.kl_estimator=k2 has no effect: the KL in the reward is k1 per token"),
-    (RLConfig, ["algo.kl_coef=0.1", "algo.kl_horizon=100"], "algo.kl_horizon=100 has no effect: the KL coefficient is fixed"),
+    (RLConfig, ["algo.kl_coef=0.1", "algo.kl_horizon=100"],
+     "algo.kl_horizon=100 has no effect: the KL coefficient is fixed"),
     (RLConfig, ["algo.overlong_penalty=0.5"], "algo.overlong_penalty=0.5 has no effect: the overlong penalty is off"),
     (RLConfig, ["algo.policy_loss=reinforce", "algo.clip_eps_high=0.3"], "algo.clip_eps_high=0.3 has no effect"),
     (SFTConfig, ["deepspeed.zero_stage=3"], ("deepspeed.zero_stage=3 has no effect: the train engine is not DeepSpeed "
@@ -65,11 +69,13 @@ def test_the_same_key_in_two_sections_is_no_duplicate(tmp_path):
     (SFTConfig, ["distributed.fsdp_cpu_offload=true"], "distributed.fsdp_cpu_offload=true has no effect"),
     (SFTConfig, ["train.loss_agg_norm=100"], "train.loss_agg_norm=100.0 has no effect"),
     (SFTConfig, ["optim.momentum=0.9"], "optim.momentum=0.9 has no effect: optim.name=adamw has no momentum setting"),
-    (SFTConfig, ["optim.name=sgd", "optim.betas=[0.8,0.9]"], "optim.betas=[0.8,0.9] has no effect: optim.name=sgd has no betas"),
+    (SFTConfig, ["optim.name=sgd", "optim.betas=[0.8,0.9]"],
+     "optim.betas=[0.8,0.9] has no effect: optim.name=sgd has no betas"),
     (RLConfig, ["algo.name=ppo", "critic.optim.min_lr_ratio=0.1"], ("critic.optim.min_lr_ratio=0.1 has no effect: the "
      "learning rate is constant (critic.optim.scheduler=constant)")),
     (SFTConfig, ["train.save_total_limit=2"], "train.save_total_limit=2 has no effect: no checkpoints are taken"),
-    (DemoConfig, ["rl.critic.warmup_rollouts=2"], ("rl.critic.warmup_rollouts=2 has no effect: only ppo trains a critic "
+    (DemoConfig, ["rl.critic.warmup_rollouts=2"],
+     ("rl.critic.warmup_rollouts=2 has no effect: only ppo trains a critic "
      "(rl.algo.name=grpo); set rl.algo.name=ppo")),
 ])
 def test_a_setting_the_run_cannot_use_is_refused(cls, overrides, message):
@@ -88,7 +94,8 @@ def test_settings_in_use_or_at_their_defaults_pass(tmp_path):
     load_config(SFTConfig, None, ["model.lora.rank=4", "model.lora.target_modules=[q_proj]", "model.lora.alpha=32"])
     load_config(SFTConfig, None, ["model.lora.alpha=16"])  # the default: harmless
     load_config(RLConfig, None, ["algo.name=ppo", "critic.value_clip=0.5", "algo.gamma=0.9", "algo.gae.lam=0.9"])
-    load_config(RLConfig, None, ["algo.kl_coef=0.1", "algo.kl_target=0.05", "algo.kl_horizon=100", "algo.kl_estimator=k1"])
+    load_config(RLConfig, None, ["algo.kl_coef=0.1", "algo.kl_target=0.05", "algo.kl_horizon=100",
+                                 "algo.kl_estimator=k1"])
     load_config(SFTConfig, None, ["optim.name=sgd", "optim.momentum=0.9"])
     # A resolved config.yaml holds every key at its value: those at the defaults pass, for every command.
     for cls, overrides in [(SFTConfig, []), (RLConfig, ["algo.name=rloo"]), (DemoConfig, [])]:
@@ -128,7 +135,8 @@ def test_a_sections_check_names_its_keys_once():
     (SFTConfig, "optim.learning_rate", "optim.lr"), (SFTConfig, "learning_rate", "optim.lr"),
     (SFTConfig, "model.lora.r", "model.lora.rank"), (SFTConfig, "lora_alpha", "model.lora.alpha"),
     (SFTConfig, "lora_dropout", "model.lora.dropout"), (SFTConfig, "target_modules", "model.lora.target_modules"),
-    (SFTConfig, "per_device_train_batch_size", "train.micro_batch_size"), (SFTConfig, "num_train_epochs", "train.epochs"),
+    (SFTConfig, "per_device_train_batch_size", "train.micro_batch_size"), (
+        SFTConfig, "num_train_epochs", "train.epochs"),
     (SFTConfig, "max_grad_norm", "train.max_grad_norm"), (RLConfig, "beta", "algo.kl_coef"),
     (RLConfig, "num_generations", "algo.group_size"), (RLConfig, "max_completion_length", "rollout.max_new_tokens"),
     (DemoConfig, "rl.model.lora.r", "rl.model.lora.rank"), (DemoConfig, "rl.lora_alpha", "rl.model.lora.alpha"),

@@ -87,7 +87,8 @@ def test_row_of_exactly_max_length_is_accepted(tokenizer):
 
 
 def test_bad_rl_prompt_rows(tmp_path, tokenizer):
-    p = write_lines(tmp_path, [json.dumps({"prompt": "1+1=", "answer": "2"}), json.dumps({"prompt": "1+1=", "answer": [2]})])
+    p = write_lines(tmp_path, [json.dumps({"prompt": "1+1=", "answer": "2"}), json.dumps({"prompt": "1+1=", "answer": [
+        2]})])
     with pytest.raises(DataError, match="'answer' must be a string or number") as info:
         encode_prompts(read_jsonl(p), tokenizer, max_length=32)
     assert_located(info.value, p, 2)
@@ -214,7 +215,8 @@ def test_non_utf8_line_is_reported_with_its_line(tmp_path):
 
 
 def test_lone_surrogate_is_reported_with_its_line(tmp_path, tokenizer):
-    p = write_lines(tmp_path, [GOOD, '{"prompt": "1+1=", "completion": "\\ud800"}', '{"prompt": "ok \\u00e9", "completion": "2"}'])
+    p = write_lines(tmp_path, [GOOD, '{"prompt": "1+1=", "completion": "\\ud800"}',
+                               '{"prompt": "ok \\u00e9", "completion": "2"}'])
     with pytest.raises(DataError, match="lone surrogate") as info:
         read_jsonl(p)
     assert_located(info.value, p, 2)
@@ -230,7 +232,8 @@ def test_deeply_nested_json_is_reported_with_its_line(tmp_path):
 
 
 @pytest.mark.parametrize("row", [{"prompt": "1+1=", "completion": "9" * 2_000_000},
-                                 {"messages": [{"role": "user", "content": "x" * 2_000_000}, {"role": "assistant", "content": "2"}]}])
+                                 {"messages": [{"role": "user", "content": "x" * 2_000_000}, {
+                                     "role": "assistant", "content": "2"}]}])
 def test_huge_row_is_refused_before_tokenising(tokenizer, monkeypatch, row):
     def no_tokenising(*args, **kwargs):
         raise AssertionError("the row was tokenised")

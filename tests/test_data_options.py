@@ -12,9 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import SMALL
-from test_cli_failures import TINY, exactrl, one_line_error
 
+from conftest import SMALL
 from exactrl.algorithms.sft import demonstration
 from exactrl.audit.manifest import file_sha256
 from exactrl.data.batch import collate
@@ -24,6 +23,7 @@ from exactrl.data.jsonl import DataError, Row
 from exactrl.models.loading import load_tokenizer
 from exactrl.tasks.tiny_model import save_tiny_model
 from exactrl.tasks.tokenizer import save_tokenizer
+from test_cli_failures import TINY, exactrl, one_line_error
 
 SFT_ROWS = [{"prompt": "1+1=", "completion": "2"}, {"prompt": "12+345=", "completion": "357"},
             {"messages": [{"role": "user", "content": "9+9="}, {"role": "assistant", "content": "18"}]},
@@ -44,7 +44,8 @@ def write_jsonl(path, rows):
 
 def test_a_prompt_past_max_prompt_length_is_an_error_naming_the_row_and_its_length(tmp_path, tokenizer):
     p = write_jsonl(tmp_path / "rl.jsonl", [{"prompt": "1+1=", "answer": "2"}, {"prompt": "123+456=", "answer": "579"}])
-    with pytest.raises(DataError, match=rf"{p}:2: prompt of 8 tokens exceeds data.max_prompt_length=6; .*data.over_length=drop"):
+    with pytest.raises(DataError,
+                       match=rf"{p}:2: prompt of 8 tokens exceeds data.max_prompt_length=6; .*data.over_length=drop"):
         load_prompts(p, tokenizer, data(max_prompt_length=6))
     assert [x.text for x in load_prompts(p, tokenizer, data(max_prompt_length=8))[0]] == ["1+1=", "123+456="]
 
@@ -85,7 +86,8 @@ def test_the_cli_refuses_or_drops_long_prompts(tmp_path):
     run = exactrl([*base, "data.over_length=drop", "train.max_steps=1", "rollout.max_new_tokens=4",
                    f"output_dir={tmp_path / 'b'}"], tmp_path, tmp_path / "cache")
     assert run.returncode == 0, run.stderr[-2000:]
-    assert f"note: dropped 1 of 9 rows of '{p}' longer than data.max_length=256 or data.max_prompt_length=16" in run.stderr
+    assert (f"note: dropped 1 of 9 rows of '{p}' longer than data.max_length=256 or data.max_prompt_length=16"
+            in run.stderr)
     assert (tmp_path / "b" / "final").is_dir()
 
 
@@ -169,12 +171,14 @@ def test_every_format_gives_the_batches_jsonl_gives(tmp_path, tokenizer):
         assert all(torch.equal(batch[k], batches["jsonl"][k]) for k in batch), kind
     # A column holds one type: chat prompts in one file, plain ones in another.
     for name, rl in {"plain": [{"prompt": "1+1=", "answer": "2"}, {"prompt": "3+4=", "answer": "7"}],
-                     "chat": [{"prompt": [{"role": "user", "content": t}], "answer": a} for t, a in (("1+1=", "2"), ("3+4=", "7"))]}.items():
+                     "chat": [{"prompt": [{"role": "user", "content": t}], "answer": a} for t, a in (("1+1=", "2"), (
+                         "3+4=", "7"))]}.items():
         (tmp_path / name).mkdir()
         text = "{}" if name == "plain" else "<|user|>{}<|assistant|>"
         want = [(tokenizer(text.format(t))["input_ids"], a) for t, a in (("1+1=", "2"), ("3+4=", "7"))]
         for kind, path in write_formats(tmp_path / name, rl).items():
-            assert [(x.input_ids, x.answer) for x in encode_prompts(read_rows(path), tokenizer, 64)] == want, (name, kind)
+            assert [(x.input_ids, x.answer) for x in encode_prompts(read_rows(path), tokenizer, 64)] == want, (
+                name, kind)
 
 
 def test_a_bad_row_in_a_parquet_file_is_named_by_file_and_row(tmp_path, tokenizer):

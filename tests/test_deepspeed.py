@@ -37,13 +37,15 @@ def results(request, tmp_path_factory):
 def test_every_stage_offload_and_k_matches_the_full_batch_sgd_update(results):
     world, r = results
     sgd = [c for c in r["cases"] if c["optim"] == "sgd"]
-    layouts = {f"deepspeed.zero_stage={s} deepspeed.offload_optimizer={o}" for s in (0, 1, 2, 3) for o in (("none", "cpu") if s else ("none",))}
+    layouts = {f"deepspeed.zero_stage={s} deepspeed.offload_optimizer={o}" for s in (0, 1, 2, 3) for o in ((
+        "none", "cpu") if s else ("none",))}
     ks = {1, 2, 3, 4, 8} if world == 1 else {1, 2, 3, 4}
     for layout in layouts:
         assert {c["K"] for c in sgd if c["config"] == layout and c["mode"] == "token-mean"} == ks, layout
     assert {c["K"] for c in sgd if "offload_param=cpu" in c["config"]} == ks - {1, 3}
     assert {c["K"] for c in sgd if "deepspeed.config=" in c["config"]} == ks - {1, 3}
-    assert {c["mode"] for c in sgd} == {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"}
+    assert {c["mode"] for c in sgd} == {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                                        "seq-mean-token-sum-norm"}
     for c in r["cases"]:
         assert c["precision"] == ("float32" if "zero_stage=0" in c["config"] else "fp32 master weights"), c
     bad = over_bound(sgd)

@@ -11,11 +11,10 @@ import contextlib
 import pytest
 import torch
 
-from exactrl.algorithms.common import check_world
-from exactrl.data.batch import Sample
-from exactrl.config import ConfigError, SFTConfig, load_config
-from exactrl.data.batch import collate
 from exactrl import device as dev
+from exactrl.algorithms.common import check_world
+from exactrl.config import ConfigError, SFTConfig, load_config
+from exactrl.data.batch import Sample, collate
 from exactrl.distributed.engine import build_engine
 from exactrl.models.packing import model_batch
 from exactrl.rollout import hf
@@ -68,7 +67,8 @@ def test_autocast_runs_on_the_engines_device_type(make_model, monkeypatch):
     with engine.autocast():
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
     seen = []
-    monkeypatch.setattr(torch, "autocast", lambda device_type, dtype: seen.append((device_type, dtype)) or contextlib.nullcontext())
+    monkeypatch.setattr(torch, "autocast", lambda device_type, dtype: seen.append((device_type, dtype))
+                        or contextlib.nullcontext())
     engine.device = torch.device("meta")
     with engine.autocast():
         pass
@@ -112,7 +112,8 @@ def recorded_all_reduce(monkeypatch):
 def test_metric_reductions_use_tensors_on_the_engines_device(make_model, recorded_all_reduce):
     engine = build_engine(make_model(0), load_config(SFTConfig, None, []), total_steps=1)
     engine.world_size, engine.device = 2, torch.device("meta")
-    for reduce in (lambda: engine.sum_over_ranks(1.0), lambda: engine.max_over_ranks(1.0), lambda: engine.mean_over_ranks({"a": 1.0})):
+    for reduce in (lambda: engine.sum_over_ranks(1.0), lambda: engine.max_over_ranks(1.0),
+                   lambda: engine.mean_over_ranks({"a": 1.0})):
         with pytest.raises(Reduced):
             reduce()
     assert recorded_all_reduce == [torch.device("meta")] * 3

@@ -14,18 +14,21 @@ import sys
 import pytest
 import torch
 import yaml
-from old_deepspeed import ds_env
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from old_deepspeed import ds_env
 
 SMALL_TASK = ["task.n_sft=256", "task.n_rl=64", "task.n_eval=40"]
 
 
 def exactrl(args, cwd, cache, check=True):
     env = {**os.environ, "EXACTRL_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "exactrl.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "exactrl.cli", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=600)
     if check and proc.returncode != 0:
-        raise AssertionError(f"exactrl {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise AssertionError(f"exactrl {' '.join(args)} failed "
+                             f"({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
 
 
@@ -40,7 +43,8 @@ def test_sft_then_rl_cli(workdir):
              "train.global_batch_size=8", "train.micro_batch_size=4", "data.eval_size=8", "train.eval_every=0"],
             cwd=os.getcwd(), cache=cache)
     run = cwd / "sft"
-    for name in ("config.yaml", "status.json", "manifest.json", "metrics.jsonl", "final/config.json", "final/model.safetensors", "final/tokenizer.json"):
+    for name in ("config.yaml", "status.json", "manifest.json", "metrics.jsonl", "final/config.json",
+                 "final/model.safetensors", "final/tokenizer.json"):
         assert (run / name).exists(), name
     model = AutoModelForCausalLM.from_pretrained(run / "final")
     tok = AutoTokenizer.from_pretrained(run / "final")
@@ -48,18 +52,21 @@ def test_sft_then_rl_cli(workdir):
     steps = [r for r in map(json.loads, open(run / "metrics.jsonl")) if "loss" in r]
     assert [r["step"] for r in steps][-1] == 3 and all(r["samples"] == 8 and r["micro_batches"] == 2 for r in steps)
     manifest = json.loads((run / "manifest.json").read_text())
-    assert manifest["versions"]["torch"] == torch.__version__.split("+")[0] or manifest["versions"]["torch"].startswith(torch.__version__.split("+")[0])
+    assert manifest["versions"]["torch"].startswith(torch.__version__.split("+")[0])
     assert len(manifest["data"]["train"]["sha256"]) == 64
 
-    exactrl(["rl", "--config", "examples/grpo_tiny.yaml", "model.path=" + str(run / "final"), "output_dir=" + str(cwd / "rl"),
+    exactrl(["rl", "--config", "examples/grpo_tiny.yaml", "model.path=" + str(run / "final"), "output_dir="
+             + str(cwd / "rl"),
              "train.max_steps=4", "train.global_batch_size=16", "train.micro_batch_size=8", "algo.group_size=4",
-             "algo.kl_coef=0.05", "algo.ppo_epochs=2", "algo.mini_batches=2", "algo.log_entropy=true", "data.eval_size=8", "train.eval_every=0",
+             "algo.kl_coef=0.05", "algo.ppo_epochs=2", "algo.mini_batches=2", "algo.log_entropy=true",
+             "data.eval_size=8", "train.eval_every=0",
              "rollout.max_new_tokens=12", "train.log_every=1"],
             cwd=os.getcwd(), cache=cache)
     rl = [r for r in map(json.loads, open(cwd / "rl" / "metrics.jsonl")) if "reward_mean" in r]
     # One rollout of 2 mini-batches x 2 epochs = 4 optimizer steps of 16 responses each.
     assert len(rl) == 4 and {r["rollout"] for r in rl} == {0} and all(r["samples"] == 16 for r in rl)
-    for key in ("reward_mean", "reward_std", "accuracy", "kl", "clip_frac", "entropy", "response_length", "gen_tokens_per_s"):
+    for key in ("reward_mean", "reward_std", "accuracy", "kl", "clip_frac", "entropy", "response_length",
+                "gen_tokens_per_s"):
         assert key in rl[0], key
     # The on-policy check ran and the ratio was exactly 1 at the first update of the rollout.
     assert [r["ratio_dev_first"] for r in rl] == [0.0, None, None, None]
@@ -80,12 +87,13 @@ def test_config_replay_reproduces_the_resolved_config(workdir):
 
 
 def test_cli_reports_bad_config_and_data_without_traceback(workdir, tmp_path):
-    cwd, cache = workdir
+    _, cache = workdir
     proc = exactrl(["sft", "train.lr=1e-3"], cwd=tmp_path, cache=cache, check=False)
     assert proc.returncode == 2 and "did you mean 'optim.lr'" in proc.stderr and "Traceback" not in proc.stderr
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "1+1=", "completion": "2"}\n{"prompt": "2+2="}\n')
-    proc = exactrl(["sft", f"data.train={bad}", "data.eval=null", f"output_dir={tmp_path / 'r'}"], cwd=tmp_path, cache=cache, check=False)
+    proc = exactrl(["sft", f"data.train={bad}", "data.eval=null", f"output_dir={tmp_path / 'r'}"], cwd=tmp_path,
+                   cache=cache, check=False)
     assert proc.returncode == 2 and f"{bad}:2" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "r").exists()  # data errors stop the run before it creates anything
 
@@ -103,7 +111,8 @@ def test_demo_smoke_writes_complete_run_directory(workdir):
         assert 0.0 <= acc["ci95"][0] <= acc["value"] <= acc["ci95"][1] <= 1.0
         assert acc["n"] == 40
     assert set(summary["seconds"]) >= {"sft", "rl", "total"}
-    for name in ("config.yaml", "manifest.json", "metrics.jsonl", "plot.png", "report.md", "sft_model/config.json", "rl_model/config.json"):
+    for name in ("config.yaml", "manifest.json", "metrics.jsonl", "plot.png", "report.md", "sft_model/config.json",
+                 "rl_model/config.json"):
         assert (out / name).exists(), name
     assert "after sft" in proc.stdout and "after rl" in proc.stdout
     assert "Setting accelerator" not in proc.stdout + proc.stderr  # DeepSpeed's probe line (issue 21)
@@ -113,7 +122,8 @@ def test_sft_relaunches_itself_under_torchrun_with_fsdp2(workdir):
     cwd, cache = workdir
     out = cwd / "fsdp2"
     proc = exactrl(["sft", "--config", "examples/sft_tiny.yaml", f"output_dir={out}", "distributed.backend=fsdp2",
-                    "distributed.nproc_per_node=2", "train.max_steps=2", "train.global_batch_size=8", "train.micro_batch_size=2",
+                    "distributed.nproc_per_node=2", "train.max_steps=2", "train.global_batch_size=8",
+                    "train.micro_batch_size=2",
                     "data.eval_size=4", "train.log_every=1"], cwd=os.getcwd(), cache=cache)
     steps = [r for r in map(json.loads, open(out / "metrics.jsonl")) if "loss" in r]
     # Each rank ran 2 of the step's 4 micro-batches; the canary saw all of them, once.
@@ -128,13 +138,16 @@ def test_the_deepspeed_launcher_runs_exactrl_as_torchrun_does(workdir):
     pytest.importorskip("deepspeed")
     cwd, cache = workdir
     common = ["sft", "--config", "examples/sft_tiny.yaml", "distributed.backend=deepspeed", "deepspeed.zero_stage=2",
-              "train.max_steps=2", "train.global_batch_size=8", "train.micro_batch_size=2", "data.eval=null", "train.log_every=1"]
+              "train.max_steps=2", "train.global_batch_size=8", "train.micro_batch_size=2", "data.eval=null",
+              "train.log_every=1"]
     env = {**os.environ, "EXACTRL_CACHE": str(cache), "OMP_NUM_THREADS": "1", **ds_env()}
-    launcher = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2", "--master_port", "29631", "--module"]
+    launcher = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2", "--master_port", "29631",
+                "--module"]
     proc = subprocess.run([*launcher, "exactrl.cli", *common, f"output_dir={cwd / 'ds-launcher'}"], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    exactrl([*common, "distributed.nproc_per_node=2", f"output_dir={cwd / 'ds-torchrun'}"], cwd=os.getcwd(), cache=cache)
+    exactrl([*common, "distributed.nproc_per_node=2", f"output_dir={cwd / 'ds-torchrun'}"], cwd=os.getcwd(),
+            cache=cache)
     steps = [r for r in map(json.loads, open(cwd / "ds-launcher" / "metrics.jsonl")) if "loss" in r]
     assert [(r["micro_batches"], r["samples"], r["canary"]) for r in steps] == [(2, 4, 1.0), (2, 4, 1.0)]
     a, b = (load_file(cwd / d / "final" / "model.safetensors") for d in ("ds-launcher", "ds-torchrun"))

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rl_helpers import sft_micro_batch_loss
 from exactrl.config import SFTConfig, load_config
 from exactrl.data.encode import encode_sft
 from exactrl.data.jsonl import Row
@@ -14,8 +13,10 @@ from exactrl.distributed.checkpoint import _atomic_dir, save_checkpoint
 from exactrl.distributed.engine import SampleAccountingError, build_engine
 from exactrl.distributed.step_plan import plan_step
 from exactrl.workers.worker import Worker
+from rl_helpers import sft_micro_batch_loss
 
-COMPLETIONS = ["1", "2+2+0=04 #### 04", "#### 77", "9+9+0=18 1+1+1=03 #### 318", "x", "12345678901234567890", "ab", "#### 1"]
+COMPLETIONS = ["1", "2+2+0=04 #### 04", "#### 77", "9+9+0=18 1+1+1=03 #### 318", "x", "12345678901234567890", "ab",
+               "#### 1"]
 
 
 def examples(tokenizer):
@@ -58,7 +59,8 @@ def test_clipping_acts_on_the_full_accumulated_gradient(tokenizer, make_model, m
     g = full_batch_grad(ref, tokenizer, examples(tokenizer))
     norm = torch.sqrt(sum((x**2).sum() for x in g)).item()
     clip = norm / 10  # clipping must scale the whole step's gradient by exactly 1/10
-    cfg = load_config(SFTConfig, None, ["optim.name=sgd", "optim.lr=1.0", "optim.scheduler=constant", f"train.max_grad_norm={clip}",
+    cfg = load_config(SFTConfig, None, ["optim.name=sgd", "optim.lr=1.0", "optim.scheduler=constant",
+                                        f"train.max_grad_norm={clip}",
                                          "train.global_batch_size=8", f"train.micro_batch_size={micro}"])
     got, stats = step_params(make_model(5), tokenizer, examples(tokenizer), cfg, micro)
     assert stats["grad_norm"] == pytest.approx(norm, rel=1e-5)
@@ -73,7 +75,8 @@ def test_adamw_accumulated_step_matches_torch_adamw_on_full_batch(tokenizer, mak
     opt.step()
     expected = [p.detach().clone() for p in ref.parameters()]
     cfg = load_config(SFTConfig, None, ["optim.lr=1e-2", "optim.weight_decay=0.1", "optim.scheduler=constant",
-                                         "train.max_grad_norm=0", "train.global_batch_size=8", "train.micro_batch_size=2"])
+                                         "train.max_grad_norm=0", "train.global_batch_size=8",
+                                         "train.micro_batch_size=2"])
     model = make_model(6)
     p0 = [p.detach().clone() for p in model.parameters()]
     got, _ = step_params(model, tokenizer, examples(tokenizer), cfg, 2)
@@ -87,7 +90,8 @@ def test_bf16_autocast_accumulation_agrees_with_one_pass(tokenizer, make_model):
     the bound is 5e-3, still far below what one dropped micro-batch of 8 would cause (~0.1+)."""
     ups = []
     for micro in (8, 2):
-        cfg = load_config(SFTConfig, None, ["model.dtype=bf16", "optim.name=sgd", "optim.lr=1.0", "train.max_grad_norm=0",
+        cfg = load_config(SFTConfig, None, ["model.dtype=bf16", "optim.name=sgd", "optim.lr=1.0",
+                                            "train.max_grad_norm=0",
                                              "train.global_batch_size=8", f"train.micro_batch_size={micro}"])
         model = make_model(7)
         p0 = [p.detach().clone() for p in model.parameters()]
@@ -121,7 +125,8 @@ def test_a_step_is_begun_with_its_micro_batch_count_and_held_to_it(tokenizer, ma
         engine.begin_step(2)
     for mb in plan.micro_batches:
         backward(mb)
-    with pytest.raises(SampleAccountingError, match="begin_step announced 3 micro-batches, the plan and backward have 2"):
+    with pytest.raises(SampleAccountingError,
+                       match="begin_step announced 3 micro-batches, the plan and backward have 2"):
         engine.step(plan)
     # A count other than the configured accumulation (8 / 2 = 4) is the ordinary case, step after step.
     engine = build_engine(make_model(8), cfg, total_steps=4)

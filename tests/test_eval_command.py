@@ -8,14 +8,15 @@ import json
 import math
 
 import pytest
-from test_cli_failures import exactrl, one_line_error
 
 from exactrl.run.evaluation import pass_at_k
+from test_cli_failures import exactrl, one_line_error
 
 # The parity fixture makes the accuracy depend on every generated character (an untrained model's
 # checker accuracy is 0 whatever it generates).
 EVAL = ["eval.reward_fn=reward_fixtures:parity", "eval.batch_size=16"]
-TRAIN = ["train.global_batch_size=8", "train.micro_batch_size=4", "train.max_steps=2", "data.eval=builtin", "data.eval_size=40",
+TRAIN = ["train.global_batch_size=8", "train.micro_batch_size=4", "train.max_steps=2", "data.eval=builtin",
+         "data.eval_size=40",
          *EVAL]
 
 
@@ -48,25 +49,31 @@ def trained(request, tmp_path_factory, cache):
 
 def test_eval_reports_what_the_runs_own_final_evaluation_reported(trained, cache, tmp_path):
     root, logged = trained
-    proc = exactrl(["eval", f"model.path={root / 'run' / 'final'}", "data.eval_size=40", *EVAL, f"output_dir={tmp_path / 'ev'}"],
+    proc = exactrl(["eval", f"model.path={root / 'run' / 'final'}", "data.eval_size=40", *EVAL,
+                    f"output_dir={tmp_path / 'ev'}"],
                    tmp_path, cache)
     assert proc.returncode == 0, proc.stderr
     results = json.loads((tmp_path / "ev" / "results.json").read_text())
     assert 0 < logged["eval_accuracy"] < 1  # a figure that could differ
     assert results["greedy"]["accuracy"] == logged["eval_accuracy"] and results["greedy"]["ci95"] == logged["eval_ci95"]
-    assert results["pass_at_k"] is None and json.loads((tmp_path / "ev" / "status.json").read_text())["state"] == "success"
-    shown = f"{100 * logged['eval_accuracy']:.1f}% [{100 * logged['eval_ci95'][0]:.1f}, {100 * logged['eval_ci95'][1]:.1f}]"
+    assert (results["pass_at_k"] is None
+            and json.loads((tmp_path / "ev" / "status.json").read_text())["state"] == "success")
+    low, high = logged["eval_ci95"]
+    shown = f"{100 * logged['eval_accuracy']:.1f}% [{100 * low:.1f}, {100 * high:.1f}]"
     assert shown in proc.stderr and shown in (tmp_path / "ev" / "report.md").read_text()
     assert len((tmp_path / "ev" / "samples.jsonl").read_text().splitlines()) == 40
 
 
 def test_pass_at_k_from_the_cli_is_the_estimator_over_the_sample_counts(cache, tmp_path):
     n, ks = 4, [1, 2, 4]
-    proc = exactrl(["eval", "model.path=builtin", "data.eval_size=24", "eval.max_new_tokens=12", *EVAL, f"pass_at_k.n={n}",
-                    "pass_at_k.k=[1,2,4]", "pass_at_k.temperature=1.5", f"output_dir={tmp_path / 'ev'}"], tmp_path, cache)
+    proc = exactrl(["eval", "model.path=builtin", "data.eval_size=24", "eval.max_new_tokens=12", *EVAL,
+                    f"pass_at_k.n={n}",
+                    "pass_at_k.k=[1,2,4]", "pass_at_k.temperature=1.5", f"output_dir={tmp_path / 'ev'}"], tmp_path,
+                    cache)
     assert proc.returncode == 0, proc.stderr
     got = json.loads((tmp_path / "ev" / "results.json").read_text())["pass_at_k"]
-    counts = [json.loads(line)["correct_samples"] for line in (tmp_path / "ev" / "samples.jsonl").read_text().splitlines()]
+    counts = [json.loads(line)["correct_samples"]
+              for line in (tmp_path / "ev" / "samples.jsonl").read_text().splitlines()]
     assert len(counts) == 24 and any(0 < c < n for c in counts)  # some prompts where k matters
     for k in ks:  # written out: 1 - C(n-c, k) / C(n, k), averaged over prompts
         want = sum(1 - math.comb(n - c, k) / math.comb(n, k) for c in counts) / len(counts)
@@ -82,14 +89,17 @@ def test_eval_refusals_are_one_line(tmp_path, cache):
     assert line.startswith("error: model.path: give the model to evaluate"), line
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"answer": "3"}\n')
-    line = one_line_error(exactrl(["eval", "model.path=builtin", f"data.eval={bad}", "eval.reward_fn=reward_fixtures:parity"],
+    line = one_line_error(exactrl(["eval", "model.path=builtin", f"data.eval={bad}",
+                                   "eval.reward_fn=reward_fixtures:parity"],
                                   tmp_path, cache), 2)
     assert f"{bad}:2" in line and "prompt" in line, line
     line = one_line_error(exactrl(["eval", "model.path=builtin", f"data.eval={bad}"], tmp_path, cache), 2)
     assert "needs eval.reward_fn" in line, line
-    line = one_line_error(exactrl(["eval", "model.path=builtin", "eval.reward_fn=reward_fixtures:no_such_fn"], tmp_path, cache), 2)
+    line = one_line_error(exactrl(["eval", "model.path=builtin", "eval.reward_fn=reward_fixtures:no_such_fn"], tmp_path,
+                                  cache), 2)
     assert "no_such_fn" in line, line
-    line = one_line_error(exactrl(["eval", "model.path=builtin", "pass_at_k.k=[1,8]", "pass_at_k.n=4"], tmp_path, cache), 2)
+    line = one_line_error(exactrl(["eval", "model.path=builtin", "pass_at_k.k=[1,8]", "pass_at_k.n=4"], tmp_path,
+                                  cache), 2)
     assert "pass_at_k.k=[1, 8]: each k must be between 1 and pass_at_k.n=4" in line, line
     line = one_line_error(exactrl(["eval", "model.path=builtin", "pass_at_k.temperature=0.7"], tmp_path, cache), 2)
     assert "pass_at_k.temperature set, but pass_at_k.n=0 draws no samples" in line, line

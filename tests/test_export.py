@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed_harness import run_cases
-from old_deepspeed import ds_env
 
+from distributed_harness import run_cases
 from exactrl.config import SFTConfig, load_config
 from exactrl.distributed.engine import build_engine
 from exactrl.rollout.generator import WeightSyncError
@@ -20,6 +19,7 @@ from exactrl.rollout.hf import HFEngine
 from exactrl.tasks.tiny_model import build_tiny_model
 from exactrl.tasks.tokenizer import build_tokenizer
 from exactrl.workers.worker import Worker
+from old_deepspeed import ds_env
 
 pytest.importorskip("peft")
 SCRIPT = Path(__file__).parent / "dist" / "export.py"
@@ -31,7 +31,8 @@ LAYOUTS = {("single", 1): ["single"], ("fsdp2", 2): ["fsdp2"],
 def test_export_equals_the_saved_checkpoint_on_every_backend(backend, world, tmp_path):
     if backend == "deepspeed":
         pytest.importorskip("deepspeed")
-    results = run_cases(backend, world, tmp_path / "results.json", ds_env() if backend == "deepspeed" else None, script=SCRIPT)
+    results = run_cases(backend, world, tmp_path / "results.json", ds_env() if backend == "deepspeed" else None,
+                        script=SCRIPT)
     assert sorted({(r["config"], r["lora"], r["rank"]) for r in results}) == sorted(
         (c, lora, rank) for c in LAYOUTS[(backend, world)] for lora in (False, True) for rank in range(world))
     for r in results:
@@ -65,7 +66,9 @@ def test_a_generator_with_its_own_model_loads_the_export_and_verifies_it(tok):
     policy, copy = worker(tok, 3), worker(tok, 11)
     generator = HFEngine(copy.model, tok, batch_size=4)
     assert policy.push_weights(generator) == 1
-    assert all(torch.equal(a, b) for a, b in zip(policy.model.state_dict().values(), generator.model.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(policy.model.state_dict().values(),
+                                                 generator.model.state_dict().values()))
     partial = [(n, t) for n, t in policy.export_weights() if n != "model.norm.weight"]
-    with pytest.raises(WeightSyncError, match=r"the trainer sent no 'model.norm.weight' \(1 of the generator's parameters"):
+    with pytest.raises(WeightSyncError,
+                       match=r"the trainer sent no 'model.norm.weight' \(1 of the generator's parameters"):
         generator.load_weights(partial)

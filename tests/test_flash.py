@@ -15,8 +15,8 @@ import types
 
 import pytest
 import torch
-from archs import VOCAB, WINDOW, build, save
 
+from archs import VOCAB, WINDOW, build, save
 from exactrl.checks.packing import BF16_TOL, PackingCheckError, check_packing
 from exactrl.losses.token_losses import token_logprobs
 from exactrl.models import flash, packing
@@ -41,7 +41,8 @@ def _reference_varlen(q, k, v, cu_seqlens_q, softmax_scale, causal, window_size,
     outs = []
     for a, b in zip(cu_seqlens_q.tolist(), cu_seqlens_q.tolist()[1:]):
         qs, ks, vs = (t[a:b].float() for t in (q, k, v))
-        ks, vs = (t.repeat_interleave(q.shape[1] // k.shape[1], 1) for t in (ks, vs))  # query head h reads kv head h // rep
+        # query head h reads kv head h // rep
+        ks, vs = (t.repeat_interleave(q.shape[1] // k.shape[1], 1) for t in (ks, vs))
         scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
         if softcap > 0:
             scores = softcap * torch.tanh(scores / softcap)

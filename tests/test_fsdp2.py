@@ -12,7 +12,9 @@ update must match to 1e-10 (distributed_harness.TOL).
 from __future__ import annotations
 
 import pytest
+
 from distributed_harness import check_faults, over_bound, run_cases
+
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["world1", "world2"])
 def results(request, tmp_path_factory):
@@ -24,7 +26,8 @@ def test_every_mode_and_k_matches_the_full_batch_sgd_update(results):
     world, r = results
     sgd = [c for c in r["cases"] if c["optim"] == "sgd"]
     assert {c["K"] for c in sgd} == ({1, 2, 3, 4, 8} if world == 1 else {1, 2, 3, 4})
-    assert {c["mode"] for c in sgd} == {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"}
+    assert {c["mode"] for c in sgd} == {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                                        "seq-mean-token-sum-norm"}
     assert {c["precision"] for c in r["cases"]} == {"float64"}
     bad = over_bound(sgd)
     assert not bad, bad

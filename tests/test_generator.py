@@ -66,7 +66,8 @@ def test_worker_forward_gives_each_sample_its_full_batch_log_probs(tokenizer, ma
         samples, "logprobs", [[0, 2], [1]])
     for s, row in zip(samples, got):  # one sequence alone, no padding, no packing
         ids = torch.tensor([s.ids])
-        want = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float() / 0.5, -1).gather(-1, ids[0, 1:, None])[:, 0]
+        want = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float() / 0.5, -1).gather(-1, ids[0, 1:, None])[
+            :, 0]
         assert row.shape == (s.num_targets,)
         torch.testing.assert_close(row, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="computed for no micro-batch holding samples \\[1\\]"):

@@ -7,23 +7,24 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed_harness import over_bound, run_cases
-from test_engine import examples, rel_err
 
-from rl_helpers import sft_micro_batch_loss
+from distributed_harness import over_bound, run_cases
 from exactrl.checks.packing import check_packing
 from exactrl.config import SFTConfig, load_config
 from exactrl.device import place
 from exactrl.distributed.engine import build_engine
 from exactrl.distributed.step_plan import plan_step
 from exactrl.models import packing
+from rl_helpers import sft_micro_batch_loss
+from test_engine import examples, rel_err
 
 pytestmark = pytest.mark.gpu
 
 
 def sgd_update(model, tokenizer, exs, micro, dtype, device):
     """One SGD step (lr 1, no clipping) through the engine: the update is minus the gradient."""
-    cfg = load_config(SFTConfig, None, [f"model.dtype={dtype}", "optim.name=sgd", "optim.lr=1.0", "train.max_grad_norm=0",
+    cfg = load_config(SFTConfig, None, [f"model.dtype={dtype}", "optim.name=sgd", "optim.lr=1.0",
+                                        "train.max_grad_norm=0",
                                          f"train.global_batch_size={len(exs)}", f"train.micro_batch_size={micro}",
                                          f"distributed.device={device.type}"])
     p0 = [p.detach().clone() for p in model.parameters()]
@@ -41,11 +42,13 @@ def sgd_update(model, tokenizer, exs, micro, dtype, device):
 def definition_update(model, tokenizer, exs, device):
     """Minus the full-batch token-mean gradient, one padded forward on the device, loss by its definition."""
     width = max(len(e.input_ids) for e in exs)
-    ids = torch.tensor([e.input_ids + [tokenizer.pad_token_id] * (width - len(e.input_ids)) for e in exs], device=device)
+    ids = torch.tensor([e.input_ids + [tokenizer.pad_token_id] * (width - len(e.input_ids)) for e in exs],
+                       device=device)
     attn = torch.tensor([[1] * len(e.input_ids) + [0] * (width - len(e.input_ids)) for e in exs], device=device)
     mask = torch.tensor([e.loss_mask + [0] * (width - len(e.loss_mask)) for e in exs], device=device)[:, 1:].float()
     place(model, device)
-    nll = -torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+    nll = -torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits[:, :-1], -1).gather(-1, ids[
+        :, 1:, None])[..., 0]
     ((nll * mask).sum() / mask.sum()).backward()
     return [-p.grad.cpu() for p in model.parameters()]
 

@@ -86,7 +86,8 @@ def sft_reference(model, examples, mode: str, pad_id: int) -> dict[str, torch.Te
     mask = pad([e.loss_mask[1:] for e in examples], 0)
     model.zero_grad(set_to_none=True)
     logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
-    nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none").view(mask.shape)
+    nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1),
+                          reduction="none").view(mask.shape)
     reduce_by_definition(nll, mask, mode).backward()
     out = grads(model)
     model.zero_grad(set_to_none=True)
@@ -107,7 +108,8 @@ def sft_exactrl(model, examples, cfg: SFTConfig, pad_id: int, group_by_length: b
     t = cfg.train
     engine = build_engine(model, cfg, total_steps=1)
     lengths = [len(e.input_ids) for e in examples] if group_by_length else None
-    plan = plan_step([e.loss_tokens for e in examples], t.micro_batch_size, t.loss_agg, t.loss_agg_norm, lengths=lengths)
+    plan = plan_step([e.loss_tokens for e in examples], t.micro_batch_size, t.loss_agg, t.loss_agg_norm,
+                     lengths=lengths)
     engine.begin_step(len(plan.micro_batches))
     for j, mb in enumerate(plan.micro_batches):
         if j == skip:
@@ -168,7 +170,8 @@ def test_clipping_acts_on_the_full_accumulated_gradient(base_model, sft_examples
     ref_norm = sum((g.double() ** 2).sum() for g in ref.values()).sqrt().item()
     model = copy.deepcopy(base_model)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    engine, plan = sft_exactrl(model, sft_examples, sft_cfg(8, 4, "token-mean", max_grad_norm=ref_norm / 2), tokenizer.pad_token_id)
+    engine, plan = sft_exactrl(model, sft_examples, sft_cfg(8, 4, "token-mean", max_grad_norm=ref_norm / 2),
+                               tokenizer.pad_token_id)
     stats = engine.step(plan)
     assert stats["grad_norm"] == pytest.approx(ref_norm, rel=TOL)
     applied = {name: before[name] - p.detach() for name, p in model.named_parameters()}
@@ -185,7 +188,8 @@ def test_mean_of_means_fails_the_equivalence_check(base_model, sft_examples, sft
         ids, mask = pad([e.input_ids for e in mb], pad_id), pad([e.loss_mask[1:] for e in mb], 0)
         attn = pad([[1] * len(e.input_ids) for e in mb], 0)
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
-        nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none").view(mask.shape)
+        nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1),
+                              reduction="none").view(mask.shape)
         ((nll * mask).sum() / mask.sum() / len(micro)).backward()
     assert rel_err(grads(model), sft_refs(8, "token-mean")) > 1e-3
 
@@ -198,7 +202,8 @@ def test_dropped_middle_micro_batches_fail_the_equivalence_check(base_model, sft
     plan = plan_step([e.loss_tokens for e in sft_examples], 2, "token-mean")
     engine.begin_step(len(plan.micro_batches))
     for j, mb in enumerate(plan.micro_batches):
-        loss, share = sft_micro_batch_loss(model, engine, [sft_examples[i] for i in mb], tokenizer.pad_token_id, plan.normalizer)
+        loss, share = sft_micro_batch_loss(model, engine, [sft_examples[i] for i in mb], tokenizer.pad_token_id,
+                                           plan.normalizer)
         engine.backward(loss if j in (0, 3) else loss * 0.0, share, num_samples=len(mb))
     assert rel_err(grads(model), sft_refs(8, "token-mean")) > 1e-3
 
@@ -230,7 +235,8 @@ def test_repeated_backward_raises_sample_accounting_error(base_model, sft_exampl
     model = copy.deepcopy(base_model)
     engine, plan = sft_exactrl(model, sft_examples, sft_cfg(8, 2, "token-mean"), tokenizer.pad_token_id)
     mb = plan.micro_batches[0]
-    loss, share = sft_micro_batch_loss(model, engine, [sft_examples[i] for i in mb], tokenizer.pad_token_id, plan.normalizer)
+    loss, share = sft_micro_batch_loss(model, engine, [sft_examples[i] for i in mb], tokenizer.pad_token_id,
+                                       plan.normalizer)
     with pytest.raises(SampleAccountingError, match="backward of micro-batch 3 in a step begun with 2"):
         engine.backward(loss, share, num_samples=len(mb))
 
@@ -306,7 +312,8 @@ def grpo_reference(model, samples, mode: str, kl_coef: float, pad_id: int, algo:
     return out, clipped
 
 
-def rl_cfg(n: int, k: int, mode: str, kl_coef: float, algo: str = "grpo", clip: tuple[float, float] = (CLIP_EPS, CLIP_EPS)) -> RLConfig:
+def rl_cfg(n: int, k: int, mode: str, kl_coef: float, algo: str = "grpo", clip: tuple[float, float] = (
+    CLIP_EPS, CLIP_EPS)) -> RLConfig:
     return RLConfig(train=TrainConfig(global_batch_size=n, micro_batch_size=n // k, max_grad_norm=0.0, loss_agg=mode,
                                       loss_agg_norm=NORM_LEN),
                     optim=OptimConfig(name="sgd", lr=1.0, scheduler="constant"),
@@ -348,7 +355,8 @@ def test_grpo_accumulated_gradient_equals_full_batch_gradient(mode, n, k, kl_coe
                                                               tokenizer):
     ref, clip_frac = grpo_refs(n, mode, kl_coef)
     assert 0.05 < clip_frac < 0.95  # the clipped branch is exercised
-    model, engine, plan = accumulate_policy_loss(base_model, rl_samples[:n], rl_cfg(n, k, mode, kl_coef), tokenizer.pad_token_id)
+    model, engine, plan = accumulate_policy_loss(base_model, rl_samples[:n], rl_cfg(n, k, mode, kl_coef),
+                                                 tokenizer.pad_token_id)
     assert rel_err(grads(model), ref) <= TOL
     assert engine.step(plan)["micro_batches"] == k
 
@@ -363,7 +371,8 @@ def test_other_policy_losses_accumulate_to_the_full_batch_gradient(algo, clip, m
     (one padded pass over the whole batch)."""
     ref, clip_frac = grpo_refs(n, mode, 0.0, algo, clip)
     assert 0.0 < clip_frac < 1.0  # both branches exercised
-    model, _, _ = accumulate_policy_loss(base_model, rl_samples[:n], rl_cfg(n, k, mode, 0.0, algo, clip), tokenizer.pad_token_id)
+    model, _, _ = accumulate_policy_loss(base_model, rl_samples[:n], rl_cfg(n, k, mode, 0.0, algo, clip),
+                                         tokenizer.pad_token_id)
     assert rel_err(grads(model), ref) <= TOL
     assert rel_err(ref, grpo_refs(n, mode, 0.0)[0]) > 1e-3  # and it is not the plain GRPO gradient
 

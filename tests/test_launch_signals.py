@@ -97,7 +97,8 @@ def test_a_signal_stops_every_rank(tmp_path, env, sig, when):
     code, line = {signal.SIGTERM: (143, "terminated: SIGTERM"), signal.SIGINT: (130, "interrupted: SIGINT")}[sig]
     assert proc.returncode == code and err.count(line) == 1 and "Traceback" not in err, err[-3000:]
     if when == "start-up":
-        assert not (out / "status.json").exists() or json.loads((out / "status.json").read_text())["state"] == "interrupted"
+        assert (not (out / "status.json").exists()
+                or json.loads((out / "status.json").read_text())["state"] == "interrupted")
         return
     assert json.loads((out / "status.json").read_text())["state"] == "interrupted"
     for checkpoint in complete_checkpoints(out):  # whole: every file reads

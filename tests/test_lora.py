@@ -17,8 +17,6 @@ import copy
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_grad_equivalence import (SPLITS, accumulate_policy_loss, grads, grpo_reference, rel_err, rl_cfg, rl_samples,
-                                   sft_cfg, sft_examples, sft_exactrl, sft_reference)
 
 from exactrl.algorithms.rl import train_rl
 from exactrl.algorithms.sft import train_sft
@@ -33,6 +31,19 @@ from exactrl.models.lora import LoraError, apply_lora, reference_mode
 from exactrl.rollout.hf import HFEngine
 from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin
 from rl_helpers import attach_logprobs
+from test_grad_equivalence import (
+    SPLITS,
+    accumulate_policy_loss,
+    grads,
+    grpo_reference,
+    rel_err,
+    rl_cfg,
+    rl_samples,
+    sft_cfg,
+    sft_exactrl,
+    sft_examples,
+    sft_reference,
+)
 
 pytest.importorskip("peft")
 
@@ -71,7 +82,8 @@ def adapter_names(model) -> set[str]:
 @pytest.mark.parametrize("mode", AGG_MODES)
 def test_sft_adapter_gradient_equals_full_batch_gradient(mode, n, k, base_model, sft_examples, tokenizer):
     ref = sft_reference(base_model, sft_examples[:n], mode, tokenizer.pad_token_id)
-    assert ref.keys() == adapter_names(base_model) and all(g.abs().max() > 0 for g in ref.values())  # A and B both learn
+    # A and B both learn
+    assert ref.keys() == adapter_names(base_model) and all(g.abs().max() > 0 for g in ref.values())
     model = copy.deepcopy(base_model)
     engine, plan = sft_exactrl(model, sft_examples[:n], sft_cfg(n, k, mode), tokenizer.pad_token_id)
     assert rel_err(grads(model), ref) <= TOL
@@ -84,7 +96,8 @@ def test_sft_adapter_gradient_equals_full_batch_gradient(mode, n, k, base_model,
 def test_grpo_adapter_gradient_equals_full_batch_gradient(mode, n, k, kl_coef, base_model, rl_samples, tokenizer):
     ref, clip_frac = grpo_reference(base_model, rl_samples[:n], mode, kl_coef, tokenizer.pad_token_id)
     assert 0.05 < clip_frac < 0.95 and ref.keys() == adapter_names(base_model)
-    model, engine, plan = accumulate_policy_loss(base_model, rl_samples[:n], rl_cfg(n, k, mode, kl_coef), tokenizer.pad_token_id)
+    model, engine, plan = accumulate_policy_loss(base_model, rl_samples[:n], rl_cfg(n, k, mode, kl_coef),
+                                                 tokenizer.pad_token_id)
     assert rel_err(grads(model), ref) <= TOL
     assert engine.step(plan)["micro_batches"] == k
 
@@ -110,13 +123,14 @@ def test_canary_stops_a_lora_step_that_lost_a_micro_batch(base_model, sft_exampl
     model = copy.deepcopy(base_model)
     cfg = sft_cfg(8, 4, "token-mean")
     engine = DropsGradient(model, cfg.model, cfg.train, cfg.optim, cfg.audit, 1)
-    from rl_helpers import sft_micro_batch_loss
     from exactrl.distributed.step_plan import plan_step
+    from rl_helpers import sft_micro_batch_loss
 
     plan = plan_step([e.loss_tokens for e in sft_examples], 2, "token-mean")
     engine.begin_step(len(plan.micro_batches))
     for mb in plan.micro_batches:
-        loss, share = sft_micro_batch_loss(model, engine, [sft_examples[i] for i in mb], tokenizer.pad_token_id, plan.normalizer)
+        loss, share = sft_micro_batch_loss(model, engine, [sft_examples[i] for i in mb], tokenizer.pad_token_id,
+                                           plan.normalizer)
         engine.backward(loss, share, len(mb))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     with pytest.raises(CanaryError, match="canary failed at optimizer step 0"):
@@ -172,7 +186,8 @@ def test_config_mistakes_are_refused_naming_the_key(make_model):
     with pytest.raises(ConfigError, match="sft.model.lora.rank / rl.model.lora.rank: the demo hands full models"):
         load_config(DemoConfig, None, ["rl.model.lora.rank=4"])
     assert load_config(SFTConfig, None, ["model.lora.rank=4", "model.lora.dropout=0.1"]).model.lora.dropout == 0.1
-    with pytest.raises(LoraError, match="'qkv' matches no linear layer of the model; it has down_proj, gate_proj, k_proj"):
+    with pytest.raises(LoraError,
+                       match="'qkv' matches no linear layer of the model; it has down_proj, gate_proj, k_proj"):
         apply_lora(make_model(0), LoraConfig(rank=4, target_modules=["q_proj", "qkv"]))
 
 
@@ -204,10 +219,12 @@ def test_merged_model_matches_the_adapted_model_and_leaves_it_alone(base_model, 
     model = copy.deepcopy(base_model)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     save_pretrained(tmp_path / "final", model, tokenizer, merge=True)
-    assert {p.name for p in (tmp_path / "final").iterdir()} >= {"adapter_config.json", "adapter_model.safetensors", "merged"}
+    assert {p.name for p in (tmp_path / "final").iterdir()} >= {"adapter_config.json", "adapter_model.safetensors",
+                                                                "merged"}
     assert all("lora_" in k for k in load_file(tmp_path / "final" / "adapter_model.safetensors"))
     after = model.state_dict()
-    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)  # still adapted, unchanged
+    # still adapted, unchanged
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
 
     ids = torch.tensor([tokenizer("347+285=#### 632")["input_ids"]])
     with torch.no_grad():
@@ -215,7 +232,8 @@ def test_merged_model_matches_the_adapted_model_and_leaves_it_alone(base_model, 
         merged = AutoModelForCausalLM.from_pretrained(tmp_path / "final" / "merged")
         assert not any("lora" in k for k in merged.state_dict())
         got = merged(input_ids=ids).logits
-        reloaded = PeftModel.from_pretrained(make_model(0), tmp_path / "final")(input_ids=ids).logits  # as peft loads final/
+        # as peft loads final/
+        reloaded = PeftModel.from_pretrained(make_model(0), tmp_path / "final")(input_ids=ids).logits
         with reference_mode(model):
             base = model(input_ids=ids).logits
     assert (got - want).abs().max() <= TOL * want.abs().max()
@@ -239,14 +257,18 @@ def same_adapter(a, b) -> bool:
 def test_lora_sft_resumes_to_the_same_adapter(tmp_path, cache):
     common = ["data.eval=null", "train.global_batch_size=8", "train.micro_batch_size=4", "train.max_steps=6",
               "optim.warmup_steps=2", "optim.weight_decay=0.01", "model.lora.rank=4", "model.lora.dropout=0.1"]
-    full = train_sft(load_config(SFTConfig, None, [*common, "train.save_every=3", f"output_dir={tmp_path / 'full'}"]), spec=SPEC)
+    full = train_sft(load_config(SFTConfig, None, [*common, "train.save_every=3", f"output_dir={tmp_path / 'full'}"]),
+                     spec=SPEC)
     ckpt = full.run_dir / "checkpoint-3"
-    assert not (ckpt / "model.safetensors").exists() and all("lora_" in k for k in load_file(ckpt / "adapter_model.safetensors"))
-    resumed = train_sft(load_config(SFTConfig, None, [*common, f"train.resume_from={ckpt}", "model.lora.merge_on_save=true",
+    assert not (ckpt / "model.safetensors").exists() and all("lora_" in k
+                                                             for k in load_file(ckpt / "adapter_model.safetensors"))
+    resumed = train_sft(load_config(SFTConfig, None, [*common, f"train.resume_from={ckpt}",
+                                                      "model.lora.merge_on_save=true",
                                                       f"output_dir={tmp_path / 'resumed'}"]), spec=SPEC)
     assert same_adapter(full.final_model, resumed.final_model)
     assert not same_adapter(full.final_model, ckpt)
-    assert (resumed.final_model / "merged" / "model.safetensors").is_file() and not (full.final_model / "merged").exists()
+    assert ((resumed.final_model / "merged" / "model.safetensors").is_file()
+            and not (full.final_model / "merged").exists())
 
 
 def test_lora_rl_resumes_to_the_same_adapter_and_its_reference_is_the_base(tmp_path, cache, monkeypatch):
@@ -266,7 +288,8 @@ def test_lora_rl_resumes_to_the_same_adapter_and_its_reference_is_the_base(tmp_p
               "train.max_steps=4", "algo.mini_batches=2", "algo.kl_coef=0.1", "rollout.max_new_tokens=8",
               "algo.kl_target=0.05", "algo.kl_horizon=20", "optim.lr=1e-2", "reward.fn=reward_fixtures:varied",
               "model.lora.rank=4"]
-    full = train_rl(load_config(RLConfig, None, [*common, "train.save_every=2", f"output_dir={tmp_path / 'full'}"]), spec=SPEC)
+    full = train_rl(load_config(RLConfig, None, [*common, "train.save_every=2", f"output_dir={tmp_path / 'full'}"]),
+                    spec=SPEC)
     resumed = train_rl(load_config(RLConfig, None, [*common, f"train.resume_from={full.run_dir / 'checkpoint-2'}",
                                                     f"output_dir={tmp_path / 'resumed'}"]), spec=SPEC)
     assert same_adapter(full.final_model, resumed.final_model)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from distributed_harness import LAYOUT_IDS, LAYOUTS, layout_results, over_bound
 from old_deepspeed import ds_env
 
@@ -54,8 +55,10 @@ def test_canary_stops_a_lost_micro_batch(results):
 
 
 @pytest.mark.slow  # two torchrun runs: about a minute each layout on two cores
-@pytest.mark.parametrize("layout", [["distributed.backend=fsdp2"], ["distributed.backend=deepspeed", "deepspeed.zero_stage=2",
-                                                                     "deepspeed.offload_optimizer=cpu"]], ids=["fsdp2", "zero2-offload"])
+@pytest.mark.parametrize("layout", [["distributed.backend=fsdp2"], ["distributed.backend=deepspeed",
+                                                                    "deepspeed.zero_stage=2",
+                                                                     "deepspeed.offload_optimizer=cpu"]], ids=[
+                                                                         "fsdp2", "zero2-offload"])
 def test_lora_sft_on_two_ranks_resumes_to_the_same_adapter(tmp_path, layout):
     """Through the command line: stop after step 2 of 4, resume, reach the uninterrupted run's
     adapter bit for bit (AdamW with weight decay and warm-up: moments, schedule, data position
@@ -69,7 +72,8 @@ def test_lora_sft_on_two_ranks_resumes_to_the_same_adapter(tmp_path, layout):
     root = Path(__file__).resolve().parents[1]
     if "deepspeed" in layout[0]:
         pytest.importorskip("deepspeed")
-    env = {**os.environ, "EXACTRL_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1", **(ds_env() if len(layout) > 1 else {})}
+    env = {**os.environ, "EXACTRL_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1",
+           **(ds_env() if len(layout) > 1 else {})}
     common = ["--config", "examples/sft_tiny.yaml", "data.eval=null", "train.max_steps=4", "train.global_batch_size=16",
               "train.micro_batch_size=4", "optim.warmup_steps=2", "optim.weight_decay=0.1", "optim.lr=1e-2",
               *layout, "distributed.nproc_per_node=2", "model.lora.rank=4"]

@@ -8,13 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rl_helpers import sft_micro_batch_loss
 from exactrl.config import SFTConfig, load_config
 from exactrl.data.encode import encode_sft
 from exactrl.data.jsonl import Row
 from exactrl.distributed.engine import build_engine
 from exactrl.distributed.step_plan import plan_step
 from exactrl.losses.token_losses import token_entropy, token_logprobs
+from rl_helpers import sft_micro_batch_loss
 
 
 def one_pass_logprobs(logits, ids, temperature):
@@ -47,7 +47,8 @@ def test_chunked_logprobs_and_entropy_are_bit_identical_with_gradients(dtype, ch
 
 
 def test_gradient_checkpointing_recomputes_and_gives_the_same_gradients(tokenizer, make_model):
-    rows = [Row(f"t:{i}", {"prompt": f"{i}+{i}=", "completion": c}) for i, c in enumerate(["1", "#### 15", "ab cd", "x" * 9])]
+    rows = [Row(f"t:{i}", {"prompt": f"{i}+{i}=", "completion": c}) for i, c in enumerate([
+        "1", "#### 15", "ab cd", "x" * 9])]
     exs = encode_sft(rows, tokenizer, 64)
     plan = plan_step([e.loss_tokens for e in exs], 2, "token-mean")
     grads, forwards = {}, {}
@@ -57,10 +58,12 @@ def test_gradient_checkpointing_recomputes_and_gives_the_same_gradients(tokenize
             count, mlp = [], model.model.layers[0].mlp
             forward = mlp.forward  # counted by wrapping: torch does not re-run module hooks when it recomputes
             mlp.forward = lambda *a, forward=forward, count=count, **k: count.append(1) or forward(*a, **k)
-            cfg = load_config(SFTConfig, None, [f"train.gradient_checkpointing={str(ckpt).lower()}", "audit.canary=off"])
+            cfg = load_config(SFTConfig, None, [f"train.gradient_checkpointing={str(ckpt).lower()}",
+                                                "audit.canary=off"])
             engine = build_engine(model, cfg, total_steps=1)
             for mb in plan.micro_batches:
-                loss, _ = sft_micro_batch_loss(model, engine, [exs[i] for i in mb], tokenizer.pad_token_id, plan.normalizer, packed)
+                loss, _ = sft_micro_batch_loss(model, engine, [exs[i] for i in mb], tokenizer.pad_token_id,
+                                               plan.normalizer, packed)
                 loss.backward()
             grads[packed, ckpt] = [p.grad.clone() for p in model.parameters()]
             forwards[packed, ckpt] = len(count)
@@ -78,9 +81,12 @@ def test_gradient_checkpointing_on_a_model_without_it_is_one_line():
     from exactrl.config import ConfigError
     from exactrl.distributed.engine import enable_gradient_checkpointing
 
-    model = AutoModelForCausalLM.from_config(JetMoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, kv_channels=8,
-                                                          num_key_value_heads=2, intermediate_size=32, num_local_experts=2,
+    model = AutoModelForCausalLM.from_config(JetMoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                                          kv_channels=8,
+                                                          num_key_value_heads=2, intermediate_size=32,
+                                                          num_local_experts=2,
                                                           num_experts_per_tok=1))
-    with pytest.raises(ConfigError, match=r"^train.gradient_checkpointing=true: JetMoeForCausalLM does not support it .*"
+    with pytest.raises(ConfigError,
+                       match=r"^train.gradient_checkpointing=true: JetMoeForCausalLM does not support it .*"
                                           r"set train.gradient_checkpointing=false$"):
         enable_gradient_checkpointing(model)

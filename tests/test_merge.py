@@ -8,11 +8,11 @@ import copy
 
 import pytest
 import torch
-from test_cli_failures import exactrl, one_line_error
-from test_lora import TOL, with_adapters
 
 from exactrl.distributed.checkpoint import save_pretrained
 from exactrl.models.loading import load_causal_lm
+from test_cli_failures import exactrl, one_line_error
+from test_lora import TOL, with_adapters
 
 pytest.importorskip("peft")
 
@@ -62,7 +62,8 @@ def test_merge_refusals_are_one_line(adapter, tmp_path, make_model):
     other.model.layers = other.model.layers[:1]
     other.config.num_hidden_layers = 1
     other.save_pretrained(tmp_path / "other")
-    line = one_line_error(exactrl(["merge", str(root / "final"), str(tmp_path / "m"), "--base", str(tmp_path / "other")],
+    line = one_line_error(exactrl(["merge", str(root / "final"), str(tmp_path / "m"), "--base",
+                                   str(tmp_path / "other")],
                                   tmp_path, cache), 2)
     assert "does not fit the base model" in line and "have no place in it" in line, line
     assert not (tmp_path / "m").exists()

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 import torch
 
 from exactrl.advantages import group_advantages
-from exactrl.run.evaluation import wilson_interval
 from exactrl.config.schema import OptimConfig
 from exactrl.distributed.optim import build_optimizer, build_scheduler, lr_factor
+from exactrl.run.evaluation import wilson_interval
 
 Z = 1.959964
 
@@ -106,7 +107,8 @@ def test_warmup_is_linear_up_to_one(scheduler):
 
 def test_cosine_and_linear_endpoints_and_midpoints():
     # warm-up 10 of 110 steps: the decay runs over steps 10..110.
-    cos, lin = cfg(scheduler="cosine", warmup_steps=10, min_lr_ratio=0.1), cfg(scheduler="linear", warmup_steps=10, min_lr_ratio=0.1)
+    cos, lin = cfg(scheduler="cosine", warmup_steps=10, min_lr_ratio=0.1), cfg(
+        scheduler="linear", warmup_steps=10, min_lr_ratio=0.1)
     assert lr_factor(10, cos, 110) == 1.0 and lr_factor(10, lin, 110) == 1.0
     assert lr_factor(60, cos, 110) == pytest.approx(0.1 + 0.9 * 0.5, rel=1e-12)  # half way: cos(pi/2) = 0
     assert lr_factor(60, lin, 110) == pytest.approx(0.1 + 0.9 * 0.5, rel=1e-12)
@@ -116,7 +118,7 @@ def test_cosine_and_linear_endpoints_and_midpoints():
         assert lr_factor(110, c, 110) == pytest.approx(0.1, rel=1e-12)
         assert lr_factor(500, c, 110) == pytest.approx(0.1, rel=1e-12)  # clamped past the end
         values = [lr_factor(s, c, 110) for s in range(10, 111)]
-        assert all(a >= b for a, b in zip(values, values[1:]))
+        assert all(a >= b for a, b in itertools.pairwise(values))
 
 
 def test_constant_and_zero_min():

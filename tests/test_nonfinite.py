@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from exactrl.algorithms.sft import train_sft
-from rl_helpers import sft_micro_batch_loss
 from exactrl.config import SFTConfig, load_config
 from exactrl.data.encode import encode_sft
 from exactrl.data.jsonl import Row
@@ -16,6 +15,7 @@ from exactrl.distributed.checkpoint import save_pretrained
 from exactrl.distributed.engine import NonFiniteError, build_engine
 from exactrl.distributed.step_plan import plan_step
 from exactrl.tasks.builtin import BuiltinSpec
+from rl_helpers import sft_micro_batch_loss
 
 SPEC = BuiltinSpec(n_sft=64, n_rl=16, n_eval=8)
 CFG = ["optim.lr=1e-2", "optim.scheduler=constant", "train.global_batch_size=4", "train.micro_batch_size=2"]
@@ -44,7 +44,8 @@ def test_error_policy_stops_before_the_step(tokenizer, make_model, poison):
     model = make_model(1)
     engine = build_engine(model, load_config(SFTConfig, None, CFG), total_steps=4)
     before = params(model)
-    with pytest.raises(NonFiniteError, match=r"optimizer step 1: the gradient norm is (nan|inf), so the step was not applied"):
+    with pytest.raises(NonFiniteError,
+                       match=r"optimizer step 1: the gradient norm is (nan|inf), so the step was not applied"):
         run_step(engine, model, tokenizer, examples(tokenizer), poison)
     assert all(a.equal(b) for a, b in zip(params(model), before))
 
@@ -94,7 +95,8 @@ def test_a_diverging_run_stops_and_saves_no_model(tmp_path, monkeypatch):
         train_sft(cfg, spec=SPEC)
     assert not (tmp_path / "run" / "final").exists()
     # With skip, every later step is skipped, and the final save still refuses the inf weights.
-    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"nonfinite": "skip"}), "output_dir": str(tmp_path / "run2")})
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"nonfinite": "skip"}),
+                                 "output_dir": str(tmp_path / "run2")})
     with pytest.raises(NonFiniteError, match="the weights hold inf or NaN"):
         train_sft(cfg, spec=SPEC)
     assert not (tmp_path / "run2" / "final").exists()

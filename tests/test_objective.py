@@ -19,7 +19,8 @@ from exactrl.distributed.step_plan import plan_samples, plan_step
 from exactrl.losses.objective import Linear, Metrics, NLLTerm, Objective, PolicyTerm
 from exactrl.workers.worker import Worker
 
-COMPLETIONS = ["1", "2+2+0=04 #### 04", "#### 77", "9+9+0=18 1+1+1=03 #### 318", "x", "12345678901234567890", "ab", "#### 1"]
+COMPLETIONS = ["1", "2+2+0=04 #### 04", "#### 77", "9+9+0=18 1+1+1=03 #### 318", "x", "12345678901234567890", "ab",
+               "#### 1"]
 
 
 def test_an_objective_is_plain_picklable_data_declared_by_the_registry():
@@ -29,7 +30,8 @@ def test_an_objective_is_plain_picklable_data_declared_by_the_registry():
     assert [t.kind for t in objective.terms] == ["policy", "kl", "entropy"]
     assert (objective.terms[0].dual_clip, objective.terms[1].coef, objective.terms[2].coef) == (3.0, 0.1, 0.01)
     assert objective.fields() == ("logprobs", "entropy")
-    in_reward = ALGORITHMS.lookup("grpo").objective(load_config(RLConfig, None, ["algo.kl_coef=0.1", "algo.kl_in_reward=true"]))
+    in_reward = ALGORITHMS.lookup("grpo").objective(load_config(RLConfig, None, [
+        "algo.kl_coef=0.1", "algo.kl_in_reward=true"]))
     assert [t.kind for t in in_reward.terms] == ["policy"] and in_reward.metrics == ()  # no entropy pass unless asked
     logged = ALGORITHMS.lookup("grpo").objective(load_config(RLConfig, None, ["algo.log_entropy=true"]))
     assert logged.metrics == ("entropy",) and logged.fields() == ("logprobs", "entropy")
@@ -40,7 +42,8 @@ def test_a_kl_in_the_reward_must_land_somewhere():
     """An estimator that does not declare how it reads per-token rewards is refused with
     algo.kl_in_reward=true (the bug this prevents: grpo & co. ignored them, training with no KL)."""
     cfg = load_config(RLConfig, None, ["algo.kl_coef=0.1", "algo.kl_in_reward=true"])
-    with pytest.raises(ConfigError, match="estimator 'mine' does not read per-token rewards, so the KL would land nowhere"):
+    with pytest.raises(ConfigError,
+                       match="estimator 'mine' does not read per-token rewards, so the KL would land nowhere"):
         Algorithm("x", "mine", "ppo", "").objective(cfg)
 
 
@@ -54,19 +57,23 @@ def test_the_plan_covers_every_rank_and_never_splits_a_unit():
     plan = plan_step([1] * 8, 2, "token-mean", lengths=lengths, world_size=2, unit=2,
                      sources=["chosen", "rejected"] * 4)
     assert sorted(i for mb in plan.micro_batches for i in mb) == list(range(8))
-    assert all({mb[0] // 2} == {i // 2 for i in mb} for mb in plan.micro_batches)  # a pair stays together, sorted as one
-    assert plan.for_rank(0).micro_batches + plan.for_rank(1).micro_batches == plan.micro_batches[0::2] + plan.micro_batches[1::2]
+    # a pair stays together, sorted as one
+    assert all({mb[0] // 2} == {i // 2 for i in mb} for mb in plan.micro_batches)
+    assert (plan.for_rank(0).micro_batches + plan.for_rank(1).micro_batches
+            == plan.micro_batches[0::2] + plan.micro_batches[1::2])
     assert [(c.source, c.seqs, c.units) for c in plan.counts] == [("chosen", 4, 4), ("rejected", 4, 0)]
     with pytest.raises(ValueError, match="units of 2 samples do not fit"):
         plan_step([1] * 6, 3, "token-mean", unit=2)
 
 
 def examples(tokenizer):
-    return encode_sft([Row(f"t:{i}", {"prompt": f"{i}+{i}=", "completion": c}) for i, c in enumerate(COMPLETIONS)], tokenizer, 256)
+    return encode_sft([Row(f"t:{i}", {"prompt": f"{i}+{i}=", "completion": c}) for i, c in enumerate(COMPLETIONS)],
+                      tokenizer, 256)
 
 
 def sgd_worker(model, tokenizer):
-    cfg = load_config(SFTConfig, None, ["optim.name=sgd", "optim.lr=1.0", "optim.scheduler=constant", "train.max_grad_norm=0"])
+    cfg = load_config(SFTConfig, None, ["optim.name=sgd", "optim.lr=1.0", "optim.scheduler=constant",
+                                        "train.max_grad_norm=0"])
     return Worker("policy", model, build_engine(model, cfg, total_steps=1), pad_id=tokenizer.pad_token_id)
 
 
@@ -78,20 +85,24 @@ def test_two_terms_with_their_own_normalisers_give_the_exact_mixed_gradient(toke
     samples = [demonstration(e) for e in examples(tokenizer)]
     for s in samples[1::2]:
         s.source = "on_policy"
-    objective = Objective((NLLTerm(sources=("demonstration",)), NLLTerm(coef=0.5, sources=("on_policy",), agg="seq-mean-token-mean")))
+    objective = Objective((NLLTerm(sources=("demonstration",)), NLLTerm(coef=0.5, sources=("on_policy",),
+                                                                        agg="seq-mean-token-mean")))
     ref = make_model(3)
     width = max(len(s.ids) for s in samples)
     ids = torch.tensor([s.ids + [tokenizer.pad_token_id] * (width - len(s.ids)) for s in samples])
     attn = torch.tensor([[1] * len(s.ids) + [0] * (width - len(s.ids)) for s in samples])
     mask = torch.tensor([list(s.loss_mask) + [0] * (width - 1 - len(s.loss_mask)) for s in samples]).float()
-    nll = -torch.log_softmax(ref(input_ids=ids, attention_mask=attn).logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+    nll = -torch.log_softmax(ref(input_ids=ids, attention_mask=attn).logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[
+        ..., 0]
     demo, pol = mask[0::2], mask[1::2]
     loss = (nll[0::2] * demo).sum() / demo.sum() + 0.5 * ((nll[1::2] * pol).sum(1) / pol.sum(1)).mean()
     loss.backward()
     model = make_model(3)
     p0 = [p.detach().clone() for p in model.parameters()]
-    result = sgd_worker(model, tokenizer).train_step(samples, plan_samples(samples, micro, "token-mean", sort=True), objective)
-    assert result.stats["canary"] == pytest.approx(1.0, abs=1e-6) and result.loss == pytest.approx(loss.item(), rel=1e-6)
+    result = sgd_worker(model, tokenizer).train_step(samples, plan_samples(samples, micro, "token-mean", sort=True),
+                                                     objective)
+    assert result.stats["canary"] == pytest.approx(1.0, abs=1e-6) and result.loss == pytest.approx(
+        loss.item(), rel=1e-6)
     for p, q, before in zip(model.parameters(), ref.parameters(), p0):
         assert torch.allclose(before - p.detach(), q.grad, rtol=1e-5, atol=1e-7)
 
@@ -111,7 +122,8 @@ def test_the_accounting_counts_what_the_losses_saw(tokenizer, make_model, monkey
 
     monkeypatch.setattr(worker_module, "collate", loses_a_row)
     objective = Objective((NLLTerm(),))
-    with pytest.raises(SampleAccountingError, match=r"the plan has 8 samples / \d+ loss tokens, the policy's losses saw 8 / \d+"):
+    with pytest.raises(SampleAccountingError,
+                       match=r"the plan has 8 samples / \d+ loss tokens, the policy's losses saw 8 / \d+"):
         sgd_worker(make_model(0), tokenizer).train_step(samples, plan_samples(samples, 4, "token-mean"), objective)
 
 

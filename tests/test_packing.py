@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from rl_helpers import attach_logprobs, consecutive, policy_micro_batch_loss, sft_micro_batch_loss
 
 from exactrl.config import RLConfig, SFTConfig, load_config
 from exactrl.data.batch import Sample
@@ -23,6 +22,7 @@ from exactrl.losses.objective import Metrics
 from exactrl.models import packing
 from exactrl.tasks.tiny_model import build_tiny_model
 from exactrl.workers.critic import Critic
+from rl_helpers import attach_logprobs, consecutive, policy_micro_batch_loss, sft_micro_batch_loss
 
 PAD = 0
 
@@ -83,8 +83,10 @@ def sft_examples(seqs):
 @pytest.mark.parametrize("agg", AGG_MODES)
 def test_sft_loss_and_gradient_packed_equals_padded(agg):
     examples = [e for e in sft_examples(random_seqs(8, seed=3, low=2)) if e.loss_tokens > 0]
-    cfg = load_config(SFTConfig, None, [f"train.loss_agg={agg}", "train.global_batch_size=8", "train.micro_batch_size=8"])
-    plan = plan_step([e.loss_tokens for e in examples], len(examples), agg, 32.0, lengths=[len(e.input_ids) for e in examples])
+    cfg = load_config(SFTConfig, None, [f"train.loss_agg={agg}", "train.global_batch_size=8",
+                                        "train.micro_batch_size=8"])
+    plan = plan_step([e.loss_tokens for e in examples], len(examples), agg, 32.0, lengths=[len(
+        e.input_ids) for e in examples])
     results = {}
     for packed in (False, True):
         m = model(seed=2)
@@ -108,14 +110,16 @@ def rl_samples(seed=0):
 
 
 def test_policy_loss_with_kl_and_entropy_packed_equals_padded():
-    cfg0 = ["algo.kl_coef=0.1", "algo.entropy_coef=0.01", "train.global_batch_size=6", "train.micro_batch_size=6", "algo.group_size=2"]
+    cfg0 = ["algo.kl_coef=0.1", "algo.entropy_coef=0.01", "train.global_batch_size=6", "train.micro_batch_size=6",
+            "algo.group_size=2"]
     results = {}
     for packed in (False, True):
         cfg = load_config(RLConfig, None, [*cfg0, f"train.padding_free={str(packed).lower()}"])
         m, ref = model(seed=4), model(seed=5)
         samples = rl_samples()
         # Old log-probs from a different model, so ratios and clipping are not trivial.
-        attach_logprobs(model(seed=6), samples, "old_logprobs", consecutive(6, 3), PAD, 1.0, contextlib.nullcontext, packed)
+        attach_logprobs(model(seed=6), samples, "old_logprobs", consecutive(6, 3), PAD, 1.0, contextlib.nullcontext,
+                        packed)
         attach_logprobs(ref, samples, "ref_logprobs", consecutive(6, 3), PAD, 1.0, contextlib.nullcontext, packed)
         plan = plan_step([len(s.response_ids) for s in samples], 6, cfg.train.loss_agg, 16.0)
         engine = build_engine(m, cfg, total_steps=1)
@@ -139,17 +143,21 @@ def test_critic_values_and_loss_packed_equals_padded(tmp_path, tokenizer):
         s.returns = torch.linspace(-1, 1, len(s.advantages))
     results = {}
     for packed in (False, True):
-        cfg = load_config(RLConfig, None, ["algo.name=ppo", "algo.group_size=1", "train.global_batch_size=6", "train.micro_batch_size=3",
-                                            f"train.padding_free={str(packed).lower()}", f"critic.path={tmp_path / 'm'}"])
+        cfg = load_config(RLConfig, None, ["algo.name=ppo", "algo.group_size=1", "train.global_batch_size=6",
+                                           "train.micro_batch_size=3",
+                                            f"train.padding_free={str(packed).lower()}",
+                                            f"critic.path={tmp_path / 'm'}"])
         critic = Critic(cfg, load_value_model(tmp_path / "m", init_seed=3), total_steps=1, pad_id=PAD)
         for s, values in zip(samples, critic.forward(samples, "values", consecutive(6, 3))):
             s.old_values = values
         old = torch.cat([s.old_values for s in samples])
         plan = plan_step([len(s.response_ids) for s in samples], 3, cfg.train.loss_agg, 16.0)
         objective = critic.objective()
-        loss, _, _ = critic.micro_batch(samples[:3], objective, dict.fromkeys(objective.groups(), plan.normalizer), Metrics())
+        loss, _, _ = critic.micro_batch(samples[:3], objective, dict.fromkeys(objective.groups(), plan.normalizer),
+                                        Metrics())
         loss.backward()
-        results[packed] = (old, loss.item(), torch.cat([p.grad.flatten() for p in critic.model.parameters() if p.grad is not None]))
+        results[packed] = (old, loss.item(), torch.cat([p.grad.flatten() for p in critic.model.parameters()
+                                                        if p.grad is not None]))
         for s in samples:
             s.old_values = None
     (v0, l0, g0), (v1, l1, g1) = results[False], results[True]
@@ -187,7 +195,8 @@ def test_sft_run_padding_free_matches_padded_run(tmp_path, monkeypatch):
     monkeypatch.setenv("EXACTRL_CACHE", str(tmp_path / "cache"))
     spec, finals = BuiltinSpec(n_sft=64, n_rl=8, n_eval=8), {}
     for packed in ("false", "true"):
-        cfg = load_config(SFTConfig, None, ["data.eval=null", "train.global_batch_size=8", "train.micro_batch_size=4", "train.max_steps=4",
+        cfg = load_config(SFTConfig, None, ["data.eval=null", "train.global_batch_size=8", "train.micro_batch_size=4",
+                                            "train.max_steps=4",
                                             "train.loss_agg=seq-mean-token-mean", "optim.name=sgd", "optim.lr=0.5",
                                             f"train.padding_free={packed}", f"output_dir={tmp_path / packed}"])
         finals[packed] = load_file(train_sft(cfg, spec=spec).final_model / "model.safetensors")

@@ -22,7 +22,8 @@ def lp(*ratios):
 def test_ppo_clip_by_hand_with_clip_higher():
     ratios = (1.5, 1.25, 0.5, 0.9, 0.5)
     adv = torch.tensor([[1.0, 1.0, -1.0, -1.0, 1.0]], dtype=torch.float64)
-    x = PolicyInput(lp(*ratios), torch.zeros(1, 5, dtype=torch.float64), adv, torch.ones(1, 5), clip_low=0.2, clip_high=0.28)
+    x = PolicyInput(lp(*ratios), torch.zeros(1, 5, dtype=torch.float64), adv, torch.ones(1, 5), clip_low=0.2,
+                    clip_high=0.28)
     loss, ratio, clipped = get_policy_loss("ppo")(x)
     # A>0: min(r, clip(r)) -> 1.28 for r=1.5 (clip-higher bound), 1.25 unclipped; r=0.5 with A>0 stays 0.5.
     # A<0: -max(r, clip(r)) -> r=0.5 is raised to 0.8 (clip-low bound); r=0.9 unclipped.
@@ -50,9 +51,10 @@ def test_gspo_per_token_form_equals_the_sequence_level_objective_and_its_gradien
     shift = torch.tensor([[0.01], [0.6], [-0.6]], dtype=torch.float64)
     adv = torch.tensor([[1.0], [1.0], [-1.0]], dtype=torch.float64)
     base = (old + shift + 0.05 * torch.randn(3, 4, generator=g, dtype=torch.float64)).requires_grad_()
-    loss, ratio, clipped = get_policy_loss("gspo")(PolicyInput(base, old, adv, mask, 0.2, 0.3))
+    loss, _, clipped = get_policy_loss("gspo")(PolicyInput(base, old, adv, mask, 0.2, 0.3))
     # seq-mean-token-mean over the 3 sequences: each token carries its sequence's loss
-    got = aggregate(loss, mask, StepNormalizer("seq-mean-token-mean", num_tokens=int(mask.sum()), num_seqs=3, norm_len=4))
+    got = aggregate(loss, mask, StepNormalizer("seq-mean-token-mean", num_tokens=int(mask.sum()), num_seqs=3,
+                                               norm_len=4))
     (grad_got,) = torch.autograd.grad(got, base)
     base2 = base.detach().clone().requires_grad_()
     want = sequence_level_gspo(base2, old, adv, mask, 0.2, 0.3)
@@ -116,7 +118,9 @@ def test_dual_clip_ppo_against_the_paper():
     assert loss[0].tolist() == pytest.approx(expected, rel=1e-12) and loss[0, :2].tolist() == pytest.approx([3.0, 6.0])
     assert clipped[0].tolist() == [1.0, 1.0, 0.0, 1.0, 1.0, 0.0]
     logp = lp(*ratios).requires_grad_()
-    get_policy_loss("ppo")(PolicyInput(logp, torch.zeros(1, 6, dtype=torch.float64), adv, torch.ones(1, 6), dual_clip=3.0))[0].sum().backward()
+    get_policy_loss("ppo")(PolicyInput(logp, torch.zeros(1, 6, dtype=torch.float64), adv, torch.ones(1, 6),
+                                       dual_clip=3.0))[0].sum().backward()
     assert logp.grad[0, :2].tolist() == [0.0, 0.0]  # the bound c A does not depend on the policy
-    off, _, _ = get_policy_loss("ppo")(PolicyInput(lp(*ratios), torch.zeros(1, 6, dtype=torch.float64), adv, torch.ones(1, 6)))
+    off, _, _ = get_policy_loss("ppo")(PolicyInput(lp(*ratios), torch.zeros(1, 6, dtype=torch.float64), adv,
+                                                   torch.ones(1, 6)))
     assert off[0, 0].item() == pytest.approx(5.0)  # without it, as before

@@ -14,13 +14,14 @@ import pytest
 import torch
 
 from exactrl.algorithms.rl import attach_advantages
-from exactrl.data.batch import Sample
 from exactrl.config import RLConfig, load_config
+from exactrl.data.batch import Sample
 from exactrl.models.loading import load_value_model
 from exactrl.tasks.tiny_model import save_tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent / "dist"))
 import rl_equivalence as R
+
 from distributed_harness import TOL
 
 
@@ -64,14 +65,17 @@ def test_gae_advantages_and_returns_by_hand(tokenizer, whiten, reward_norm):
         n = len(prompt) + len(resp) - 1
         samples.append(Sample(prompt, resp, reward=float(i % 3), old_values=torch.randn(n, generator=g),
                               old_logprobs=-torch.rand(n, generator=g), ref_logprobs=-torch.rand(n, generator=g)))
-    cfg = load_config(RLConfig, None, ["algo.name=ppo", "algo.group_size=1", "train.global_batch_size=6", "train.micro_batch_size=3",
-                                        "algo.gamma=0.9", "algo.gae.lam=0.8", "algo.kl_coef=0.1", "algo.kl_in_reward=true",
+    cfg = load_config(RLConfig, None, ["algo.name=ppo", "algo.group_size=1", "train.global_batch_size=6",
+                                       "train.micro_batch_size=3",
+                                        "algo.gamma=0.9", "algo.gae.lam=0.8", "algo.kl_coef=0.1",
+                                        "algo.kl_in_reward=true",
                                         f"algo.gae.whiten_advantages={whiten}", f"algo.reward_norm={reward_norm}"])
     attach_advantages(samples, cfg)
     outcome = [s.reward for s in samples]
     mean = sum(outcome) / len(outcome)
     std = (sum((r - mean) ** 2 for r in outcome) / (len(outcome) - 1)) ** 0.5
-    outcome = {"none": outcome, "whiten": [(r - mean) / (std + 1e-6) for r in outcome], "scale": [r / (std + 1e-6) for r in outcome]}[reward_norm]
+    outcome = {"none": outcome, "whiten": [(r - mean) / (std + 1e-6) for r in outcome], "scale": [r / (
+        std + 1e-6) for r in outcome]}[reward_norm]
     expected, flat = [], []
     for s, r_out in zip(samples, outcome):
         start = len(s.prompt_ids) - 1

@@ -8,12 +8,12 @@ import json
 import time
 
 import pytest
-from conftest import SMALL
-from test_cli_failures import TINY, exactrl, one_line_error
 
+from conftest import SMALL
 from exactrl.models.loading import ModelLoadError, load_causal_lm, load_tokenizer
 from exactrl.tasks.tiny_model import save_tiny_model
 from exactrl.tasks.tokenizer import save_tokenizer
+from test_cli_failures import TINY, exactrl, one_line_error
 
 CONFIG_PY = '''from transformers import LlamaConfig
 

@@ -29,7 +29,8 @@ def cache(tmp_path, monkeypatch):
 def test_sft_resume_is_bitwise_exact(tmp_path):
     common = ["data.eval=null", "train.global_batch_size=8", "train.micro_batch_size=4", "train.max_steps=6",
               "optim.warmup_steps=2", "optim.weight_decay=0.01"]
-    full = train_sft(load_config(SFTConfig, None, [*common, "train.save_every=3", f"output_dir={tmp_path / 'full'}"]), spec=SPEC)
+    full = train_sft(load_config(SFTConfig, None, [*common, "train.save_every=3", f"output_dir={tmp_path / 'full'}"]),
+                     spec=SPEC)
     resumed = train_sft(load_config(SFTConfig, None, [*common, f"train.resume_from={full.run_dir / 'checkpoint-3'}",
                                                       f"output_dir={tmp_path / 'resumed'}"]), spec=SPEC)
     assert same_weights(full.final_model, resumed.final_model)
@@ -42,7 +43,8 @@ def test_rl_resume_is_bitwise_exact(tmp_path):
               "train.max_steps=4", "algo.mini_batches=2", "algo.kl_coef=0.1", "rollout.max_new_tokens=8",
               "algo.kl_target=0.05", "algo.kl_horizon=20",  # the adaptive coefficient must come back too
               "optim.lr=1e-3", "reward.fn=reward_fixtures:varied"]
-    full = train_rl(load_config(RLConfig, None, [*common, "train.save_every=2", f"output_dir={tmp_path / 'full'}"]), spec=SPEC)
+    full = train_rl(load_config(RLConfig, None, [*common, "train.save_every=2", f"output_dir={tmp_path / 'full'}"]),
+                    spec=SPEC)
     resumed = train_rl(load_config(RLConfig, None, [*common, f"train.resume_from={full.run_dir / 'checkpoint-2'}",
                                                     f"output_dir={tmp_path / 'resumed'}"]), spec=SPEC)
     assert same_weights(full.final_model, resumed.final_model)
@@ -50,13 +52,15 @@ def test_rl_resume_is_bitwise_exact(tmp_path):
 
 
 def test_rl_checkpoints_only_between_rollouts():
-    with pytest.raises(ConfigError, match="train.save_every=3 must be a multiple of algo.ppo_epochs x algo.mini_batches = 2"):
+    with pytest.raises(ConfigError,
+                       match="train.save_every=3 must be a multiple of algo.ppo_epochs x algo.mini_batches = 2"):
         load_config(RLConfig, None, ["train.save_every=3", "algo.mini_batches=2"])
 
 
 def test_resume_from_a_directory_without_state_says_so(tmp_path):
     cfg = load_config(SFTConfig, None, ["data.eval=null", "train.max_steps=2", "train.global_batch_size=8",
-                                        "train.micro_batch_size=4", f"train.resume_from={tmp_path}", f"output_dir={tmp_path / 'r'}"])
+                                        "train.micro_batch_size=4", f"train.resume_from={tmp_path}",
+                                        f"output_dir={tmp_path / 'r'}"])
     with pytest.raises(CheckpointError, match="lacks trainer_state.pt, config.json"):
         train_sft(cfg, spec=SPEC)
     assert not (tmp_path / "r").exists()  # refused before the run directory was created

@@ -32,7 +32,8 @@ def sft_run(tmp_path):
 
 
 def resume_sft(tmp_path, checkpoint, *more):
-    return train_sft(load_config(SFTConfig, None, [*SFT, f"train.resume_from={checkpoint}", f"output_dir={tmp_path / 'r'}", *more]),
+    return train_sft(load_config(SFTConfig, None, [*SFT, f"train.resume_from={checkpoint}",
+                                                   f"output_dir={tmp_path / 'r'}", *more]),
                      spec=SPEC)
 
 
@@ -43,8 +44,10 @@ def test_retention_keeps_the_latest_complete_checkpoints(sft_run):
 
 
 def test_changed_keys_are_named_and_can_be_allowed(tmp_path, sft_run):
-    with pytest.raises(CheckpointError, match=r"differs from the checkpoint's run .* in train.global_batch_size: 8 -> 16; "
-                                              r"train.seed: 0 -> 1\..*train.resume_allow_changes=\[train.global_batch_size,train.seed\]"):
+    with pytest.raises(CheckpointError,
+                       match=r"differs from the checkpoint's run .* in train.global_batch_size: 8 -> 16; "
+                             r"train.seed: 0 -> 1\..*"
+                             r"train.resume_allow_changes=\[train.global_batch_size,train.seed\]"):
         resume_sft(tmp_path, sft_run / "checkpoint-2", "train.global_batch_size=16", "train.seed=1")
     with pytest.raises(CheckpointError, match=r"in data.train: 'builtin' -> '.*other.jsonl'"):
         other = tmp_path / "other.jsonl"
@@ -59,13 +62,16 @@ def test_changed_keys_are_named_and_can_be_allowed(tmp_path, sft_run):
 def test_keys_the_checkpoints_tensors_depend_on_cannot_be_allowed_to_change(tmp_path, sft_run):
     """A resume with another LoRA rank was told to list model.lora.rank in train.resume_allow_changes,
     which then failed on the adapter's shapes ('56 tensors saved, 56 expected')."""
-    with pytest.raises(CheckpointError, match=r"in model.lora.rank: 0 -> 4 \(it sets the shapes of the adapters .*\)\. A resume "
+    with pytest.raises(CheckpointError,
+                       match=r"in model.lora.rank: 0 -> 4 \(it sets the shapes of the adapters .*\)\. A resume "
                                               r"cannot change that: restore") as info:
         resume_sft(tmp_path, sft_run / "checkpoint-2", "model.lora.rank=4", "train.seed=1")
     assert "resume_allow_changes=" not in str(info.value)
-    with pytest.raises(CheckpointError, match=r"train.resume_allow_changes: model.lora.rank cannot change on resume: it sets the "
+    with pytest.raises(CheckpointError,
+                       match=r"train.resume_allow_changes: model.lora.rank cannot change on resume: it sets the "
                                               r"shapes .*; resume with model.lora.rank=0 \(the checkpoint's run's\)"):
-        resume_sft(tmp_path, sft_run / "checkpoint-2", "model.lora.rank=4", "train.resume_allow_changes=[model.lora.rank]")
+        resume_sft(tmp_path, sft_run / "checkpoint-2", "model.lora.rank=4",
+                   "train.resume_allow_changes=[model.lora.rank]")
     assert not (tmp_path / "r").exists()
 
 
@@ -78,7 +84,8 @@ def test_an_interrupted_checkpoint_write_is_named(tmp_path, sft_run):
     tmp = sft_run / ".checkpoint-4.tmp"
     shutil.copytree(sft_run / "checkpoint-3", tmp)
     (tmp / "trainer_state.pt").write_bytes(b"\x80\x02half")
-    with pytest.raises(CheckpointError, match=r"whose write was interrupted .* resume from a complete one: checkpoint-2, checkpoint-3"):
+    with pytest.raises(CheckpointError,
+                       match=r"whose write was interrupted .* resume from a complete one: checkpoint-2, checkpoint-3"):
         resume_sft(tmp_path, tmp)
     shutil.copy(tmp / "trainer_state.pt", sft_run / "checkpoint-3" / "trainer_state.pt")  # a corrupt state file
     with pytest.raises(CheckpointError, match=r"trainer_state.pt' cannot be read \("):
@@ -88,8 +95,10 @@ def test_an_interrupted_checkpoint_write_is_named(tmp_path, sft_run):
 def test_an_sft_checkpoint_cannot_be_resumed_by_rl(tmp_path, sft_run):
     cfg = load_config(RLConfig, None, ["data.eval=null", "train.global_batch_size=8", "train.micro_batch_size=4",
                                        "algo.group_size=4", "train.max_steps=2", "rollout.max_new_tokens=4",
-                                       f"train.resume_from={sft_run / 'checkpoint-2'}", f"output_dir={tmp_path / 'rl'}"])
-    with pytest.raises(CheckpointError, match=r"is an sft checkpoint and cannot be resumed by `exactrl rl`; .* set model.path="):
+                                       f"train.resume_from={sft_run / 'checkpoint-2'}",
+                                       f"output_dir={tmp_path / 'rl'}"])
+    with pytest.raises(CheckpointError,
+                       match=r"is an sft checkpoint and cannot be resumed by `exactrl rl`; .* set model.path="):
         train_rl(cfg, spec=SPEC)
 
 
@@ -111,5 +120,6 @@ def test_a_batch_larger_than_the_data_is_an_error(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "1+1=", "completion": "2"}\n' * 6)
     cfg = load_config(SFTConfig, None, [*SFT, f"data.train={data}", f"output_dir={tmp_path / 'r'}"])
-    with pytest.raises(ConfigError, match=rf"train.global_batch_size asks for 8 samples per step .* but '{data}' has only 6"):
+    with pytest.raises(ConfigError,
+                       match=rf"train.global_batch_size asks for 8 samples per step .* but '{data}' has only 6"):
         train_sft(cfg, spec=SPEC)

@@ -13,8 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from old_deepspeed import ds_env
 from safetensors.torch import load_file
+
+from old_deepspeed import ds_env
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = ["--config", "examples/sft_tiny.yaml", "data.eval=null", "train.max_steps=4", "train.global_batch_size=16",
@@ -59,5 +60,6 @@ def test_resume_reaches_the_uninterrupted_run(tmp_path, layout):
     assert err <= 1e-6
     assert rel_err(checkpoint, full / "final") > 1e-3  # the resumed run really had steps 3 and 4 left to take
     if layout == "fsdp2":  # another number of processes is refused before anything is written
-        out = sft(tmp_path, *LAYOUTS[layout], f"train.resume_from={checkpoint}", f"output_dir={tmp_path / 'r1'}", expect=2)
+        out = sft(tmp_path, *LAYOUTS[layout], f"train.resume_from={checkpoint}", f"output_dir={tmp_path / 'r1'}",
+                  expect=2)
         assert "was written by 2 processes; this run has 1" in out and not (tmp_path / "r1").exists()

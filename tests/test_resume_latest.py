@@ -7,12 +7,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_cli_failures import TINY, exactrl, one_line_error
-from test_resume import same_weights
 
 from exactrl.config import DemoConfig, load_config
 from exactrl.config.loader import ConfigError
 from exactrl.run.context import RunContext
+from test_cli_failures import TINY, exactrl, one_line_error
+from test_resume import same_weights
 
 RUN = [*TINY, "train.max_steps=4", "train.save_every=2", "optim.warmup_steps=2", "optim.weight_decay=0.01"]
 
@@ -63,14 +63,16 @@ def test_relaunching_the_same_command_continues_to_the_uninterrupted_weights(tmp
 
 
 def test_latest_with_a_time_stamped_output_dir_is_one_line(tmp_path, cache):
-    line = one_line_error(exactrl(["sft", *RUN, "train.resume_from=latest", "output_dir=runs/x-{time}"], tmp_path, cache), 2)
+    line = one_line_error(exactrl(["sft", *RUN, "train.resume_from=latest", "output_dir=runs/x-{time}"], tmp_path,
+                                  cache), 2)
     assert "train.resume_from=latest continues the run in output_dir" in line and "{time}" in line, line
     assert not (tmp_path / "runs").exists()
 
 
 
 def test_latest_in_the_demo_is_refused_by_name():
-    with pytest.raises(ConfigError, match="sft.train.resume_from=latest: the demo runs its phases in a new run directory"):
+    with pytest.raises(ConfigError,
+                       match="sft.train.resume_from=latest: the demo runs its phases in a new run directory"):
         load_config(DemoConfig, None, ["sft.train.resume_from=latest"])
 
 

@@ -10,28 +10,32 @@ import time
 
 import pytest
 
-from exactrl.rewards import RewardError, load_reward_fn, load_rewards, require_answers, score
 from exactrl.data.encode import Prompt
 from exactrl.data.jsonl import DataError
+from exactrl.rewards import RewardError, load_reward_fn, load_rewards, require_answers, score
 
 SRC = ["d.jsonl:1", "d.jsonl:2", "d.jsonl:3"]
 
 
 def run(spec, completions=("a", "x", "b"), **kw):
     with load_rewards(spec) as rewards:
-        return score(rewards[0], ["p"] * len(completions), list(completions), [None] * len(completions), SRC[: len(completions)], **kw)
+        return score(rewards[0], ["p"] * len(completions), list(completions), [None] * len(completions),
+                     SRC[: len(completions)], **kw)
 
 
 def test_a_raising_reward_names_the_sample_or_gets_the_fallback():
-    with pytest.raises(RewardError, match="'reward_fixtures:raises_on_x' failed on sample d.jsonl:2 with ValueError: cannot score an x"):
+    with pytest.raises(RewardError,
+                       match="'reward_fixtures:raises_on_x' failed on sample d.jsonl:2 with ValueError: cannot "
+                             "score an x"):
         run("reward_fixtures:raises_on_x")
     failures: list = []
     assert run("reward_fixtures:raises_on_x", ("ab", "x", "abcd"), fallback=-1.0, failures=failures) == [2.0, -1.0, 4.0]
     assert failures == [("d.jsonl:2", "ValueError: cannot score an x")]
     with pytest.raises(RewardError, match="failed on sample d.jsonl:1 with KeyError"):
         run("reward_fixtures:raises_key_error")
-    with pytest.raises(RewardError, match="raised RuntimeError: batched call broken on the batch of 3 samples d.jsonl:1 .. d.jsonl:3, "
-                                          "but on no sample alone"):
+    with pytest.raises(RewardError,
+                       match="raised RuntimeError: batched call broken on the batch of 3 samples d.jsonl:1 .. "
+                             "d.jsonl:3, but on no sample alone"):
         run("reward_fixtures:batch_only_bug", fallback=0.0)
 
 
@@ -67,9 +71,11 @@ def test_a_hung_or_exiting_reward_fails_its_batch_once(spec, says):
 def test_finding_the_failing_samples_takes_one_more_timeout_at_most():
     failures: list = []
     t0 = time.perf_counter()
-    assert run("reward_fixtures:raises_then_hangs", ("a", "h", "b"), timeout=1.0, fallback=-1.0, failures=failures) == [1.0, -1.0, -1.0]
+    assert run("reward_fixtures:raises_then_hangs", ("a", "h", "b"), timeout=1.0, fallback=-1.0,
+               failures=failures) == [1.0, -1.0, -1.0]
     assert time.perf_counter() - t0 < 1.0 + 2.0  # the batch raised at once; the search had one timeout in all
-    assert failures == [("d.jsonl:2", "no result within what was left of reward.timeout=1s (the reward process was killed)"),
+    assert failures == [("d.jsonl:2",
+                         "no result within what was left of reward.timeout=1s (the reward process was killed)"),
                         ("d.jsonl:3", "not scored: finding the failing samples took longer than reward.timeout=1s")]
 
 
@@ -88,7 +94,8 @@ def test_the_process_is_replaced_after_a_timeout_and_reaped_on_close():
 
 def test_signal_alarm_and_math_verify_work_in_the_reward_process():
     assert run("reward_fixtures:uses_alarm") == [1.0] * 3
-    completions = ["so the answer is $\\boxed{\\frac{1}{2}}$", "I get $0.5$", "the answer is $\\boxed{\\frac{1}{3}}$", "$x = 2$",
+    completions = ["so the answer is $\\boxed{\\frac{1}{2}}$", "I get $0.5$", "the answer is $\\boxed{\\frac{1}{3}}$",
+                   "$x = 2$",
                    "no idea"]
     answers = ["0.5", "\\frac{1}{2}", "1/2", "2", "7"]
     with load_rewards("exactrl.rewards.mathverify:reward") as rewards:
@@ -100,7 +107,8 @@ def test_rows_without_the_answer_a_reward_needs_are_named():
     prompts = [Prompt([1], "p", "3", "d.jsonl:1"), Prompt([1], "q", None, "d.jsonl:2")]
     with load_rewards(["exactrl.tasks.arithmetic:reward", "reward_fixtures:length"]) as rewards:
         assert [r.needs_answer for r in rewards] == [True, False]
-        with pytest.raises(DataError, match="d.jsonl:2: no 'answer', which reward.fn 'exactrl.tasks.arithmetic:reward' needs"):
+        with pytest.raises(DataError,
+                           match="d.jsonl:2: no 'answer', which reward.fn 'exactrl.tasks.arithmetic:reward' needs"):
             require_answers(prompts, rewards, "reward.fn")
         require_answers(prompts, [rewards[1]], "reward.fn")  # needs_answer = False: nothing to check
 
@@ -136,7 +144,8 @@ def test_the_reward_process_ends_when_the_run_is_killed(tmp_path, busy):
     started = tmp_path / "started"
     code = ("from exactrl.rewards import load_rewards; r = load_rewards('reward_fixtures:hangs_after_touching'); "
             "print(r._worker._proc.pid, flush=True); import time\n"
-            + (f"r._worker.call('reward_fixtures:hangs_after_touching', [{str(started)!r}], ['c'], [None], None)" if busy
+            + (f"r._worker.call('reward_fixtures:hangs_after_touching', [{str(started)!r}], ['c'], [None], None)"
+               if busy
                else "time.sleep(60)"))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     run = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import SMALL
 
+from conftest import SMALL
 from exactrl.config import ConfigError, SFTConfig, load_config
 from exactrl.rewards.server import make_server
 from exactrl.tasks.tiny_model import save_tiny_model
@@ -39,7 +39,8 @@ def files(tmp_path_factory):
     save_tiny_model(root / "model", save_tokenizer(root / "model"), seed=0, **SMALL)
     return {"root": root, "model": root / "model", "train": write_jsonl(root / "train.jsonl", ROWS),
             "eval": write_jsonl(root / "eval.jsonl", ROWS[:2]),
-            "no_answer": write_jsonl(root / "no_answer.jsonl", [{"prompt": r["prompt"], "completion": "#### 1"} for r in ROWS]),
+            "no_answer": write_jsonl(root / "no_answer.jsonl", [{"prompt": r["prompt"], "completion": "#### 1"}
+                                                                for r in ROWS]),
             "bad": write_jsonl(root / "bad.jsonl", [ROWS[0], {"prompt": "bad+1=", "answer": "1"}])}
 
 
@@ -52,7 +53,8 @@ def rl(files, name, *overrides, timeout=300):
             "train.global_batch_size=8", "train.micro_batch_size=4", "algo.group_size=4", "rollout.max_new_tokens=8",
             "eval.max_new_tokens=8", "train.log_every=1", f"output_dir={out}", *overrides]
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "exactrl.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "exactrl.cli", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True,
                           timeout=timeout)
     return proc, out, time.perf_counter() - t0
 
@@ -95,7 +97,8 @@ def test_evaluation_scores_with_the_runs_reward_and_only_on_data_it_is_given(fil
 
 def test_rows_without_the_answer_the_reward_needs_are_named(files):
     proc, run, _ = rl(files, "no-answer", f"data.train={files['no_answer']}")
-    assert proc.returncode == 2 and f"{files['no_answer']}:1: no 'answer', which reward.fn 'exactrl.tasks.arithmetic:reward'" in proc.stderr
+    assert proc.returncode == 2
+    assert f"{files['no_answer']}:1: no 'answer', which reward.fn 'exactrl.tasks.arithmetic:reward'" in proc.stderr
     assert "Traceback" not in proc.stderr and not run.exists()
     proc, _, _ = rl(files, "no-eval-answer", f"data.eval={files['no_answer']}")
     assert proc.returncode == 2 and f"{files['no_answer']}:1: no 'answer', which the evaluation reward" in proc.stderr
@@ -105,7 +108,8 @@ def test_rows_without_the_answer_the_reward_needs_are_named(files):
 
 # The exits and crashes are checked on the reward path alone in tests/test_reward_isolation.py; here under `slow`.
 @pytest.mark.parametrize("spec, says", [("reward_fixtures:hangs", "no result within reward.timeout=3s"),
-                                        pytest.param("reward_fixtures:exits", "the reward called sys.exit(0)", marks=pytest.mark.slow),
+                                        pytest.param("reward_fixtures:exits", "the reward called sys.exit(0)",
+                                                     marks=pytest.mark.slow),
                                         pytest.param("reward_fixtures:os_exits", "the reward process died (exit code 0",
                                                      marks=pytest.mark.slow)])
 def test_a_hung_or_exiting_reward_ends_the_run_with_an_error(files, spec, says):
@@ -126,14 +130,16 @@ def test_a_raising_reward_names_the_sample(files):
 @pytest.mark.slow
 def test_a_hung_reward_with_fallback_costs_one_timeout_per_rollout(files):
     # 2 rollouts of 8 samples: one timeout each (~2 x 2 s), where a timeout per sample took 2 x 8 x 2 s.
-    proc, run, seconds = rl(files, "fallback", "reward.fn=reward_fixtures:hangs", "reward.timeout=2", "reward.fallback=-1.0",
+    proc, run, seconds = rl(files, "fallback", "reward.fn=reward_fixtures:hangs", "reward.timeout=2",
+                            "reward.fallback=-1.0",
                             timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = [r for r in metrics(run) if "loss" in r]
     assert [(r["reward_failures"], r["reward_mean"]) for r in steps] == [(8, -1.0), (8, -1.0)]
     fast, _, base = rl(files, "fallback-baseline", "reward.fn=reward_fixtures:one")
     assert fast.returncode == 0
-    assert seconds - base < 2 * (2 + 3)  # two timeouts and two fresh reward processes, with room; per sample would be 32 s
+    # two timeouts and two fresh reward processes, with room; per sample would be 32 s
+    assert seconds - base < 2 * (2 + 3)
 
 
 def test_a_failing_final_evaluation_keeps_the_trained_model(files):

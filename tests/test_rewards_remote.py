@@ -92,12 +92,14 @@ def test_client_errors_fail_at_once_and_retries_run_out():
 @pytest.mark.parametrize("key", ["reward.url", "reward.fn"])
 def test_rl_trains_on_a_remote_reward(reference_server, tmp_path, monkeypatch, key):
     monkeypatch.setenv("EXACTRL_CACHE", str(tmp_path / "cache"))
-    cfg = load_config(RLConfig, None, ["data.eval=null", "train.global_batch_size=8", "train.micro_batch_size=4", "algo.group_size=4",
+    cfg = load_config(RLConfig, None, ["data.eval=null", "train.global_batch_size=8", "train.micro_batch_size=4",
+                                       "algo.group_size=4",
                                        "train.max_steps=1", "train.log_every=1", "rollout.max_new_tokens=8",
                                        f"{key}={reference_server}", f"output_dir={tmp_path / 'run'}"])
     assert cfg.reward.specs() == [reference_server]
     result = train_rl(cfg, spec=BuiltinSpec(n_sft=20, n_rl=40, n_eval=10))
-    (row,) = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    (row,) = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()
+              if '"loss"' in line]
     assert row["reward_failures"] == 0 and 0.0 <= row["reward_mean"] <= 1.0
 
 
@@ -107,12 +109,14 @@ def test_reward_url_must_be_an_http_address():
 
 
 def test_reference_server_times_out_hung_rewards_and_refuses_missing_answers(reference_server):
-    with pytest.raises(RemoteRewardError, match=r"refused the batch: HTTP 400 .*needs an answer for every prompt; got null at position 1"):
+    with pytest.raises(RemoteRewardError,
+                       match=r"refused the batch: HTTP 400 .*needs an answer for every prompt; got null at position 1"):
         RemoteReward(reference_server, retries=0)(["p", "q"], ["#### 3", "#### 4"], ["3", None])
     server = make_server("reward_fixtures:hangs", port=0, timeout=1.0)
     url = serve(server)
     try:
-        with pytest.raises(RemoteRewardError, match=r"failed 1 times; last: HTTP 500 .*no result within reward.timeout=1s"):
+        with pytest.raises(RemoteRewardError,
+                           match=r"failed 1 times; last: HTTP 500 .*no result within reward.timeout=1s"):
             RemoteReward(url, timeout=30, retries=0)(["p"], ["a"], ["1"])
     finally:
         server.shutdown()

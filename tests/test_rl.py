@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 
 from exactrl.algorithms.rl import AdaptiveKL, attach_advantages, train_rl
 from exactrl.checks.on_policy import OnPolicyCheckError, on_policy_check
-from exactrl.data.batch import Sample
 from exactrl.config import RLConfig, load_config
+from exactrl.data.batch import Sample
 from exactrl.distributed.engine import build_engine
 from exactrl.distributed.step_plan import plan_step
 from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin
@@ -38,7 +38,8 @@ def make_samples(tokenizer, n=8, seed=0):
         prompt = tokenizer(f"{i}+{i * 7}=")["input_ids"]
         length = 2 + (i * 5) % 9  # uneven response lengths
         resp = torch.randint(7, 20, (length,), generator=g).tolist()
-        out.append(Sample(prompt, resp, reward=float(i % 3 == 0), advantages=response_advantages(prompt, resp, float(i % 4) - 1.5)))
+        out.append(Sample(prompt, resp, reward=float(i % 3 == 0), advantages=response_advantages(prompt, resp, float(
+            i % 4) - 1.5)))
     return out
 
 
@@ -49,14 +50,16 @@ def rl_cfg(*overrides):
 
 def run_first_update(model, tokenizer, samples, cfg):
     engine = build_engine(model, cfg, total_steps=10)
-    attach_logprobs(model, samples, "old_logprobs", consecutive(len(samples), cfg.train.micro_batch_size), tokenizer.pad_token_id,
+    attach_logprobs(model, samples, "old_logprobs", consecutive(len(samples), cfg.train.micro_batch_size),
+                    tokenizer.pad_token_id,
                     cfg.rollout.temperature, contextlib.nullcontext)
     plan = plan_step([len(s.response_ids) for s in samples], cfg.train.micro_batch_size, cfg.train.loss_agg,
                      cfg.train.loss_agg_norm or cfg.rollout.max_new_tokens)
     devs = []
     engine.begin_step(len(plan.micro_batches))
     for mb in plan.micro_batches:
-        loss, share, m = policy_micro_batch_loss(model, engine, [samples[i] for i in mb], plan.normalizer, cfg, tokenizer.pad_token_id)
+        loss, share, m = policy_micro_batch_loss(model, engine, [samples[i] for i in mb], plan.normalizer, cfg,
+                                                 tokenizer.pad_token_id)
         engine.backward(loss, share, len(mb))
         devs.append(m["ratio_dev"])
     engine.step(plan)
@@ -90,7 +93,8 @@ def test_policy_step_equals_one_pass_reference(tokenizer, make_model, mode, kl, 
     model, ref_model = make_model(1), make_model(1)
     ref_policy = make_model(2)  # a different frozen reference for the KL term
     if kl:
-        attach_logprobs(ref_policy, samples, "ref_logprobs", consecutive(len(samples), 2), tokenizer.pad_token_id, 1.0, contextlib.nullcontext)
+        attach_logprobs(ref_policy, samples, "ref_logprobs", consecutive(len(samples), 2), tokenizer.pad_token_id, 1.0,
+                        contextlib.nullcontext)
     before = [p.detach().clone() for p in model.parameters()]
     run_first_update(model, tokenizer, samples, cfg)
 
@@ -119,7 +123,8 @@ def test_policy_step_equals_one_pass_reference(tokenizer, make_model, mode, kl, 
         total = total + {"token-mean": seq_sum / n_tokens, "seq-mean-token-mean": seq_sum / n / 8,
                          "seq-mean-token-sum": seq_sum / 8, "seq-mean-token-sum-norm": seq_sum / (8 * 12)}[mode]
     total.backward()
-    num = sum(((p0 - 0.5 * q.grad) - p).norm() ** 2 for p0, q, p in zip(before, ref_model.parameters(), model.parameters()))
+    num = sum(((p0 - 0.5 * q.grad) - p).norm() ** 2 for p0, q, p in zip(before, ref_model.parameters(),
+                                                                        model.parameters()))
     den = sum((0.5 * q.grad).norm() ** 2 for q in ref_model.parameters())
     assert (num / den).sqrt().item() <= 1e-5
 
@@ -148,14 +153,18 @@ def test_attach_advantages_puts_the_kl_in_the_reward_for_reinforce_pp(tokenizer)
     for s, row in zip(samples, returns):
         start = len(s.prompt_ids) - 1
         assert torch.all(s.advantages[:start] == 0)
-        assert s.advantages[start:].tolist() == pytest.approx([(x - mean) / (std + 1e-6) for x in row], rel=1e-5, abs=1e-6)
+        assert s.advantages[start:].tolist() == pytest.approx([(x - mean) / (std + 1e-6) for x in row], rel=1e-5,
+                                                              abs=1e-6)
 
 
-@pytest.mark.parametrize("algo", ["ppo", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo"])
+@pytest.mark.parametrize("algo", ["ppo", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline",
+                                  "gspo"])
 def test_every_algorithm_trains_end_to_end(algo, tmp_path, monkeypatch):
     monkeypatch.setenv("EXACTRL_CACHE", str(tmp_path / "cache"))
-    cfg = load_config(RLConfig, None, ["data.eval=null", "train.global_batch_size=8", "train.micro_batch_size=4", "algo.group_size=4",
-                                       "train.max_steps=2", "train.log_every=1", "rollout.max_new_tokens=8", "optim.lr=1e-3", f"algo.name={algo}",
+    cfg = load_config(RLConfig, None, ["data.eval=null", "train.global_batch_size=8", "train.micro_batch_size=4",
+                                       "algo.group_size=4",
+                                       "train.max_steps=2", "train.log_every=1", "rollout.max_new_tokens=8",
+                                       "optim.lr=1e-3", f"algo.name={algo}",
                                        "algo.kl_coef=0.05", f"algo.kl_in_reward={algo.startswith('reinforce')}",
                                        "reward.fn=reward_fixtures:varied", f"output_dir={tmp_path / 'run'}"])
     result = train_rl(cfg, spec=BuiltinSpec(n_sft=20, n_rl=40, n_eval=10))
@@ -177,21 +186,27 @@ def test_weighted_rewards_sum_and_each_component_is_logged(tmp_path, monkeypatch
     assert total == pytest.approx([2 * a[i] - 0.5 * b[i] for i in range(2)], rel=1e-12)
     assert parts == {"reward_fixtures:varied": a, "reward_fixtures:length": b}
     with pytest.raises(Exception, match="reward.weights has 1 entries for 2 reward.fn entries"):
-        load_config(RLConfig, None, ["reward.fn=[reward_fixtures:varied,reward_fixtures:length]", "reward.weights=[1.0]"])
+        load_config(RLConfig, None, ["reward.fn=[reward_fixtures:varied,reward_fixtures:length]",
+                                     "reward.weights=[1.0]"])
     monkeypatch.setenv("EXACTRL_CACHE", str(tmp_path / "cache"))
-    cfg = load_config(RLConfig, None, ["data.eval=null", "train.global_batch_size=8", "train.micro_batch_size=4", "algo.group_size=4",
+    cfg = load_config(RLConfig, None, ["data.eval=null", "train.global_batch_size=8", "train.micro_batch_size=4",
+                                       "algo.group_size=4",
                                        "train.max_steps=1", "train.log_every=1", "rollout.max_new_tokens=8",
-                                       "reward.fn=[reward_fixtures:varied,reward_fixtures:length]", "reward.weights=[1.0,0.1]",
+                                       "reward.fn=[reward_fixtures:varied,reward_fixtures:length]",
+                                       "reward.weights=[1.0,0.1]",
                                        f"output_dir={tmp_path / 'run'}"])
     result = train_rl(cfg, spec=BuiltinSpec(n_sft=20, n_rl=40, n_eval=10))
-    (row,) = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    (row,) = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()
+              if '"loss"' in line]
     mean = row["reward/reward_fixtures:varied"] + 0.1 * row["reward/reward_fixtures:length"]
     assert row["reward_mean"] == pytest.approx(mean, rel=1e-6)
 
 
 def test_adaptive_kl_by_hand():
-    samples = [Sample([1, 2], [3, 4], 0.0, old_logprobs=torch.tensor([0.0, -1.0, -2.0]), ref_logprobs=torch.tensor([5.0, -1.5, -2.5])),
-               Sample([1], [3, 4, 5], 0.0, old_logprobs=torch.tensor([-1.0, -1.0, -1.0]), ref_logprobs=torch.tensor([-1.0, -1.2, -1.4]))]
+    samples = [Sample([1, 2], [3, 4], 0.0, old_logprobs=torch.tensor([0.0, -1.0, -2.0]), ref_logprobs=torch.tensor([
+        5.0, -1.5, -2.5])),
+               Sample([1], [3, 4, 5], 0.0, old_logprobs=torch.tensor([-1.0, -1.0, -1.0]),
+                      ref_logprobs=torch.tensor([-1.0, -1.2, -1.4]))]
     # per-response KL sums over response targets only: (0.5 + 0.5) and (0 + 0.2 + 0.4) -> mean 0.8
     control = AdaptiveKL(0.1, target=2.0, horizon=10)
     assert control.update(samples) == pytest.approx(0.8)
@@ -202,7 +217,9 @@ def test_adaptive_kl_by_hand():
     fixed = AdaptiveKL(0.1, target=None, horizon=10)
     fixed.update(samples)
     assert fixed.coef == 0.1
-    with pytest.raises(Exception, match=r"algo.kl_target=0.1 has no effect: there is no KL term \(algo.kl_coef=0\); set a starting algo.kl_coef > 0"):
+    with pytest.raises(Exception,
+                       match=r"algo.kl_target=0.1 has no effect: there is no KL term \(algo.kl_coef=0\); "
+                             r"set a starting algo.kl_coef > 0"):
         load_config(RLConfig, None, ["algo.kl_target=0.1"])
 
 
@@ -228,14 +245,15 @@ class ScriptedEngine:
 
 
 def test_dynamic_sampling_drops_flat_groups_and_refills_deterministically():
-    from exactrl.rollout.collect import RolloutError, collect_dynamic_rollout
     from exactrl.data.encode import Prompt
     from exactrl.rewards import load_rewards
+    from exactrl.rollout.collect import RolloutError, collect_dynamic_rollout
 
     prompts = [Prompt([k], f"p{k}", None, f"d:{k}") for k in range(20)]
     cfg = rl_cfg("algo.name=dapo", "algo.group_size=4", "train.global_batch_size=16", "train.micro_batch_size=4")
     fns = load_rewards("reward_fixtures:length_of_text")
-    runs = [collect_dynamic_rollout(ScriptedEngine(), prompts, [0, 1, 2, 3], rollout=5, rewards_cfg=fns, cfg=cfg) for _ in range(2)]
+    runs = [collect_dynamic_rollout(ScriptedEngine(), prompts, [0, 1, 2, 3], rollout=5, rewards_cfg=fns, cfg=cfg)
+            for _ in range(2)]
     (samples, stats), (again, _) = runs
     assert len(samples) == 16 and all(s.prompt_ids[0] % 2 == 1 for s in samples)  # only groups with varied rewards
     assert [s.prompt_ids for s in samples] == [s.prompt_ids for s in again]  # the refill draw is reproducible
@@ -249,9 +267,9 @@ def test_dynamic_sampling_drops_flat_groups_and_refills_deterministically():
 def test_dynamic_sampling_reports_the_groups_it_trains_on():
     """Reward, accuracy and length describe the kept groups (the flat ones it dropped are not
     trained on); generated_tokens counts every response of every round."""
-    from exactrl.rollout.collect import collect_dynamic_rollout
     from exactrl.data.encode import Prompt
     from exactrl.rewards import load_rewards
+    from exactrl.rollout.collect import collect_dynamic_rollout
 
     class Counting(ScriptedEngine):
         tokens = 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from distributed_harness import LAYOUT_IDS, LAYOUTS, layout_results, over_bound
 
 SCRIPT = Path(__file__).parent / "dist" / "rl_equivalence.py"
@@ -34,7 +35,8 @@ def test_every_policy_and_value_loss_matches_the_one_pass_reference(results):
         assert len(stages) == 5, stages  # ZeRO 0, 1+offload, 2+offload, 3, 3+offload of optimizer and parameters
     bad = over_bound(r["cases"])
     assert not bad, bad
-    print(f"{backend} world {world}: {len(r['cases'])} cases, max relative error {max(c['rel_err'] for c in r['cases']):.2g}")
+    print(f"{backend} world {world}: {len(r['cases'])} cases, max relative error "
+          f"{max(c['rel_err'] for c in r['cases']):.2g}")
 
 
 def test_ranks_assemble_the_one_process_rollout_and_advantages(results):

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from old_deepspeed import ds_env
 from safetensors.torch import load_file
-from test_resume_distributed import rel_err
 
 from exactrl.tasks.builtin import BuiltinSpec
+from old_deepspeed import ds_env
+from test_resume_distributed import rel_err
 
 ROOT = Path(__file__).resolve().parents[1]
 # The built-in task's untrained model: its answers are wrong, so the reward is the length
@@ -34,8 +34,10 @@ COMMON = ["--config", "examples/grpo_tiny.yaml", "model.path=builtin", "data.eva
 LAYOUTS = {
     "fsdp2-ppo": ["distributed.backend=fsdp2", "algo.name=ppo", "algo.kl_coef=0.05", "algo.kl_in_reward=true",
                   "critic.warmup_rollouts=1"],
-    "zero3-dapo": ["distributed.backend=deepspeed", "deepspeed.zero_stage=3", "algo.name=dapo", "algo.clip_eps_high=0.28"],
-    "zero2-offload-reinforce_pp": ["distributed.backend=deepspeed", "deepspeed.zero_stage=2", "deepspeed.offload_optimizer=cpu",
+    "zero3-dapo": ["distributed.backend=deepspeed", "deepspeed.zero_stage=3", "algo.name=dapo",
+                   "algo.clip_eps_high=0.28"],
+    "zero2-offload-reinforce_pp": ["distributed.backend=deepspeed", "deepspeed.zero_stage=2",
+                                   "deepspeed.offload_optimizer=cpu",
                                    "algo.name=reinforce_pp", "algo.group_size=1", "algo.kl_coef=0.05"],
 }
 

@@ -18,8 +18,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from old_deepspeed import ds_env
 from safetensors.torch import load_file
+
+from old_deepspeed import ds_env
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
@@ -34,7 +35,8 @@ COMMON = ["--config", "examples/grpo_tiny.yaml", "model.path=builtin", "data.eva
 ALGOS = {
     "grpo": ["algo.name=grpo", "reward.fn=length_reward:reward"],
     "ppo": ["algo.name=ppo", "algo.kl_coef=0.05", "critic.warmup_rollouts=0", "reward.fn=length_reward:reward"],
-    "dapo": ["algo.name=dapo", "algo.clip_eps_high=0.28", "algo.dapo.max_refill_rounds=8", "reward.fn=length_reward:sparse"],
+    "dapo": ["algo.name=dapo", "algo.clip_eps_high=0.28", "algo.dapo.max_refill_rounds=8",
+             "reward.fn=length_reward:sparse"],
 }
 BACKENDS = {"single": [], "fsdp2": ["distributed.backend=fsdp2"], "deepspeed": ["distributed.backend=deepspeed"]}
 REFERENCE = ("single", 1, 16, 4)  # backend, world size, rollout.batch_size, train.micro_batch_size
@@ -52,7 +54,8 @@ def run(tmp: Path, algo: str, backend: str, world: int, rollout_batch: int, micr
                "PYTHONPATH": os.pathsep.join([str(tmp), str(ROOT)]), **(ds_env() if backend == "deepspeed" else {})}
         args = [*COMMON, *ALGOS[algo], *BACKENDS[backend], f"distributed.nproc_per_node={world}",
                 f"rollout.batch_size={rollout_batch}", f"train.micro_batch_size={micro}", *extra, f"output_dir={out}"]
-        proc = subprocess.run([sys.executable, "-m", "exactrl.cli", "rl", *args], cwd=ROOT, env=env, capture_output=True,
+        proc = subprocess.run([sys.executable, "-m", "exactrl.cli", "rl", *args], cwd=ROOT, env=env,
+                              capture_output=True,
                               text=True, timeout=900, check=False)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     keys = ("reward_mean", "reward_std", "response_length", "generated_tokens", "groups_dropped", "refill_rounds")
@@ -118,7 +121,8 @@ def test_the_whole_layout_matrix(tmp):
             pytest.importorskip("deepspeed")
         ref, got = run(tmp, algo, *REFERENCE), run(tmp, algo, *layout)
         rows.append((algo, *layout, got["rollouts"] == ref["rollouts"], max_diff(got["weights"], ref["weights"])))
-    print("\n| algorithm | backend | world size | rollout.batch_size | micro_batch_size | same rollouts | max weight diff |")
+    print("\n| algorithm | backend | world size | rollout.batch_size | micro_batch_size | same rollouts | max weight "
+          "diff |")
     print("|---|---|---|---|---|---|---|")
     for algo, backend, world, rb, micro, same, diff in rows:
         print(f"| {algo} | {backend} | {world} | {rb} | {micro} | {same} | {diff:.2e} |")

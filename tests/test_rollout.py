@@ -65,7 +65,8 @@ def test_batched_cached_greedy_matches_naive_loop(tokenizer, make_model, eos_at)
     if eos_at:
         eos_from_position(model, tokenizer, eos_at)
     # Prompts of different lengths, so the batch is left-padded.
-    prompts = [tokenizer(t)["input_ids"] for t in ("1+2=", "345+678=", "9=", "12+34+56=", "7+7=", "81+9=", "3=", "60+5=")]
+    prompts = [tokenizer(t)["input_ids"] for t in ("1+2=", "345+678=", "9=", "12+34+56=", "7+7=", "81+9=", "3=",
+                                                   "60+5=")]
     gens = HFEngine(model, tokenizer, batch_size=5).generate(prompts, greedy=True, max_new_tokens=10)
     if eos_at:  # rows ended at several different steps, so rows left the batch while others ran
         assert len({len(g.response_ids) for g in gens if g.finished}) >= 3
@@ -81,8 +82,7 @@ def test_responses_stop_at_eos_and_groups_are_ordered(tokenizer, make_model):
     model = make_model(4)
     # Make EOS overwhelmingly likely after 2 tokens by construction: bias the LM head.
     with torch.no_grad():
-        model.lm_head.weight.zero_()
-        model.model.embed_tokens.weight  # tied: zeroing lm_head zeroes embeddings too
+        model.lm_head.weight.zero_()  # tied: this zeroes the embeddings too
     eos = tokenizer.eos_token_id
     prompts = [tokenizer("1+1=")["input_ids"], tokenizer("22+22=")["input_ids"]]
     torch.manual_seed(0)
@@ -126,7 +126,8 @@ def test_sampled_logprobs_match_a_training_forward_as_rows_leave_the_batch(token
     assert len({len(g.response_ids) for g in gens}) >= 4
     with torch.no_grad():
         for g in gens:
-            logits = model(input_ids=torch.tensor([g.prompt_ids + g.response_ids])).logits[0, len(g.prompt_ids) - 1 : -1]
+            logits = model(input_ids=torch.tensor([g.prompt_ids + g.response_ids])).logits[0, len(
+                g.prompt_ids) - 1 : -1]
             ref = torch.log_softmax(logits / 0.7, -1).gather(1, torch.tensor(g.response_ids)[:, None])[:, 0]
             assert (torch.tensor(g.logprobs) - ref).abs().max() < 1e-5
 
@@ -141,11 +142,13 @@ def test_top_k_draws_only_among_the_k_most_likely_and_logs_the_uncut_log_prob(to
     outside = {}
     for top_k in (3, 0):
         torch.manual_seed(0)
-        gens = HFEngine(model, tokenizer, batch_size=16).generate(prompts, n=4, temperature=3.0, top_k=top_k, max_new_tokens=12)
+        gens = HFEngine(model, tokenizer, batch_size=16).generate(prompts, n=4, temperature=3.0, top_k=top_k,
+                                                                  max_new_tokens=12)
         outside[top_k] = 0
         with torch.no_grad():
             for g in gens:
-                logits = model(input_ids=torch.tensor([g.prompt_ids + g.response_ids])).logits[0, len(g.prompt_ids) - 1 : -1]
+                logits = model(input_ids=torch.tensor([g.prompt_ids + g.response_ids])).logits[0, len(
+                    g.prompt_ids) - 1 : -1]
                 picked = torch.tensor(g.response_ids)
                 in_top = (torch.topk(logits, 3).indices == picked[:, None]).any(-1)
                 outside[top_k] += int((~in_top).sum())

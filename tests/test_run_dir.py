@@ -106,7 +106,8 @@ def test_a_finished_or_live_run_is_never_reused(tmp_path, state):
 def test_a_killed_run_that_left_nothing_is_reused(tmp_path):
     path = run_dir.create_run_dir(str(tmp_path / "r"), "sft", CFG)
     status = json.loads((path / "status.json").read_text())
-    (path / "status.json").write_text(json.dumps({**status, "pid": 2**22 + 12345}))  # kill -9: no process, still 'running'
+    # kill -9: no process, still 'running'
+    (path / "status.json").write_text(json.dumps({**status, "pid": 2**22 + 12345}))
     run_dir.forget_current()
     assert run_dir.create_run_dir(str(tmp_path / "r"), "sft", CFG) == path
 

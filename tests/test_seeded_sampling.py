@@ -30,12 +30,15 @@ def test_a_response_depends_on_its_key_not_on_its_batch(tokenizer, make_model):
     fives = HFEngine(model, tokenizer, batch_size=5).generate(prompts, seeds=seeds, **kw)
     assert same(whole, fives)
     order = [2, 0, 3, 1]
-    shuffled = HFEngine(model, tokenizer, batch_size=12).generate([prompts[i] for i in order], seeds=[seeds[i] for i in order], **kw)
+    shuffled = HFEngine(model, tokenizer, batch_size=12).generate([prompts[i] for i in order],
+                                                                  seeds=[seeds[i] for i in order], **kw)
     regrouped = [g for i in order for g in whole if g.prompt_index == i]
     assert [g.response_ids for g in shuffled] == [g.response_ids for g in regrouped]
-    assert max((torch.tensor(x.logprobs) - torch.tensor(y.logprobs)).abs().max() for x, y in zip(shuffled, regrouped)) < 1e-5
+    assert max((torch.tensor(x.logprobs) - torch.tensor(y.logprobs)).abs().max() for x, y in zip(
+        shuffled, regrouped)) < 1e-5
     assert len({tuple(g.response_ids) for g in whole}) >= 10  # the keys give different responses
-    other = HFEngine(model, tokenizer, batch_size=12).generate(prompts, seeds=prompt_seeds(7, 1, 0, positions=range(4)), **kw)
+    other = HFEngine(model, tokenizer, batch_size=12).generate(prompts, seeds=prompt_seeds(7, 1, 0, positions=range(4)),
+                                                               **kw)
     assert [g.response_ids for g in other] != [g.response_ids for g in whole]
 
 

@@ -22,9 +22,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from archs import VOCAB, build, save
-from test_cli_failures import TINY, exactrl, one_line_error
 
+from archs import VOCAB, build, save
 from exactrl.checks.determinism import check_determinism
 from exactrl.checks.generation import GenerationCheckError, check_generation
 from exactrl.checks.packing import PackingCheckError, check_packing
@@ -32,6 +31,7 @@ from exactrl.losses.token_losses import token_logprobs
 from exactrl.models import packing
 from exactrl.models.loading import load_causal_lm
 from exactrl.rollout import hf
+from test_cli_failures import TINY, exactrl, one_line_error
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,7 +78,8 @@ def test_a_training_forward_that_generate_cannot_match_stops(tmp_path):
     for m in model.modules():  # a policy whose training forward is not the generator's
         if hasattr(m, "attention_dropout"):
             m.attention_dropout = 0.5
-    with pytest.raises(GenerationCheckError, match="log-probs sampled through generate differ from the training forward"):
+    with pytest.raises(GenerationCheckError,
+                       match="log-probs sampled through generate differ from the training forward"):
         check_generation(model, VOCAB, eos=2, pad=0, policy="fallback", tol=1e-3)
 
 
@@ -149,7 +150,8 @@ def test_rl_refuses_a_random_training_step_in_one_line_and_sft_trains(tmp_path, 
                             for a in (rng.randrange(10, 99) for _ in range(16))))
     common = [*TINY, f"model.path={model_dir}", f"data.train={data}", "train.max_steps=1"]
     out = tmp_path / "rl"
-    proc = exactrl(["rl", *common, "algo.group_size=4", "rollout.max_new_tokens=4", "reward.fn=exactrl.tasks.arithmetic:reward",
+    proc = exactrl(["rl", *common, "algo.group_size=4", "rollout.max_new_tokens=4",
+                    "reward.fn=exactrl.tasks.arithmetic:reward",
                     f"output_dir={out}"], tmp_path, cache)
     line = one_line_error(proc, 3)
     assert "training step is random" in line and "PhimoeTopKRouter" in line and "exactrl sft only" in line, line
@@ -211,7 +213,8 @@ def test_a_rotary_embedding_that_follows_the_batch_is_refused_past_its_length(tm
     beyond its original length computes what each does alone."""
     from archs import ARCHS
 
-    rope = {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [4.0] * 4, "original_max_position_embeddings": 32,
+    rope = {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [4.0] * 4,
+            "original_max_position_embeddings": 32,
             "rope_theta": 10000.0}
     ARCHS["phi3_longrope"] = ("Phi3Config", dict(ARCHS["phi3"][1], rope_parameters=rope, max_position_embeddings=128,
                                                        original_max_position_embeddings=32))
@@ -252,6 +255,7 @@ def test_a_packing_stop_is_one_line_and_exit_3(tmp_path, cache):
     proc = exactrl(["sft", *TINY, f"model.path={model_dir}", "train.max_steps=1", "train.packing_check=error",
                     f"output_dir={out}"], ROOT, cache)
     line = one_line_error(proc, 3)
-    assert line.startswith("stopped by a self-check: packing self-check failed for the policy model (BloomForCausalLM"), line
+    assert line.startswith("stopped by a self-check: packing self-check failed for the policy model "
+                           "(BloomForCausalLM"), line
     assert "never called exactrl's packed attention" in line and "set train.padding_free=false" in line
     assert json.loads((out / "status.json").read_text())["state"] == "check"

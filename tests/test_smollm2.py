@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from rl_helpers import sft_micro_batch_loss
 from exactrl.config import SFTConfig, load_config
 from exactrl.data.encode import encode_prompts, encode_sft
 from exactrl.data.jsonl import Row, read_jsonl
@@ -21,6 +20,7 @@ from exactrl.losses.token_losses import token_logprobs
 from exactrl.models import packing
 from exactrl.models.loading import load_causal_lm, load_tokenizer
 from exactrl.rollout.hf import HFEngine
+from rl_helpers import sft_micro_batch_loss
 
 DATA = Path(__file__).resolve().parents[1] / "examples" / "data"
 END = "<|im_end|>\n"  # how SmolLM2's template closes every turn

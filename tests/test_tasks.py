@@ -69,7 +69,8 @@ def test_is_correct_and_reward():
     assert not is_correct("#### 633", "632")
     assert not is_correct("632", "632")  # missing ####
     assert not is_correct("#### 632 done", "632")  # trailing text
-    assert reward(["a", "b", "c", "d"], ["#### 632", "#### 631", "632", "x #### 0632"], ["632"] * 4) == [1.0, 0.0, 0.0, 1.0]
+    assert reward(["a", "b", "c", "d"], ["#### 632", "#### 631", "632", "x #### 0632"], ["632"] * 4) == [
+        1.0, 0.0, 0.0, 1.0]
 
 
 def test_generate_is_deterministic_and_splits_are_disjoint():
@@ -137,7 +138,8 @@ def test_chat_template_renders_as_documented(tmp_path, tokenizer):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "1+1="},
                 {"role": "assistant", "content": "#### 2"}]
     for tok in (tokenizer, loaded):
-        assert tok.apply_chat_template(messages, tokenize=False) == "<|system|>be brief<|user|>1+1=<|assistant|>#### 2<eos>"
+        assert tok.apply_chat_template(messages,
+                                       tokenize=False) == "<|system|>be brief<|user|>1+1=<|assistant|>#### 2<eos>"
         assert tok.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True) == \
             "<|system|>be brief<|user|>1+1=<|assistant|>"
 
@@ -200,7 +202,8 @@ def test_ensure_builtin_builds_once_and_reuses(tmp_path, monkeypatch):
 
 def test_ensure_builtin_key_depends_on_spec(tmp_path):
     a = BuiltinSpec(n_sft=50, n_rl=50, n_eval=20)
-    assert ensure_builtin(a, cache=tmp_path).root != ensure_builtin(BuiltinSpec(n_sft=50, n_rl=50, n_eval=20, seed=1), cache=tmp_path).root
+    assert ensure_builtin(a, cache=tmp_path).root != ensure_builtin(BuiltinSpec(n_sft=50, n_rl=50, n_eval=20, seed=1),
+                                                                    cache=tmp_path).root
 
 
 def test_building_the_tiny_model_leaves_the_callers_random_state_alone():

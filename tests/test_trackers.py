@@ -225,7 +225,8 @@ def test_each_progress_line_off_a_terminal_carries_its_own_steps_figures(tmp_pat
     result = CliRunner().invoke(app, [command, *SMALL, *overrides, f"output_dir={run}"])  # stderr: not a terminal
     assert result.exit_code == 0, result.output
     shown = dict(re.findall(rf"^{command}: step (\d+)/\d+ .*, \w+=(\S+)$", result.output, re.MULTILINE))
-    want = {str(r["step"]): fmt.format(r[key]) for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+    want = {str(r["step"]): fmt.format(r[key]) for r in map(json.loads,
+                                                            (run / "metrics.jsonl").read_text().splitlines())
             if key in r}
     assert len(want) == int(overrides[1].split("=")[1]) and shown == want
 

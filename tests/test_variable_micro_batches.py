@@ -21,6 +21,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from distributed_harness import run_cases
 from old_deepspeed import ds_env
 
@@ -47,7 +48,8 @@ def test_steps_with_different_micro_batch_counts_apply_the_full_batch_update(wor
     r = run_cases("ci", world, tmp_path / "results.json", ds_env(), script=SCRIPT)
     assert {c["config"] for c in r["cases"]} == {"", "deepspeed.zero_stage=2 deepspeed.offload_optimizer=cpu",
                                                  "deepspeed.zero_stage=1 deepspeed.offload_optimizer=cpu",
-                                                 "deepspeed.zero_stage=3 deepspeed.offload_optimizer=cpu deepspeed.offload_param=cpu"}
+                                                 "deepspeed.zero_stage=3 deepspeed.offload_optimizer=cpu "
+                                                 "deepspeed.offload_param=cpu"}
     check(r, world)
 
 
@@ -59,8 +61,10 @@ def test_every_engine_stage_and_nominal_k(world, tmp_path):
     check(r, world)
 
 
-@pytest.mark.parametrize("given,refused", [({"managed_gradient_accumulation": False}, "managed_gradient_accumulation=false makes"),
-                                           ({"gradient_accumulation_steps": 3}, "gradient_accumulation_steps=3 contradicts"),
+@pytest.mark.parametrize("given,refused", [({"managed_gradient_accumulation": False},
+                                            "managed_gradient_accumulation=false makes"),
+                                           ({"gradient_accumulation_steps": 3},
+                                            "gradient_accumulation_steps=3 contradicts"),
                                            ({"managed_gradient_accumulation": True}, None)])
 def test_a_users_deepspeed_json_that_would_move_the_boundary_is_refused(tmp_path, given, refused):
     """DeepSpeed's unmanaged accumulation refuses set_gradient_accumulation_boundary with an assertion
@@ -96,6 +100,8 @@ def test_on_a_deepspeed_with_the_offload_bug_the_canary_stops_the_first_step_it_
     k1, k2, zero1 = json.loads(out.read_text())["cases"]
     for case, step, seen, carried in ((k1, 1, 2, "0.5 "), (k2, 2, 3, "0.666667 ")):
         assert all(abs(v - 1.0) <= 1e-5 for v in case["canary"]) and len(case["canary"]) == step, case
-        assert f"canary failed at optimizer step {step}: the accumulated gradient carries {carried}" in case["stopped"], case
-        assert f"over {seen} micro-batches; backend=deepspeed, ZeRO stage 2, offload_optimizer cpu, K={seen}," in case["stopped"]
+        stopped = case["stopped"]
+        assert f"canary failed at optimizer step {step}: the accumulated gradient carries {carried}" in stopped, case
+        layout = f"backend=deepspeed, ZeRO stage 2, offload_optimizer cpu, K={seen},"
+        assert f"over {seen} micro-batches; {layout}" in stopped
     assert zero1["stopped"] is None and zero1["micro_batches"] == [1, 2, 3] and zero1["rel_err"] <= TOL, zero1

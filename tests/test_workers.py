@@ -23,7 +23,8 @@ def model_dir(tmp_path, make_model, tokenizer):
 
 
 def build(cfg, role, path, run_dir, tokenizer, **kw):
-    return Worker.build(cfg, role, str(path), run_dir=run_dir, phase="rl", longest=40, pad_id=tokenizer.pad_token_id, **kw)
+    return Worker.build(cfg, role, str(path), run_dir=run_dir, phase="rl", longest=40, pad_id=tokenizer.pad_token_id,
+                        **kw)
 
 
 def test_the_lora_reference_is_the_policys_model_with_adapters_off(model_dir, tmp_path, tokenizer, make_model):
@@ -54,7 +55,8 @@ def test_the_critic_trains_with_critic_optim_on_the_runs_own_config(model_dir, t
                                        "critic.optim.name=sgd"])
     critic = build(cfg, "critic", model_dir, tmp_path, tokenizer, total_steps=3)
     assert seen == [cfg] and seen[0] is cfg  # the validated config itself, not a copy
-    assert isinstance(critic.engine.optimizer, torch.optim.SGD) and critic.engine.optimizer.param_groups[0]["lr"] == 0.25
+    assert isinstance(critic.engine.optimizer,
+                      torch.optim.SGD) and critic.engine.optimizer.param_groups[0]["lr"] == 0.25
 
 
 def test_an_unknown_role_is_named(model_dir, tmp_path, tokenizer):

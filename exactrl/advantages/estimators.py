@@ -61,7 +61,8 @@ def _scores(x: AdvantageInput) -> torch.Tensor:
     return x.rewards + (x.token_rewards.to(torch.float64) * x.mask.to(torch.float64)).sum(1).to(x.rewards.dtype)
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool = True, eps: float = EPS) -> torch.Tensor:
+def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool = True,
+                     eps: float = EPS) -> torch.Tensor:
     """A_i = (r_i - mean(group)) / (std(group) + eps), one value per response (GRPO, Shao et al.
     2024, arXiv 2402.03300). std is the unbiased sample std, as in the paper and TRL.
     ``std_normalize=False`` keeps only the centring (Dr.GRPO, Liu et al. 2025, arXiv 2503.20783:

@@ -26,8 +26,9 @@ def check_world(cfg) -> None:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if cfg.model.dtype == "bf16" and device.type == "cpu" and cpu_lacks_native_bf16() and rank() == 0:
-        warnings.warn("model.dtype=bf16 on a CPU without native bf16 (no avx512_bf16, amx_bf16 or bf16 among its flags in "
-                      "/proc/cpuinfo): its bf16 matmuls are emulated, many times slower than fp32; set model.dtype=fp32",
+        warnings.warn("model.dtype=bf16 on a CPU without native bf16 (no avx512_bf16, amx_bf16 or bf16 among its "
+                      "flags in /proc/cpuinfo): its bf16 matmuls are emulated, many times slower than fp32; set "
+                      "model.dtype=fp32",
                       UserWarning, stacklevel=2)
 
 

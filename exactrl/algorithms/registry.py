@@ -27,21 +27,24 @@ class Algorithm:
     rollout: Callable = plain_rollout  # (generator, prompts, indices, rollout, rewards, cfg) -> (samples, stats)
     loss_agg: str | None = None  # the aggregation the method's paper prescribes; others get a warning
     group_baseline: bool = True  # compares responses to the same prompt (schema.py's GROUP_ALGOS: algo.group_size >= 2)
-    config: str | None = None  # its own sub-section of algo (algo.gae, algo.dapo); set under another algorithm it is refused (config/used.py)
+    # its own sub-section of algo (algo.gae, algo.dapo); set under another algorithm it is refused (config/used.py)
+    config: str | None = None
 
     def objective(self, cfg) -> Objective:
         """The policy's loss as data: the clipped surrogate (against the batch's old log-probs;
-        the loop switches a rollout that skips that pass to "self", see PolicyTerm), the KL to the reference unless it is in the reward (then
-        the estimator must declare how it reads it: a KL never lands nowhere), the entropy bonus.
+        the loop switches a rollout that skips that pass to "self", see PolicyTerm), the KL to the
+        reference unless it is in the reward (then the estimator must declare how it reads it: a KL
+        never lands nowhere), the entropy bonus.
         The entropy metric is free with an entropy term; without one it costs a pass over every
         micro-batch's logits (a softmax over the vocabulary), so it is logged only on request (algo.log_entropy)."""
         a, t = cfg.algo, cfg.train
         agg = {"agg": t.loss_agg, "norm_len": t.loss_agg_norm or cfg.rollout.max_new_tokens}
-        terms = [PolicyTerm(loss=a.policy_loss or self.policy_loss, clip_low=a.clip_eps, clip_high=a.clip_eps_high or a.clip_eps,
+        terms = [PolicyTerm(loss=a.policy_loss or self.policy_loss, clip_low=a.clip_eps, clip_high=a.clip_eps_high
+                            or a.clip_eps,
                             dual_clip=a.dual_clip, **agg)]
         if a.kl_coef > 0 and a.kl_in_reward and self.advantage not in TOKEN_REWARDS:
-            raise ConfigError(f"algo.kl_in_reward=true: algo.name={self.name}'s estimator '{self.advantage}' does not read "
-                              "per-token rewards, so the KL would land nowhere; set algo.kl_in_reward=false")
+            raise ConfigError(f"algo.kl_in_reward=true: algo.name={self.name}'s estimator '{self.advantage}' does not "
+                              "read per-token rewards, so the KL would land nowhere; set algo.kl_in_reward=false")
         if a.kl_coef > 0 and not a.kl_in_reward:
             terms.append(KLTerm(coef=a.kl_coef, estimator=a.kl_estimator, **agg))
         if a.entropy_coef > 0:
@@ -61,7 +64,8 @@ for algorithm in (
     Algorithm("reinforce_pp_baseline", "reinforce_pp_baseline", "ppo", "Hu 2025, arXiv 2501.03262"),
     Algorithm("gspo", "grpo", "gspo", "Zheng et al. 2025, arXiv 2507.18071"),
     # + clip_eps_high and overlong shaping, set in its config
-    Algorithm("dapo", "grpo", "ppo", "Yu et al. 2025, arXiv 2503.14476", rollout=collect_dynamic_rollout, config="dapo"),
+    Algorithm("dapo", "grpo", "ppo", "Yu et al. 2025, arXiv 2503.14476", rollout=collect_dynamic_rollout,
+              config="dapo"),
 ):
     ALGORITHMS.add(algorithm.name, algorithm)
 

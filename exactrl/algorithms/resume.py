@@ -100,16 +100,17 @@ def check_resume(cfg, command: str, steps: int) -> None:
     flat_saved, flat_now = _flat(saved), _flat(now)
     for key in cfg.train.resume_allow_changes:
         if key in FIXED:
-            raise CheckpointError(f"train.resume_allow_changes: {key} cannot change on resume: {FIXED[key]}; resume with "
-                                  f"{key}={flat_saved.get(key)!r} (the checkpoint's run's), or start a new run")
+            raise CheckpointError(f"train.resume_allow_changes: {key} cannot change on resume: {FIXED[key]}; resume "
+                                  f"with {key}={flat_saved.get(key)!r} (the checkpoint's run's), or start a new run")
     diff = changed_keys(saved, now, cfg.train.resume_allow_changes)
     fixed = [k for k in diff if k in FIXED]
     if fixed:
         shown = "; ".join(f"{k}: {flat_saved.get(k)!r} -> {flat_now.get(k)!r} ({FIXED[k]})" for k in fixed)
-        raise CheckpointError(f"train.resume_from: this config differs from the checkpoint's run ({saved_path}) in {shown}. "
-                              "A resume cannot change that: restore the checkpoint's run's value, or start a new run")
+        raise CheckpointError(f"train.resume_from: this config differs from the checkpoint's run ({saved_path}) in "
+                              f"{shown}. A resume cannot change that: restore the checkpoint's run's value, or start "
+                              "a new run")
     if diff:
         shown = "; ".join(f"{k}: {flat_saved.get(k)!r} -> {flat_now.get(k)!r}" for k in diff)
-        raise CheckpointError(f"train.resume_from: this config differs from the checkpoint's run ({saved_path}) "
-                              f"in {shown}. Exact resume needs the same data and layout: restore them, or continue anyway with "
-                              f"train.resume_allow_changes=[{','.join(diff)}]")
+        raise CheckpointError(f"train.resume_from: this config differs from the checkpoint's run ({saved_path}) in "
+                              f"{shown}. Exact resume needs the same data and layout: restore them, or continue "
+                              f"anyway with train.resume_allow_changes=[{','.join(diff)}]")

@@ -71,7 +71,8 @@ class AdaptiveKL:
 
     def update(self, samples: list[Sample]) -> float:
         """The coefficient for this rollout; moves it for the next one. Returns the measured KL."""
-        kl = sum(float((s.old_logprobs - s.ref_logprobs)[len(s.prompt_ids) - 1 :].sum()) for s in samples) / len(samples)
+        kl = sum(float((s.old_logprobs - s.ref_logprobs)[len(s.prompt_ids) - 1 :].sum())
+                 for s in samples) / len(samples)
         if self.target is not None:
             error = min(max(kl / self.target - 1.0, -0.2), 0.2)
             self.coef *= 1.0 + error * len(samples) / self.horizon
@@ -94,17 +95,22 @@ def attach_advantages(samples: list[Sample], cfg: RLConfig, kl_coef: float | Non
     a, alg = cfg.algo, ALGORITHMS.lookup(cfg.algo.name)
     kl_coef = a.kl_coef if kl_coef is None else kl_coef
     mask = pad_right([[0] * (len(s.prompt_ids) - 1) + [1] * len(s.response_ids) for s in samples], 0).to(torch.float64)
-    pad = lambda ts: torch.nn.utils.rnn.pad_sequence([t.double() for t in ts], batch_first=True)
+
+    def pad(ts):
+        return torch.nn.utils.rnn.pad_sequence([t.double() for t in ts], batch_first=True)
+
     token_rewards = values = None
     if a.kl_coef > 0 and a.kl_in_reward:  # -beta * KL(old policy || reference) per token, k1
-        token_rewards = -kl_coef * pad([kl_penalty(s.old_logprobs.double(), s.ref_logprobs.double(), "k1") for s in samples])
+        token_rewards = -kl_coef * pad([kl_penalty(s.old_logprobs.double(), s.ref_logprobs.double(), "k1")
+                                        for s in samples])
     if alg.critic:
         values = pad([s.old_values for s in samples])
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
     if a.reward_norm != "none" and len(rewards) > 1:
         rewards = (rewards - rewards.mean() if a.reward_norm == "whiten" else rewards) / (rewards.std() + EPS)
     adv, returns = get_advantage(alg.advantage)(AdvantageInput(rewards, mask, a.group_size, token_rewards, values,
-                                                                       gamma=a.gamma, lam=a.gae.lam, std_normalize=a.std_normalize))
+                                                                       gamma=a.gamma, lam=a.gae.lam,
+                                                                       std_normalize=a.std_normalize))
     if alg.whiten_advantages and a.gae.whiten_advantages:
         adv = whiten(adv, mask)
     for s, row, ret in zip(samples, adv, returns):
@@ -118,28 +124,31 @@ def fragile_settings(cfg: RLConfig) -> list[str]:
     updates = a.ppo_epochs * a.mini_batches
     loss = a.policy_loss or alg.policy_loss
     if updates > 1 and a.ratio_check == "off":
-        out.append(f"algo.ratio_check=off with {updates} updates per rollout: nothing verifies that the old log-probs match the "
-                   "policy that sampled the rollout; stale log-probs are why DeepSpeed-Chat asks for one generation batch and "
-                   "one PPO epoch")
+        out.append(f"algo.ratio_check=off with {updates} updates per rollout: nothing verifies that the old log-probs "
+                   "match the policy that sampled the rollout; stale log-probs are why DeepSpeed-Chat asks for one "
+                   "generation batch and one PPO epoch")
     if updates > 1 and loss == "reinforce":
-        out.append(f"algo.policy_loss=reinforce with {updates} updates per rollout: the ratio is unclipped, so later updates "
-                   "on the same rollout can move the policy without bound (PPO's clip exists for this, Schulman et al. 2017)")
+        out.append(f"algo.policy_loss=reinforce with {updates} updates per rollout: the ratio is unclipped, so later "
+                   "updates on the same rollout can move the policy without bound (PPO's clip exists for this, "
+                   "Schulman et al. 2017)")
     if a.ppo_epochs > 4:
-        out.append(f"algo.ppo_epochs={a.ppo_epochs}: every further pass reuses the rollout further off-policy (clip fraction and "
-                   "KL grow); LLM recipes (OpenRLHF, verl, TRL) use 1-4")
+        out.append(f"algo.ppo_epochs={a.ppo_epochs}: every further pass reuses the rollout further off-policy (clip "
+                   "fraction and KL grow); LLM recipes (OpenRLHF, verl, TRL) use 1-4")
     if alg.loss_agg and cfg.train.loss_agg != alg.loss_agg:  # dr_grpo: Liu et al. 2025, sec. 3.1
-        out.append(f"algo.name={a.name} with train.loss_agg={cfg.train.loss_agg}: Dr.GRPO's fix of GRPO's length bias is the "
-                   f"constant-length normaliser {alg.loss_agg} (Liu et al. 2025, sec. 3.1); other modes bring the bias back")
+        out.append(f"algo.name={a.name} with train.loss_agg={cfg.train.loss_agg}: Dr.GRPO's fix of GRPO's length bias "
+                   f"is the constant-length normaliser {alg.loss_agg} (Liu et al. 2025, sec. 3.1); other modes bring "
+                   "the bias back")
     if loss == "gspo" and a.clip_eps > 0.01:
-        out.append(f"gspo with algo.clip_eps={a.clip_eps}: a sequence ratio is a geometric mean of token ratios and rarely moves "
-                   "that far, so the clip seldom acts; GSPO's paper uses 3e-4 / 4e-4")
+        out.append(f"gspo with algo.clip_eps={a.clip_eps}: a sequence ratio is a geometric mean of token ratios and "
+                   "rarely moves that far, so the clip seldom acts; GSPO's paper uses 3e-4 / 4e-4")
     return out
 
 
 def step_plan(batch: list[Sample], cfg: RLConfig, world_size: int) -> StepPlan:
     """One optimizer step over ``batch`` (all ranks' samples, each its own unit)."""
     t = cfg.train
-    return plan_samples(batch, t.micro_batch_size, t.loss_agg, t.loss_agg_norm or cfg.rollout.max_new_tokens, world_size)
+    return plan_samples(batch, t.micro_batch_size, t.loss_agg, t.loss_agg_norm or cfg.rollout.max_new_tokens,
+                        world_size)
 
 
 def first_pass_micro_batches(samples: list[Sample], cfg: RLConfig, engine) -> list[list[int]]:
@@ -159,7 +168,8 @@ def reuses_first_forward(cfg: RLConfig, samples: list[Sample]) -> bool:
             and all(s.gen_logprobs is not None for s in samples))
 
 
-def mini_batches(samples: list[Sample], cfg: RLConfig, engine, group_rng: random.Random) -> Iterator[tuple[list[Sample], StepPlan, bool]]:
+def mini_batches(samples: list[Sample], cfg: RLConfig, engine, group_rng: random.Random) -> Iterator[tuple[list[
+    Sample], StepPlan, bool]]:
     """(batch, plan, first) per optimizer step of one rollout: PPO epochs x mini-batches of
     train.global_batch_size responses; ``first`` marks the update whose micro-batches the old
     log-probs were computed in. Later epochs reshuffle whole groups, never splitting one
@@ -175,13 +185,15 @@ def mini_batches(samples: list[Sample], cfg: RLConfig, engine, group_rng: random
             yield batch, step_plan(batch, cfg, engine.world_size), epoch == 0 and start == 0
 
 
-def attach_fields(samples: list[Sample], cfg: RLConfig, policy: Worker, reference: Worker | None, critic: Critic | None) -> bool:
+def attach_fields(samples: list[Sample], cfg: RLConfig, policy: Worker, reference: Worker | None,
+                  critic: Critic | None) -> bool:
     """The per-token fields fixed for the rollout (old log-probs, reference log-probs, the
     critic's values), each computed once in the first update's micro-batches and shared by every
     rank. Returns whether the old-log-prob pass was skipped (the update's own forward stands for it)."""
     first_pass = first_pass_micro_batches(samples, cfg, policy.engine)
     reused = reuses_first_forward(cfg, samples)
-    for worker, name, key in ((None if reused else policy, "logprobs", "old_logprobs"), (reference, "logprobs", "ref_logprobs"),
+    for worker, name, key in ((None if reused else policy, "logprobs", "old_logprobs"), (
+        reference, "logprobs", "ref_logprobs"),
                               (critic, "values", "old_values")):
         if worker is not None:
             for s, values in zip(samples, worker.forward(samples, name, first_pass)):
@@ -209,11 +221,13 @@ def update(policy: Worker | None, critic: Critic | None, batch: list[Sample], pl
 def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = BuiltinSpec(), phase: str = "rl",
              model_path: str | None = None, final_name: str = "final") -> RLResult:
     check_world(cfg)
-    seed_everything(cfg.train.seed)  # the same on every rank: each response draws from its own keyed stream (rollout/collect.py)
+    # the same on every rank: each response draws from its own keyed stream (rollout/collect.py)
+    seed_everything(cfg.train.seed)
     for message in fragile_settings(cfg) if rank() == 0 else []:
         warnings.warn(message, UserWarning, stacklevel=2)
     a, t, alg = cfg.algo, cfg.train, ALGORITHMS.lookup(cfg.algo.name)
-    objective = alg.objective(cfg)  # the policy's loss as data; refuses a KL that would land nowhere before anything loads
+    # the policy's loss as data; refuses a KL that would land nowhere before anything loads
+    objective = alg.objective(cfg)
     model_path = model_path or resolve(cfg.model.path, "model", spec)
     train_path, eval_path = resolve(cfg.data.train, "rl_train", spec), resolve(eval_data(cfg), "eval", spec)
     tok = load_tokenizer(model_path, cfg.model.trust_remote_code, cfg.data.chat_template)
@@ -221,12 +235,14 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     if note and is_main():
         print(note)
     # One reward process for the whole run (exactrl/rewards/worker.py), evaluation included.
-    reward_fns = load_rewards(cfg.reward.specs(), cfg.reward.weights, cfg.reward.timeout, cfg.reward.retries, cfg.eval.reward_fn)
+    reward_fns = load_rewards(cfg.reward.specs(), cfg.reward.weights, cfg.reward.timeout, cfg.reward.retries,
+                              cfg.eval.reward_fn)
     require_answers(prompts, reward_fns, "reward.fn")
     eval_set = load_eval_set(cfg, tok, eval_path, reward_fns.eval)
     steps_per_rollout = a.ppo_epochs * a.mini_batches
     prompts_per_rollout = t.global_batch_size * a.mini_batches // a.group_size
-    rollouts = math.ceil(t.max_steps / steps_per_rollout) if t.max_steps else max(1, math.ceil(t.epochs * len(prompts) / prompts_per_rollout))
+    rollouts = math.ceil(t.max_steps / steps_per_rollout) if t.max_steps else max(1, math.ceil(t.epochs * len(
+        prompts) / prompts_per_rollout))
     steps = rollouts * steps_per_rollout
     check_data_size(len(prompts), prompts_per_rollout, "prompts", train_path)
     continues = prepare_resume(cfg, "rl", steps)
@@ -238,7 +254,8 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     where = {"run_dir": ctx.run_dir, "phase": phase, "longest": longest, "pad_id": pad}
     warmup = min(cfg.critic.warmup_rollouts, rollouts) * steps_per_rollout if alg.critic else 0
     # the policy's schedule starts after the critic's warm-up
-    policy = Worker.build(cfg, "policy", model_path, total_steps=max(1, steps - warmup), checkpoint=t.resume_from, **where)
+    policy = Worker.build(cfg, "policy", model_path, total_steps=max(1, steps - warmup), checkpoint=t.resume_from,
+                          **where)
     reference = Worker.build(cfg, "reference", model_path, policy=policy, **where) if a.kl_coef > 0 else None
     critic = Worker.build(cfg, "critic", cfg.critic.path or model_path, total_steps=steps, checkpoint=t.resume_from,
                           **where) if alg.critic else None
@@ -273,7 +290,8 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
         # 2. per-token fields fixed for the rollout, computed in the first update's micro-batches
         reused = attach_fields(samples, cfg, policy, reference, critic)
 
-        # 3. advantages over the whole rollout, under this rollout's KL coefficient (the controller moves it for the next)
+        # 3. advantages over the whole rollout, under this rollout's KL coefficient (the controller moves it for the
+        # next)
         kl_coef = kl_control.coef
         if reference is not None:
             rstats["rollout_kl"], rstats["kl_coef"] = kl_control.update(samples), kl_coef
@@ -285,7 +303,8 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
         for batch, plan, first in mini_batches(samples, cfg, engine, group_rng):
             # the first update must see ratio 1 on every rank, checked before it is applied
             check = on_policy_check(cfg, rollout, against_generator=reused) if first else None
-            loss, stats = update(policy if train_policy else None, critic, batch, plan, replace(loss_now, on_policy=check))
+            loss, stats = update(policy if train_policy else None, critic, batch, plan, replace(
+                loss_now, on_policy=check))
             step += 1
 
             # 5. log, evaluate, checkpoint
@@ -293,7 +312,8 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
                 ctx.write(step, {"rollout": rollout, "loss": loss, **stats, **rstats,
                                  "gen_tokens_per_s": rstats["generated_tokens"] / gen_seconds})
             ctx.step_done(step, {"policy": policy, "critic": critic},
-                          {"step": step, "rollout": rollout, "group_rng": group_rng.getstate(), "kl_coef": kl_control.coef},
+                          {"step": step, "rollout": rollout, "group_rng": group_rng.getstate(),
+                           "kl_coef": kl_control.coef},
                           {"reward": f"{rstats['reward_mean']:.3f}"})
     seconds = time.perf_counter() - t0
     final = ctx.finish({final_name: policy, f"{final_name}-critic": critic})

@@ -57,7 +57,8 @@ def sft_objective(loss_agg: str, norm_len: float | None) -> Objective:
     return Objective((NLLTerm(agg=loss_agg, norm_len=norm_len),))
 
 
-def train_sft(cfg: SFTConfig, run_dir: Path | None = None, spec: BuiltinSpec = BuiltinSpec(), phase: str = "sft", final_name: str = "final") -> SFTResult:
+def train_sft(cfg: SFTConfig, run_dir: Path | None = None, spec: BuiltinSpec = BuiltinSpec(), phase: str = "sft",
+              final_name: str = "final") -> SFTResult:
     check_world(cfg)
     seed_everything(cfg.train.seed)
     t = cfg.train
@@ -127,8 +128,10 @@ def _build_sft_elsewhere(spec: BuiltinSpec, root: Path) -> Path:
     """Build the SFT starting point in a one-process child (the SFT run must not join this
     rank's process group, nor tell exactrl's launcher its run directory); every rank waits for it on the
     same file lock."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                                                            "MASTER_PORT", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID",
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                                            "MASTER_ADDR",
+                                                            "MASTER_PORT", "GROUP_RANK", "ROLE_RANK",
+                                                            "TORCHELASTIC_RUN_ID",
                                                             LAUNCH_DIR)}
     env["EXACTRL_CACHE"] = str(root.parent)
     env.pop("OMP_NUM_THREADS", None)  # torchrun sets 1 per rank; the one builder may use every core

@@ -116,7 +116,7 @@ class Doc:
     root: tuple = ()
 
     @classmethod
-    def parse(cls, file: str, text: str, kind: str) -> "Doc":
+    def parse(cls, file: str, text: str, kind: str) -> Doc:
         """kind is "json" or "yaml"; raises ValueError with the parser's message on bad syntax, on
         nesting too deep for the recursive parsers and on YAML aliases that expand past MAX_NODES."""
         if _bracket_depth(text) > MAX_DEPTH:
@@ -153,7 +153,7 @@ class Doc:
     def get(self, *path) -> tuple[Any, Evidence] | None:
         return (self.node(*path), self.evidence(*path)) if self.has(*path) else None
 
-    def sub(self, *path) -> "Doc":
+    def sub(self, *path) -> Doc:
         return Doc(self.file, self.data, self.lines, self.text_lines, self.root + path)
 
     def keys(self) -> list:
@@ -260,7 +260,8 @@ def _expand(word: str, number: int, env: dict[str, list[Token]]) -> list[Token]:
     if alone and alone.group(1) in env:
         return list(env[alone.group(1)])
     text = _VAR.sub(lambda m: " ".join(t.text for t in env[m.group(1) or m.group(3)])
-                    if (m.group(1) or m.group(3)) in env else m.group(2) if m.group(2) is not None else m.group(0), word)
+                    if (m.group(1) or m.group(3)) in env else m.group(2) if m.group(2) is not None else m.group(0),
+                    word)
     return [Token(text, number)]
 
 

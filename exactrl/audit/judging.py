@@ -18,8 +18,17 @@ from fractions import Fraction
 from typing import Any
 
 from exactrl.audit.evidence import Collected, Evidence, Problem, Reading
-from exactrl.audit.rules import (HF_FAMILY, NOTHING, RELATED, VERSION_BOUNDARIES, BugRule, Status, Verdict, hint,
-                                  sentence)
+from exactrl.audit.rules import (
+    HF_FAMILY,
+    NOTHING,
+    RELATED,
+    VERSION_BOUNDARIES,
+    BugRule,
+    Status,
+    Verdict,
+    hint,
+    sentence,
+)
 from exactrl.audit.versions import exact_version, version_candidates
 
 
@@ -179,7 +188,8 @@ def _over_world_sizes(rule: BugRule, facts: Mapping[str, list[Reading]], problem
 def _unknown_besides_world(rule: BugRule, whole: dict[int, Verdict], why: str, every: tuple[Evidence, ...],
                            facts: Mapping[str, list[Reading]], problems: Iterable[Problem]) -> Verdict | None:
     """UNKNOWN for some world sizes: ask only for what else is missing, and say what N alone decides."""
-    missing = tuple(dict.fromkeys(m for v in whole.values() for m in v.missing if m not in ("effective_k", "world_size")))
+    missing = tuple(dict.fromkeys(m for v in whole.values() for m in v.missing if m not in (
+        "effective_k", "world_size")))
     if not missing:
         return None
     reason, action = _unknown_text(missing, facts, problems)
@@ -254,7 +264,8 @@ def derive(c: Collected, complete_lists: list[tuple[Evidence, set[str]]]) -> tup
     for fact, evidence in c.autos:
         if not facts.get(fact) and not (fact in RELATED["effective_k"] and facts.get("effective_k")):
             problems.append(Problem("unresolved", f"DeepSpeed's {fact} is \"auto\" at {evidence.at} and nothing in the "
-                                    "run resolves it (the HF Trainer fills it from TrainingArguments)", (evidence,), fact))
+                                    "run resolves it (the HF Trainer fills it from TrainingArguments)", (evidence,),
+                                    fact))
     return facts, problems
 
 

@@ -35,7 +35,8 @@ def git_revision() -> str | None:
     root = Path(__file__).resolve().parents[2]
     try:
         rev = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.TimeoutExpired):
         return None
     if rev.returncode:
@@ -67,7 +68,8 @@ def hardware() -> dict:
     }
 
 
-def write_manifest(run_dir: Path, seed: int, data_files: dict[str, str | Path | None], extra: dict | None = None) -> dict:
+def write_manifest(run_dir: Path, seed: int, data_files: dict[str, str | Path | None],
+                   extra: dict | None = None) -> dict:
     manifest = {
         "versions": package_versions(),
         "git_revision": git_revision(),

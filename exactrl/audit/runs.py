@@ -47,8 +47,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from exactrl.audit.evidence import (Collected, Doc, Evidence, Problem, Reading, Token, package_list_kind, package_pins,
-                                    pickle_kind, shell_commands, true, whole)
+from exactrl.audit.evidence import (
+    Collected,
+    Doc,
+    Evidence,
+    Problem,
+    Reading,
+    Token,
+    package_list_kind,
+    package_pins,
+    pickle_kind,
+    shell_commands,
+    true,
+    whole,
+)
 from exactrl.audit.judging import derive, judge
 from exactrl.audit.readers import parse_flags, read_accelerate_config, read_deepspeed_config, read_launcher
 from exactrl.audit.rules import RULES, Verdict
@@ -74,7 +86,8 @@ OPENRLHF_FLAGS = {"packing_samples": ("packing_samples", "ds.packing_samples"),
                   "nll": ("nll_loss_coef", "model.nll_loss_coef")}
 OPENRLHF_PARALLEL = ("ring_attn_size", "ds.ring_attn_size", "ds_tensor_parallel_size", "ds.tensor_parallel_size")
 OPENRLHF_ACTOR = (("actor_num_nodes", "actor.num_nodes", 1), ("actor_num_gpus_per_node", "actor.num_gpus_per_node", 8))
-HF_KEYS = {"per_device_train_batch_size": "micro_batch_size", "gradient_accumulation_steps": "gradient_accumulation_steps"}
+HF_KEYS = {"per_device_train_batch_size": "micro_batch_size",
+           "gradient_accumulation_steps": "gradient_accumulation_steps"}
 TRL_MARKERS = {"dataset_name", "num_generations", "max_seq_length", "dataset_text_field", "max_prompt_length"}
 LLAMAFACTORY_MARKERS = {"stage", "finetuning_type", "template"}
 TRL_SCRIPT = re.compile(r"(?:^|/)(?:examples/scripts|trl/scripts)/(\w+)\.py$")  # TRL's example scripts, by trainer
@@ -217,7 +230,8 @@ class RunReader:
             found = self.resolve(target, base)
             if found is None:
                 self.c.problem("missing", f"{evidence.at} names {target}, which is not in the run directory: "
-                               "copy it there to use it", evidence, fact="deepspeed_config" if kind == "deepspeed" else None)
+                               "copy it there to use it", evidence, fact="deepspeed_config" if kind == "deepspeed"
+                               else None)
                 continue
             if kind == "deepspeed":
                 self.ds_named.add(found.resolve())

@@ -65,7 +65,8 @@ def probe_versions(python: str) -> dict[str, str | None]:
 def configurations(versions: dict) -> list[dict]:
     out = [{"backend": "torch", "k": k} for k in KS] + [{"backend": "fsdp2", "k": k} for k in KS]
     if versions.get("deepspeed"):
-        out += [{"backend": "deepspeed", "stage": s, "offload": o, "k": k} for s in (1, 2, 3) for o in ("none", "cpu") for k in KS]
+        out += [{"backend": "deepspeed", "stage": s, "offload": o, "k": k} for s in (1, 2, 3) for o in ("none", "cpu")
+                for k in KS]
     return out
 
 
@@ -74,7 +75,8 @@ def torch_extensions_dir(deepspeed_version: str | None) -> str:
     directory per DeepSpeed version (two versions sharing one rebuild each other's ops)."""
     from exactrl.tasks.builtin import cache_dir
 
-    return os.environ.get("TORCH_EXTENSIONS_DIR") or str(cache_dir() / "torch_extensions" / f"deepspeed-{deepspeed_version}")
+    default = cache_dir() / "torch_extensions" / f"deepspeed-{deepspeed_version}"
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or str(default)
 
 
 def exactrl_only_path() -> str:
@@ -88,9 +90,11 @@ def exactrl_only_path() -> str:
     return str(d)
 
 
-def _run_world(python: str, world: int, configs: list[dict], on_row, timeout: float, versions: dict, path: str) -> list[StackRow]:
+def _run_world(python: str, world: int, configs: list[dict], on_row, timeout: float, versions: dict,
+               path: str) -> list[StackRow]:
     env = {**os.environ, "PYTHONPATH": f"{path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": torch_extensions_dir(versions.get("deepspeed"))}
+           "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+           "TORCH_EXTENSIONS_DIR": torch_extensions_dir(versions.get("deepspeed"))}
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"] if world > 1 else []
     cmd = [python, *launcher, "-m", "exactrl.audit.stack_worker", json.dumps(configs)]
     rows: list[StackRow] = []
@@ -104,11 +108,13 @@ def _run_world(python: str, world: int, configs: list[dict], on_row, timeout: fl
     for line in out.splitlines():
         if line.startswith("AUDIT "):
             data = json.loads(line[6:])
-            rows.append(StackRow(data["backend"], world, data["k"], data.get("stage"), data.get("offload"), data.get("rel_err"), data.get("error")))
+            rows.append(StackRow(data["backend"], world, data["k"], data.get("stage"), data.get("offload"),
+                                 data.get("rel_err"), data.get("error")))
             on_row()
     last = next((ln for ln in reversed(err.strip().splitlines()) if ln.strip()), "no output")
     for c in configs[len(rows):]:  # the process died before reaching these
-        rows.append(StackRow(c["backend"], world, c["k"], c.get("stage"), c.get("offload"), error=f"process died: {last[-200:]}"))
+        rows.append(StackRow(c["backend"], world, c["k"], c.get("stage"), c.get("offload"),
+                             error=f"process died: {last[-200:]}"))
         on_row()
     return rows
 
@@ -121,11 +127,12 @@ def explain(row: StackRow, versions: dict) -> str | None:
     outcome = deepspeed_offload(facts)
     if outcome.status != Status.AFFECTED:
         return None
-    return (f"DeepSpeed {versions['deepspeed']} drops intermediate micro-batches with a CPU-offloaded optimizer and K>=3 "
-            f"(introduced by PR #6550 in 0.15.2, fixed in 0.19.0 by PR #7967): {FIX}")
+    return (f"DeepSpeed {versions['deepspeed']} drops intermediate micro-batches with a CPU-offloaded optimizer and "
+            f"K>=3 (introduced by PR #6550 in 0.15.2, fixed in 0.19.0 by PR #7967): {FIX}")
 
 
-def audit_stack(python: str | None = None, worlds=(1, 2), progress=None, timeout: float = 600) -> tuple[dict, list[StackRow]]:
+def audit_stack(python: str | None = None, worlds=(1, 2), progress=None, timeout: float = 600) -> tuple[dict, list[
+    StackRow]]:
     python = python or sys.executable
     versions = probe_versions(python)
     configs = configurations(versions)
@@ -142,7 +149,8 @@ def audit_stack(python: str | None = None, worlds=(1, 2), progress=None, timeout
 
 
 def table(versions: dict, rows: list[StackRow]) -> Table:
-    t = Table(title=f"exactrl audit stack: torch {versions.get('torch')}, deepspeed {versions.get('deepspeed') or 'not installed'}")
+    t = Table(title=f"exactrl audit stack: torch {versions.get('torch')}, deepspeed "
+                    f"{versions.get('deepspeed') or 'not installed'}")
     for col in ("configuration", "world", "K", "max rel. error", "verdict"):
         t.add_column(col)
     style = {"EXACT": "green", "BROKEN": "bold red", "ERROR": "yellow"}

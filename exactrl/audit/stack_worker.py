@@ -51,7 +51,8 @@ def reference_update(k: int, world: int) -> torch.Tensor:
 def _my_batches(k: int, world: int, rank: int):
     x, y = _data(k, world)
     per = MICRO * k
-    return [(x[rank * per + i * MICRO: rank * per + (i + 1) * MICRO], y[rank * per + i * MICRO: rank * per + (i + 1) * MICRO])
+    return [(x[rank * per + i * MICRO: rank * per + (i + 1) * MICRO], y[rank * per + i * MICRO: rank * per
+                                                                        + (i + 1) * MICRO])
             for i in range(k)]
 
 
@@ -60,8 +61,10 @@ def deepspeed_update(stage: int, offload: str, k: int, world: int, rank: int) ->
 
     model = _fresh()
     before = _flat(model)
-    cfg = {"train_batch_size": MICRO * k * world, "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": k,
-           "zero_optimization": {"stage": stage, **({"offload_optimizer": {"device": offload}} if offload != "none" else {})},
+    cfg = {"train_batch_size": MICRO * k * world, "train_micro_batch_size_per_gpu": MICRO,
+           "gradient_accumulation_steps": k,
+           "zero_optimization": {"stage": stage, **({"offload_optimizer": {"device": offload}} if offload != "none"
+                                                    else {})},
            "gradient_clipping": 0.0, "zero_force_ds_cpu_optimizer": False, "zero_allow_untested_optimizer": True,
            "steps_per_print": 10**9}
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=cfg)
@@ -96,7 +99,8 @@ def torch_update(backend: str, k: int, world: int, rank: int) -> torch.Tensor:
 
 def main(configs: list[dict]) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29519", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29519", "RANK": "0", "WORLD_SIZE": "1",
+                       "LOCAL_RANK": "0"}.items():
         os.environ.setdefault(key, value)
     torch.distributed.init_process_group("gloo")
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()

@@ -70,10 +70,10 @@ class Canary:
     def verify(self, value: float, step: int, micro_batches: int) -> float:
         """Compare a reading taken by the engine with 1 and act on the policy."""
         if abs(value - 1.0) > self.tol:
-            msg = (f"canary failed at optimizer step {step}: the accumulated gradient carries {value:.6g} of the step's "
-                   f"loss instead of exactly 1 (tolerance {self.tol:g}) over {micro_batches} micro-batches; {self.describe()}. "
-                   "A value near (first + last share) means dropped micro-batches, above 1 duplicated ones; "
-                   "see README 'Was my run affected?'")
+            msg = (f"canary failed at optimizer step {step}: the accumulated gradient carries {value:.6g} of the "
+                   f"step's loss instead of exactly 1 (tolerance {self.tol:g}) over {micro_batches} micro-batches; "
+                   f"{self.describe()}. A value near (first + last share) means dropped micro-batches, above 1 "
+                   "duplicated ones; see README 'Was my run affected?'")
             if self.policy == "error":
                 raise CanaryError(msg)
             log.warning(msg)

@@ -28,8 +28,9 @@ class OnPolicyCheck:
         if self.mode == "off" or deviation <= self.tol:
             return
         what = "the generator's log-probs are" if self.against_generator else "the old log-probs are"
-        msg = (f"on-policy check failed at rollout {self.rollout}: max |ratio - 1| = {deviation:.3g} > algo.{self.key}="
-               f"{self.tol} at the first update after the rollout; {what} stale or computed differently from the loss's")
+        msg = (f"on-policy check failed at rollout {self.rollout}: max |ratio - 1| = {deviation:.3g} > "
+               f"algo.{self.key}={self.tol} at the first update after the rollout; {what} stale or computed "
+               "differently from the loss's")
         if self.mode == "error":
             raise OnPolicyCheckError(msg)
         warnings.warn(msg, stacklevel=3)

@@ -56,7 +56,8 @@ class PackingReport:
     notice: str | None = None  # why packing (or flash-attention) was turned off
     kernel: str | None = None  # the packed attention: "flash_attn varlen", "sdpa varlen", "eager varlen"; None: not run
     flash_error: float | None = None  # flash vs packed SDPA under the run's autocast, same scale; None: flash not used
-    attention: str = "exactrl"  # padded forwards' attention: exactrl's kernel or the model's own ("hf sdpa", "hf eager")
+    # padded forwards' attention: exactrl's kernel or the model's own ("hf sdpa", "hf eager")
+    attention: str = "exactrl"
     mode: str = "train"  # the mode the forwards ran in: train (as training runs them) or eval
     settings: dict = field(default_factory=dict)  # the config's length-shaped settings the probes were made to pass
     reasons: dict = field(default_factory=dict)  # why a path was refused: {"packed": ..., "padded": ...}
@@ -208,7 +209,7 @@ def _attempt(fn):
     """(fn(), None), or (None, the exception's one-line reason): a path that raises is a "no"."""
     try:
         return fn(), None
-    except Exception as e:  # noqa: BLE001 -- any failure of a forward is this path's answer
+    except Exception as e:
         return None, one_line(e)
 
 
@@ -292,9 +293,9 @@ def _try_packed(model, seqs, lengths, refs, report: PackingReport, unknown: list
     rows, report.packed_attention_calls, report.kernel = out
     report.packed_error = _error(rows, refs)
     if report.packed_attention_calls == 0:
-        report.reasons["packed"] = ("its attention never called exactrl's packed attention (the model computes attention "
-                                    "or carries state itself, e.g. ALiBi in Falcon and Bloom, linear attention and SSM "
-                                    "layers), so each sequence of a row would see the ones before it")
+        report.reasons["packed"] = ("its attention never called exactrl's packed attention (the model computes "
+                                    "attention or carries state itself, e.g. ALiBi in Falcon and Bloom, linear "
+                                    "attention and SSM layers), so each sequence of a row would see the ones before it")
     elif report.packed_error > tol:
         report.reasons["packed"] = (f"packed rows differ from each sequence alone by {report.packed_error:.3g} "
                                     f"(train.packing_check_tol={tol:g})")
@@ -319,7 +320,8 @@ def _hand_to_own_attention(model, seqs, lengths, refs, report: PackingReport, po
     if error is None or error > tol:
         result = f"too: {why}" if why else f"they differ by {error:.3g}"
         raise PackingCheckError(f"packing self-check failed for {where}: {report.reasons['padded']}, and through the "
-                                f"model's own {own or 'sdpa/eager'} attention {result} (train.packing_check_tol={tol:g})")
+                                f"model's own {own or 'sdpa/eager'} attention {result} "
+                                f"(train.packing_check_tol={tol:g})")
     report.padded_error, report.attention = error, f"hf {own}"
 
 

@@ -225,7 +225,8 @@ def _check_nodes(node, p: Path) -> dict[str, int]:
                         raise ConfigError(f"{p}:{line}: duplicate key '{prefix}{key.value}' (first at line "
                                           f"{first[key.value]}); keep one")
                     first[key.value] = lines[f"{prefix}{key.value}"] = line
-                stack += [(key, prefix), (value, f"{prefix}{key.value}." if isinstance(key, yaml.ScalarNode) else prefix)]
+                stack += [(key, prefix), (value, f"{prefix}{key.value}." if isinstance(key, yaml.ScalarNode)
+                                          else prefix)]
         else:
             stack.extend((x, prefix) for x in n.value)
     return lines
@@ -305,7 +306,8 @@ def _show(value: Any) -> str:
     return yaml.safe_dump(value, default_flow_style=True).removesuffix("\n...\n").strip()
 
 
-def check_used(cfg: BaseModel, defaults: BaseModel, keys: list[str] | None = None, origins: dict[str, str] | None = None,
+def check_used(cfg: BaseModel, defaults: BaseModel, keys: list[str] | None = None, origins: dict[
+    str, str] | None = None,
                prefix: str = "") -> None:
     """Refuse a key set to other than the command's default (``defaults``; a resolved config.yaml
     holds every key, those at their defaults pass) that this run cannot use (config/used.py),
@@ -320,7 +322,8 @@ def check_used(cfg: BaseModel, defaults: BaseModel, keys: list[str] | None = Non
                 if (key.startswith(row.key) if row.key.endswith(".") else key == row.key) and not row.used(cfg):
                     where = _origin(prefix + key, origins or {})
                     raise ConfigError((f"{where}: " if where else "") + _full_keys(
-                        f"{key}={_show(now[key])} has no effect: {row.why_not.format(c=cfg)}; {row.fix} or remove it", loc, keys))
+                        f"{key}={_show(now[key])} has no effect: {row.why_not.format(c=cfg)}; {row.fix} or remove it",
+                        loc, keys))
     for name in type(cfg).model_fields:
         if isinstance(getattr(cfg, name), CommonConfig):
             check_used(getattr(cfg, name), getattr(defaults, name), keys, origins, f"{prefix}{name}.")

@@ -29,7 +29,8 @@ class UsedWhen(NamedTuple):
 # default in a run that cannot use it is refused (config/loader.py, check_used). A new key whose
 # effect depends on another joins with one row; rows whose key a command lacks are skipped.
 USED_WHEN = [
-    UsedWhen("model.lora.", lambda c: c.model.lora.rank > 0, "LoRA is off (model.lora.rank=0)", "set model.lora.rank > 0"),
+    UsedWhen("model.lora.", lambda c: c.model.lora.rank > 0, "LoRA is off (model.lora.rank=0)",
+             "set model.lora.rank > 0"),
     UsedWhen("critic.", lambda c: c.algo.name in CRITIC_ALGOS, "only ppo trains a critic (algo.name={c.algo.name})",
              "set algo.name=ppo"),
     UsedWhen("algo.gae.", lambda c: c.algo.name in CRITIC_ALGOS, "only ppo estimates advantages with GAE "
@@ -60,7 +61,8 @@ USED_WHEN = [
              "use another algo.policy_loss"),
     UsedWhen("algo.ratio_tol", lambda c: c.algo.ratio_check != "off", "the on-policy check is off "
              "(algo.ratio_check=off)", "set algo.ratio_check=error or warn"),
-    UsedWhen("reward.fn", lambda c: c.reward.url is None, "reward.url replaces it", "list the URL in reward.fn instead"),
+    UsedWhen("reward.fn", lambda c: c.reward.url is None, "reward.url replaces it",
+             "list the URL in reward.fn instead"),
     UsedWhen("deepspeed.", lambda c: c.distributed.backend == "deepspeed", "the train engine is not DeepSpeed "
              "(distributed.backend={c.distributed.backend})", "set distributed.backend=deepspeed"),
     UsedWhen("distributed.fsdp_cpu_offload", lambda c: c.distributed.backend == "fsdp2", "the train engine is not "
@@ -86,13 +88,15 @@ USED_WHEN = [
              "set log.mlflow.uri"),
     *(row for section in ("optim.", "critic.optim.") for row in (
         UsedWhen(section + "momentum", lambda c, s=section: _optim(c, s).name == "sgd",
-                 f"{section}name=adamw has no momentum setting (its betas are {section}betas)", f"set {section}name=sgd"),
+                 f"{section}name=adamw has no momentum setting (its betas are {section}betas)",
+                 f"set {section}name=sgd"),
         UsedWhen(section + "betas", lambda c, s=section: _optim(c, s).name == "adamw",
                  f"{section}name=sgd has no betas (its momentum is {section}momentum)", f"set {section}name=adamw"),
         UsedWhen(section + "eps", lambda c, s=section: _optim(c, s).name == "adamw", f"{section}name=sgd has no eps",
                  f"set {section}name=adamw"),
         UsedWhen(section + "min_lr_ratio", lambda c, s=section: _optim(c, s).scheduler != "constant",
-                 f"the learning rate is constant ({section}scheduler=constant)", f"set {section}scheduler=linear or cosine"),
+                 f"the learning rate is constant ({section}scheduler=constant)",
+                 f"set {section}scheduler=linear or cosine"),
     )),
 ]
 

@@ -54,7 +54,8 @@ class Sample:
     # demonstration's prefix, then the policy's continuation); None: all are its source's (SOURCE_ORIGIN)
     origin: tuple[str, ...] | None = None
     advantages: torch.Tensor | None = per_token("zero on prompt targets")
-    old_logprobs: torch.Tensor | None = per_token("the policy's before the rollout's first update, fixed for the rollout")
+    old_logprobs: torch.Tensor | None = per_token("the policy's before the rollout's first update, fixed for the "
+                                                  "rollout")
     gen_logprobs: torch.Tensor | None = per_token("the generator's at sampling time, zero on prompt targets")
     ref_logprobs: torch.Tensor | None = per_token("the frozen reference's")
     old_values: torch.Tensor | None = per_token("the critic's before the rollout's first update (ppo)")
@@ -132,8 +133,9 @@ def collate(samples: list[Sample], pad_id: int, device: torch.device | None = No
         if len(unset) == len(values):
             continue
         if unset:
-            raise ValueError(f"per-token field '{key}' is set on {len(values) - len(unset)} of the {len(values)} samples of a "
-                             f"micro-batch (unset at rows {unset[:8]}): compute it for every sample or for none")
+            raise ValueError(f"per-token field '{key}' is set on {len(values) - len(unset)} of the {len(values)} "
+                             f"samples of a micro-batch (unset at rows {unset[:8]}): compute it for every sample or "
+                             "for none")
         out[key] = torch.stack([torch.nn.functional.pad(v, (0, width - v.numel())) for v in values])
     for key in SEQUENCE_FIELDS:
         out[key] = torch.tensor([float(getattr(s, key)) for s in samples], dtype=torch.float64)

@@ -61,7 +61,8 @@ def _check_messages(row: Row, messages) -> list[dict]:
         raise DataError(f"{row.source}: 'messages' must be a non-empty list of {{role, content}} objects")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            raise DataError(f"{row.source}: messages[{i}] must be {{'role': one of {ROLES}, 'content': str}}, got {m!r}")
+            raise DataError(f"{row.source}: messages[{i}] must be {{'role': one of {ROLES}, 'content': str}}, got "
+                            f"{m!r}")
     return messages
 
 
@@ -108,7 +109,8 @@ def _encode_messages(row: Row, tokenizer) -> tuple[list[int], list[int]]:
         segments.append((_render(tokenizer, messages[: i + 1], row), int(m["role"] == "assistant")))
         for text, is_target in segments:
             if not text.startswith(done):
-                raise DataError(f"{row.source}: the chat template does not render turn {i} as an extension of the turns before it")
+                raise DataError(f"{row.source}: the chat template does not render turn {i} as an extension of the "
+                                "turns before it")
             piece = _ids(tokenizer, text[len(done) :], first=not ids)
             ids += piece
             mask += [is_target] * len(piece)
@@ -169,7 +171,8 @@ def encode_sft(rows: list[Row], tokenizer, max_length: int, max_prompt_length: i
             c = _ids(tokenizer, require_str(row, "completion"), first=False) + [tokenizer.eos_token_id]
             ids, mask = p + c, [0] * len(p) + [1] * len(c)
         else:
-            raise DataError(f"{row.source}: an SFT row needs 'prompt' and 'completion', or 'messages'; it has {sorted(row.data)}")
+            raise DataError(f"{row.source}: an SFT row needs 'prompt' and 'completion', or 'messages'; it has "
+                            f"{sorted(row.data)}")
         if sum(mask[1:]) == 0:
             raise DataError(f"{row.source}: no completion tokens to learn from")
         if len(ids) > max_length:

@@ -61,7 +61,8 @@ def write_model(directory: Path, model, state_dict: dict | None = None) -> None:
     if lora.is_peft(model):
         lora.write_adapter(directory, model, state_dict)
         return
-    if state_dict is not None:  # gathered from shards, a tied weight's copies are separate tensors save_pretrained keeps
+    # gathered from shards, a tied weight's copies are separate tensors save_pretrained keeps
+    if state_dict is not None:
         copies = tied_copies(model)
         state_dict = {k: v for k, v in state_dict.items() if k not in copies}
     model.save_pretrained(directory, state_dict=state_dict, safe_serialization=True)
@@ -89,7 +90,8 @@ STATE_FILE = "trainer_state.pt"
 def _rng_state() -> dict:
     name, keys, pos, has_gauss, cached = np.random.get_state()
     # Plain lists and tensors only, so the file loads with torch.load(weights_only=True).
-    return {"python": random.getstate(), "numpy": [name, keys.tolist(), pos, has_gauss, cached], "torch": torch.get_rng_state()}
+    return {"python": random.getstate(), "numpy": [name, keys.tolist(), pos, has_gauss, cached],
+            "torch": torch.get_rng_state()}
 
 
 def _set_rng_state(state: dict) -> None:
@@ -150,7 +152,8 @@ def check_resumable(path: str | Path) -> dict:
     weights = lora.ADAPTER_CONFIG if (p / lora.ADAPTER_CONFIG).is_file() else "config.json"
     missing = [name for name in (STATE_FILE, weights) if not (p / name).is_file()]
     if missing:
-        raise CheckpointError(f"train.resume_from: '{p}' lacks {', '.join(missing)}; point it at a checkpoint-N directory of a run")
+        raise CheckpointError(f"train.resume_from: '{p}' lacks {', '.join(missing)}; point it at a checkpoint-N "
+                              "directory of a run")
     try:
         state = torch.load(p / STATE_FILE, weights_only=True)
     except Exception as e:  # truncated or foreign file: torch raises a zoo of types

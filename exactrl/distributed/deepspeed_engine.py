@@ -31,8 +31,8 @@ import torch
 
 from exactrl.checks.canary import Canary
 from exactrl.config.loader import ConfigError
-from exactrl.distributed.checkpoint import save_pretrained
 from exactrl.device import place, process_device, process_group_backend
+from exactrl.distributed.checkpoint import save_pretrained
 from exactrl.distributed.engine import NonFiniteError, SingleEngine, enable_gradient_checkpointing, nonfinite_message
 from exactrl.distributed.launch import is_main, single_process_env
 from exactrl.distributed.optim import build_optimizer, lr_factor
@@ -52,7 +52,7 @@ class _WithCanary(torch.nn.Module):
     """The model and the canary as one module, so DeepSpeed manages both alike. The canary is
     a direct parameter of this root module and is touched inside its forward, where ZeRO-3
     has gathered the root's parameters anyway: a canary submodule of its own would cost a
-    gather/release and four hooks per micro-batch (measured: +3.5% of a tiny ZeRO-3 step)."""
+    gather/release and four hooks per micro-batch."""
 
     def __init__(self, model, canary_param: torch.nn.Parameter | None):
         super().__init__()
@@ -80,15 +80,18 @@ def ds_config(cfg, world: int) -> dict:
     if d.offload_param != "none":
         zero.setdefault("offload_param", {"device": d.offload_param})
     # DeepSpeed checks these three against each other; the accumulation boundary itself comes from each step's plan.
-    for key, value in (("train_batch_size", t.global_batch_size), ("train_micro_batch_size_per_gpu", t.micro_batch_size),
+    for key, value in (("train_batch_size", t.global_batch_size), ("train_micro_batch_size_per_gpu",
+                                                                   t.micro_batch_size),
                        ("gradient_accumulation_steps", k)):
         if base.get(key, "auto") not in ("auto", value):
-            raise ConfigError(f"{d.config}: {key}={base[key]} contradicts train.* (which give {value}); remove it or set it to \"auto\"")
+            raise ConfigError(f"{d.config}: {key}={base[key]} contradicts train.* (which give {value}); remove it or "
+                              "set it to \"auto\"")
         base[key] = value
     if base.get("managed_gradient_accumulation", True) is not True:
         # DeepSpeed >= 0.19 refuses set_gradient_accumulation_boundary in that mode (an assertion deep in its engine).
-        raise ConfigError(f"{d.config}: managed_gradient_accumulation={json.dumps(base['managed_gradient_accumulation'])} "
-                          "makes DeepSpeed's step() the accumulation boundary, but exactrl marks it at each step's last "
+        raise ConfigError(f"{d.config}: "
+                          f"managed_gradient_accumulation={json.dumps(base['managed_gradient_accumulation'])} makes "
+                          "DeepSpeed's step() the accumulation boundary, but exactrl marks it at each step's last "
                           "backward (set_gradient_accumulation_boundary); remove the key or set it to true")
     base["gradient_clipping"] = t.max_grad_norm
     # exactrl's own torch optimizer (so SGD/AdamW match torch exactly), also under offload.
@@ -159,7 +162,8 @@ class DeepSpeedEngine(SingleEngine):
         if self.canary is not None:
             unit, self.wrapped.unit = self.wrapped.unit, None
             if unit is None:
-                raise RuntimeError("DeepSpeedEngine.backward needs the micro-batch's forward through engine.forward (with grad)")
+                raise RuntimeError("DeepSpeedEngine.backward needs the micro-batch's forward through engine.forward "
+                                   "(with grad)")
             loss = loss + unit * (share * CANARY_SCALE)
         # DeepSpeed steps inside ds.step() with no chance to look at the gradient first, so the
         # micro-batch losses are checked instead (as one flag per step: no sync per micro-batch).
@@ -177,7 +181,8 @@ class DeepSpeedEngine(SingleEngine):
         canary = None
         if self.canary is not None:
             grad = self.deepspeed.utils.safe_get_full_grad(self.canary.param)  # a collective under ZeRO
-            canary = self.canary.verify(0.0 if grad is None else float(grad.sum()) / CANARY_SCALE, self.step_count, self._micro_seen)
+            canary = self.canary.verify(0.0 if grad is None else float(grad.sum()) / CANARY_SCALE, self.step_count,
+                                        self._micro_seen)
         lr = self.optimizer.param_groups[0]["lr"]
         finite = torch.tensor(float(self._finite is None or bool(self._finite)), device=self.device)
         self._finite = None

@@ -32,8 +32,8 @@ import torch
 from exactrl.checks.canary import Canary
 from exactrl.config.loader import ConfigError
 from exactrl.config.schema import AuditConfig, ModelConfig, OptimConfig, TrainConfig
-from exactrl.distributed.checkpoint import NonFiniteError, save_pretrained, write_part
 from exactrl.device import place, process_device, use_device
+from exactrl.distributed.checkpoint import NonFiniteError, save_pretrained, write_part
 from exactrl.distributed.export import hf_tensors
 from exactrl.distributed.launch import is_main
 from exactrl.distributed.optim import build_optimizer, build_scheduler
@@ -82,7 +82,8 @@ class SingleEngine:
         return self.world_size > 1 and self.shards_parameters
 
     @classmethod
-    def from_config(cls, model: torch.nn.Module, cfg, total_steps: int, device: torch.device, optim: OptimConfig) -> SingleEngine:
+    def from_config(cls, model: torch.nn.Module, cfg, total_steps: int, device: torch.device,
+                    optim: OptimConfig) -> SingleEngine:
         return cls(model, cfg.model, cfg.train, optim, cfg.audit, total_steps, device=device)
 
     def autocast(self):
@@ -108,19 +109,21 @@ class SingleEngine:
         """Start an optimizer step of ``num_micro_batches`` backward calls on this rank (the plan's
         count for this rank, which may differ from step to step); call it before the first."""
         if self._micro_planned is not None or self._micro_seen:
-            raise SampleAccountingError(f"step {self.step_count}: begin_step({num_micro_batches}) before the step begun with "
-                                        f"{self._micro_planned} micro-batches ({self._micro_seen} backpropagated) was taken")
+            raise SampleAccountingError(f"step {self.step_count}: begin_step({num_micro_batches}) before the step "
+                                        f"begun with {self._micro_planned} micro-batches ({self._micro_seen} "
+                                        "backpropagated) was taken")
         if num_micro_batches < 1:
-            raise SampleAccountingError(f"step {self.step_count}: a step needs at least one micro-batch, the plan gives "
-                                        f"{num_micro_batches} on rank {self.rank}")
+            raise SampleAccountingError(f"step {self.step_count}: a step needs at least one micro-batch, the plan "
+                                        f"gives {num_micro_batches} on rank {self.rank}")
         if self.world_size > 1:
             # A backward reduces over ranks (FSDP2 in each one, DeepSpeed at its boundary): a rank with fewer
             # micro-batches than another would leave that one's reductions waiting, or pair different micro-batches.
             most, minus_fewest = self._reduce([num_micro_batches, -num_micro_batches], torch.distributed.ReduceOp.MAX)
             if most != -minus_fewest:
                 raise SampleAccountingError(f"step {self.step_count}: the plan gives the ranks different numbers of "
-                                            f"micro-batches (from {int(-minus_fewest)} to {int(most)}; {num_micro_batches} "
-                                            f"on rank {self.rank}); every rank must backpropagate as many")
+                                            f"micro-batches (from {int(-minus_fewest)} to {int(most)}; "
+                                            f"{num_micro_batches} on rank {self.rank}); every rank must backpropagate "
+                                            "as many")
         self._micro_planned = num_micro_batches
 
     def _next_micro_batch(self) -> bool:
@@ -136,12 +139,12 @@ class SingleEngine:
         """Every sample of the plan backpropagated once, in as many micro-batches as the step began with."""
         if self._micro_seen != len(plan.micro_batches) or self._samples_seen != plan.num_samples:
             raise SampleAccountingError(
-                f"step {self.step_count}: planned {len(plan.micro_batches)} micro-batches / {plan.num_samples} samples, "
-                f"backward saw {self._micro_seen} / {self._samples_seen}"
+                f"step {self.step_count}: planned {len(plan.micro_batches)} micro-batches / {plan.num_samples} "
+                f"samples, backward saw {self._micro_seen} / {self._samples_seen}"
             )
         if self._micro_seen != self._micro_planned:
-            raise SampleAccountingError(f"step {self.step_count}: begin_step announced {self._micro_planned} micro-batches, "
-                                        f"the plan and backward have {self._micro_seen}")
+            raise SampleAccountingError(f"step {self.step_count}: begin_step announced {self._micro_planned} "
+                                        f"micro-batches, the plan and backward have {self._micro_seen}")
 
     def backward(self, loss: torch.Tensor, share: float, num_samples: int) -> None:
         """Backpropagate one micro-batch's part of the step loss; ``share`` feeds the canary."""
@@ -226,7 +229,8 @@ class SingleEngine:
     def checkpoint_state(self) -> tuple[dict | None, dict]:
         """(full model weights, or None for the model's own state_dict; optimizer, scheduler
         and step) for a checkpoint. A collective when the model is sharded."""
-        return None, {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "step": self.step_count}
+        return None, {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                      "step": self.step_count}
 
     def save_shards(self, directory: Path) -> None:
         """Per-rank files a backend keeps itself (DeepSpeed); nothing here."""
@@ -254,7 +258,8 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model: the model inside
     if not getattr(base, "supports_gradient_checkpointing", False):
         raise ConfigError(f"train.gradient_checkpointing=true: {type(base).__name__} does not support it (its "
-                          "supports_gradient_checkpointing is False in transformers); set train.gradient_checkpointing=false")
+                          "supports_gradient_checkpointing is False in transformers); set "
+                          "train.gradient_checkpointing=false")
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
@@ -276,5 +281,6 @@ def build_engine(model, cfg, total_steps: int, optim: OptimConfig | None = None)
     on the device distributed.device gives; ``optim``: a section of that config other than
     cfg.optim (the critic's critic.optim)."""
     module, name = ENGINES[cfg.distributed.backend].split(":")
-    return getattr(importlib.import_module(module), name).from_config(model, cfg, total_steps, use_device(cfg.distributed.device),
+    return getattr(importlib.import_module(module), name).from_config(model, cfg, total_steps,
+                                                                      use_device(cfg.distributed.device),
                                                                      optim or cfg.optim)

@@ -12,7 +12,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_optimizer_state_dict
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -71,6 +77,7 @@ class FSDP2Engine(SingleEngine):
 
     def load_state_dict(self, state: dict, directory: Path | None = None) -> None:
         # Every rank read the full state from the checkpoint; each keeps its own shard of it.
-        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"],
+                                 options=StateDictOptions(full_state_dict=True))
         self.scheduler.load_state_dict(state["scheduler"])
         self.step_count = state["step"]

@@ -14,8 +14,10 @@ def build_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:
     if cfg.name == "adamw":
         # The fused kernel (one pass over each tensor, as TRL's Trainer uses) when every
         # parameter is a plain floating tensor on CPU or CUDA; DTensors (FSDP2) keep foreach.
-        fused = all(type(p.data) is torch.Tensor and p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
-        return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, fused=fused or None)
+        fused = all(type(p.data) is torch.Tensor and p.is_floating_point() and p.device.type in ("cpu", "cuda")
+                    for p in params)
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                                 fused=fused or None)
     return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
 

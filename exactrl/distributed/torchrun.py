@@ -51,8 +51,8 @@ def main() -> None:
             how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
             note(f"end-killed-rank{rank}.json", {
                 "rank": rank, "state": "error", "label": "error", "code": 1, "time": 0.0,
-                "message": f"rank {rank} ended ({how}) without saying why (killed? out of memory?); its output, if any, "
-                           "is above"})
+                "message": f"rank {rank} ended ({how}) without saying why (killed? out of memory?); its output, "
+                           "if any, is above"})
         sys.exit(1)
     except SignalException as e:  # the launcher passed on SIGINT/SIGTERM; the ranks have been told
         sys.exit(128 + int(e.sigval))

@@ -41,7 +41,8 @@ class StepNormalizer:
         if self.mode == "seq-mean-token-sum-norm" and not self.norm_len:
             raise ValueError("seq-mean-token-sum-norm needs a constant length normaliser (train.loss_agg_norm)")
         if self.num_tokens <= 0 or self.num_seqs <= 0:
-            raise ValueError(f"a step with {self.num_seqs} sequences and {self.num_tokens} loss tokens has nothing to learn from")
+            raise ValueError(f"a step with {self.num_seqs} sequences and {self.num_tokens} loss tokens has nothing to "
+                             "learn from")
 
     def total_weight(self) -> float:
         """sum over the step of w_b * n_b (sequences always have at least one loss token)."""

@@ -167,7 +167,8 @@ class Objective:
 
     def at(self, step: int) -> Objective:
         """The objective with every scheduled coefficient resolved at optimizer step ``step``."""
-        return replace(self, terms=tuple(replace(t, coef=t.coef.at(step)) if isinstance(t.coef, Linear) else t for t in self.terms))
+        return replace(self, terms=tuple(replace(t, coef=t.coef.at(step)) if isinstance(t.coef, Linear) else t
+                                         for t in self.terms))
 
     def with_term(self, kind: str, **changes) -> Objective:
         """The objective with the ``kind`` term changed (e.g. the adaptive KL's coefficient, per rollout)."""

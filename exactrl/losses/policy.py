@@ -80,7 +80,8 @@ def reinforce(x: PolicyInput):
     return -ratio * x.advantages, ratio, torch.zeros_like(ratio)
 
 
-def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float | None) -> torch.Tensor:
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+               clip: float | None) -> torch.Tensor:
     """Per-token critic loss 0.5 (V - R)^2; with ``clip``, PPO's pessimistic value clipping
     0.5 max((V - R)^2, (V_old + clamp(V - V_old, -clip, clip) - R)^2) (as in OpenAI baselines
     and OpenRLHF's --value_clip)."""

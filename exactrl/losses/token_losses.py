@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0, chunk: int = 0) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0,
+                   chunk: int = 0) -> torch.Tensor:
     """log p(x[t+1] | x[..t]) for every position, at ``temperature`` (logits are divided by it,
     matching how the rollout engine sampled). Computed in fp32 at least: half-precision logits
     are upcast, float64 ones (the equivalence tests' models) are not rounded down.

@@ -55,9 +55,11 @@ def flash_available(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor)
     return None if fn is None else (fn, dtype)
 
 
-def flash_varlen_attention(fn: Callable, dtype: torch.dtype, query, key, value, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+def flash_varlen_attention(fn: Callable, dtype: torch.dtype, query, key, value, cu_seqlens_q: torch.Tensor,
+                           cu_seqlens_k: torch.Tensor,
                            max_seqlen_q: int, max_seqlen_k: int, sliding_window: int | None = None,
-                           softcap: float | None = None, dropout: float = 0.0, scaling: float | None = None) -> torch.Tensor:
+                           softcap: float | None = None, dropout: float = 0.0,
+                           scaling: float | None = None) -> torch.Tensor:
     """Per-sequence causal attention of a packed row through ``fn`` (flash_attn_varlen_func) in
     ``dtype``. query [1, H, N, D], key/value [1, Hkv, N, D] as Hugging Face's attention layers
     pass them; returns [1, N, H, D] in ``dtype`` as its attention functions do."""

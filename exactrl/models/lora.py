@@ -158,8 +158,8 @@ def adapter_base(directory: Path, base: str | Path | None, how: str) -> Path:
     ``how``: how the user gives another base (a flag or a key), for the messages."""
     config = directory / ADAPTER_CONFIG
     if not config.is_file() or not (directory / ADAPTER_WEIGHTS).is_file():
-        raise LoraError(f"'{directory}' is not a LoRA adapter directory (it needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}): "
-                        "give the final/ or checkpoint-N/ of a run with model.lora.rank > 0")
+        raise LoraError(f"'{directory}' is not a LoRA adapter directory (it needs {ADAPTER_CONFIG} and "
+                        f"{ADAPTER_WEIGHTS}): give the final/ or checkpoint-N/ of a run with model.lora.rank > 0")
     where = f"given with {how}"
     if base is None:
         try:
@@ -199,9 +199,10 @@ def load_adapted(directory: str | Path, base: str | Path | None = None, how: str
         saved = set(f.keys())
     loaded = set(peft.get_peft_model_state_dict(model, save_embedding_layers=False))
     if saved != loaded:
-        raise LoraError(f"the adapter in '{directory}' does not fit the base model '{base_dir}' ({len(saved - loaded)} of its "
-                        f"{len(saved)} tensors have no place in it, {len(loaded - saved)} adapter tensors would stay "
-                        f"untrained); give the base it was trained on with {how}")
+        raise LoraError(f"the adapter in '{directory}' does not fit the base model '{base_dir}' "
+                        f"({len(saved - loaded)} of its {len(saved)} tensors have no place in it, "
+                        f"{len(loaded - saved)} adapter tensors would stay untrained); give the base it was trained "
+                        f"on with {how}")
     return model
 
 
@@ -213,10 +214,12 @@ def merge_adapter(directory: str | Path, output: str | Path, base: str | Path | 
 
     directory, output = Path(directory), Path(output)
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
-        raise ConfigError(f"output '{output}' already exists and is not empty; choose another (nothing was overwritten)")
+        raise ConfigError(f"output '{output}' already exists and is not empty; choose another (nothing was "
+                          "overwritten)")
     model = load_adapted(directory, base)
     has_tokenizer = (directory / "tokenizer_config.json").is_file()
-    tokenizer = AutoTokenizer.from_pretrained(str(directory if has_tokenizer else adapter_base(directory, base, "--base PATH")))
+    tokenizer = AutoTokenizer.from_pretrained(str(directory if has_tokenizer else adapter_base(
+        directory, base, "--base PATH")))
     tmp = output.with_name(f".{output.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

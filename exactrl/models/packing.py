@@ -60,7 +60,8 @@ def eager_attention(module, query, key, value, attention_mask, dropout: float = 
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     q_len, kv_len = scores.shape[-2:]
-    if attention_mask is None and q_len > 1 and (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
+    if attention_mask is None and q_len > 1 and (is_causal if is_causal is not None else getattr(
+        module, "is_causal", True)):
         attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=scores.device).tril(kv_len - q_len)
     if attention_mask is not None:
         if attention_mask.dtype == torch.bool:
@@ -178,7 +179,8 @@ def varlen_attention(module, query, key, value, attention_mask, *, cu_seq_lens_q
         packed_kernels["flash_attn varlen"] += 1
         out = flash.flash_varlen_attention(
             *fast, query, key, value, cu_seq_lens_q, kwargs.get("cu_seq_lens_k", cu_seq_lens_q), max_length_q,
-            kwargs.get("max_length_k", max_length_q), window, softcap, kwargs.get("dropout", 0.0), kwargs.get("scaling"))
+            kwargs.get("max_length_k", max_length_q), window, softcap, kwargs.get("dropout", 0.0),
+            kwargs.get("scaling"))
         return out, None
     packed_kernels["eager varlen" if kernel is eager_attention else "sdpa varlen"] += 1
     width = int(max_length_q)
@@ -315,7 +317,8 @@ def model_batch(model, seqs: list[list[int]], pad_id: int, packed: bool) -> Mode
     device = device_of(model)
     if not packed or not can_pack(model):
         attn = pad_right([[1] * n for n in lengths], 0)
-        return ModelBatch({"input_ids": pad_right(seqs, pad_id).to(device), "attention_mask": attn.to(device), "use_cache": False})
+        return ModelBatch({"input_ids": pad_right(seqs, pad_id).to(device), "attention_mask": attn.to(device),
+                           "use_cache": False})
     hf = _hf_model(model)
     if hf.config._attn_implementation not in KERNELS.values():
         enable(hf)  # models not loaded through exactrl.models.loading

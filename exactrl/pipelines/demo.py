@@ -15,7 +15,6 @@ from rich.console import Console
 from rich.table import Table
 
 from exactrl.algorithms.common import seed_everything
-from exactrl.run.evaluation import Accuracy, eval_reward_spec, evaluate_accuracy
 from exactrl.algorithms.rl import train_rl
 from exactrl.algorithms.sft import train_sft
 from exactrl.audit.manifest import write_manifest
@@ -26,6 +25,7 @@ from exactrl.metrics import MetricsLog
 from exactrl.models.loading import load_causal_lm, load_tokenizer
 from exactrl.report import plot_run
 from exactrl.rewards import Rewards
+from exactrl.run.evaluation import Accuracy, eval_reward_spec, evaluate_accuracy
 from exactrl.run_dir import create_run_dir
 from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin
 
@@ -37,7 +37,8 @@ def _measure(cfg: DemoConfig, model_path: Path, prompts) -> tuple[Accuracy, Accu
                   timeout=cfg.rl.reward.timeout)
     with Rewards(eval_reward_spec(cfg.rl)) as rewards:
         greedy = evaluate_accuracy(model, tok, prompts, rewards.eval, **common)
-        sampled = evaluate_accuracy(model, tok, prompts, rewards.eval, greedy=False, temperature=r.temperature, top_p=r.top_p,
+        sampled = evaluate_accuracy(model, tok, prompts, rewards.eval, greedy=False, temperature=r.temperature,
+                                    top_p=r.top_p,
                                     top_k=r.top_k, seed=cfg.task.seed, **common)
     return greedy, sampled
 
@@ -51,11 +52,14 @@ def run_demo(cfg: DemoConfig, console: Console | None = None) -> dict:
     t0 = time.perf_counter()
     paths = ensure_builtin(spec)
     build_s = time.perf_counter() - t0
-    write_manifest(run_dir, cfg.task.seed, {"sft_train": paths.sft_train, "rl_train": paths.rl_train, "eval": paths.eval},
+    write_manifest(run_dir, cfg.task.seed, {"sft_train": paths.sft_train, "rl_train": paths.rl_train,
+                                            "eval": paths.eval},
                    {"task": spec.key()})
     console.print(f"[bold]exactrl demo[/bold] -> {run_dir}")
-    console.print(f"built-in task: {cfg.task.digits}-digit addition, {cfg.task.n_sft} SFT demonstrations, {cfg.task.n_rl} RL prompts, "
-                  f"{cfg.task.n_eval} held-out problems (ready in {build_s:.1f} s, cached in {paths.root})", soft_wrap=True)
+    console.print(f"built-in task: {cfg.task.digits}-digit addition, {cfg.task.n_sft} SFT demonstrations, "
+                  f"{cfg.task.n_rl} RL prompts, {cfg.task.n_eval} held-out problems (ready in {build_s:.1f} s, cached "
+                  f"in {paths.root})",
+                  soft_wrap=True)
     prompts = encode_prompts(read_jsonl(paths.eval), load_tokenizer(paths.model), cfg.rl.data.max_length)
     log = MetricsLog(run_dir / "metrics.jsonl")
 
@@ -79,7 +83,8 @@ def run_demo(cfg: DemoConfig, console: Console | None = None) -> dict:
         "accuracy": {k: g.as_dict() for k, (g, _) in acc.items()},
         "sampled_pass1": {k: s.as_dict() for k, (_, s) in acc.items()},
         "seconds": {"build": build_s, **{k: v["seconds"] for k, v in phases.items()},
-                    "eval": sum(g.seconds + s.seconds for g, s in acc.values()), "total": time.perf_counter() - t_start},
+                    "eval": sum(g.seconds + s.seconds for g, s in acc.values()),
+                    "total": time.perf_counter() - t_start},
         "phases": phases,
         "eval_problems": len(prompts),
     }
@@ -115,8 +120,8 @@ def _write_report(run_dir: Path, cfg: DemoConfig, summary: dict, table: Table) -
         "```", console.export_text().rstrip(), "```", "",
         f"SFT lifted greedy accuracy from {100 * a['before']['value']:.1f}% to {100 * a['after_sft']['value']:.1f}%; "
         f"GRPO from the SFT model reached {100 * a['after_rl']['value']:.1f}%.", "",
-        f"Total wall time {summary['seconds']['total']:.0f} s. Files: `config.yaml` (replay with `exactrl demo --config`), "
-        "`manifest.json`, `metrics.jsonl`, `summary.json`, `plot.png`, `sft_model/`, `rl_model/`.", "",
+        f"Total wall time {summary['seconds']['total']:.0f} s. Files: `config.yaml` (replay with `exactrl demo "
+        "--config`), `manifest.json`, `metrics.jsonl`, `summary.json`, `plot.png`, `sft_model/`, `rl_model/`.", "",
         "![training curves](plot.png)", "",
     ]
     (run_dir / "report.md").write_text("\n".join(lines))

@@ -40,7 +40,8 @@ def _load(cfg: EvalCommandConfig, path: str, device):
     trust = cfg.model.trust_remote_code
     if not is_adapter_dir(path):
         return (lambda: load_causal_lm(path, trainable=False, device=device, trust_remote_code=trust)), path
-    tokenizer_dir = path if (Path(path) / "tokenizer_config.json").is_file() else adapter_base(Path(path), cfg.model.base, BASE_KEY)
+    tokenizer_dir = path if (Path(path) / "tokenizer_config.json").is_file() else adapter_base(Path(
+        path), cfg.model.base, BASE_KEY)
     return (lambda: load_adapted(path, cfg.model.base, BASE_KEY, device, trust)), tokenizer_dir
 
 
@@ -64,7 +65,8 @@ def run_eval(cfg: EvalCommandConfig, console: Console | None = None) -> dict:
         results = _measure(cfg, model, tok, eval_set, run_dir)
     finally:
         eval_set.close()
-    results |= {"model": str(model_path), "data": str(data_path), "reward": eval_reward_spec(cfg), "report": str(run_dir)}
+    results |= {"model": str(model_path), "data": str(data_path), "reward": eval_reward_spec(cfg),
+                "report": str(run_dir)}
     (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     table = _table(results)
     (run_dir / "report.md").write_text(_markdown(results))
@@ -79,10 +81,12 @@ def _measure(cfg: EvalCommandConfig, model, tok, eval_set, run_dir: Path) -> dic
     bar = progress(len(prompts), "eval greedy", unit="prompt")
 
     def greedy_batch(chunk, gens, values):
-        rows.extend({"prompt": p.text, "answer": p.answer, "greedy": g.text, "reward": v} for p, g, v in zip(chunk, gens, values))
+        rows.extend({"prompt": p.text, "answer": p.answer, "greedy": g.text, "reward": v} for p, g, v in zip(
+            chunk, gens, values))
         bar.update(len(chunk))
 
-    acc = evaluate_accuracy(model, tok, prompts, eval_set.reward, batch_size=e.batch_size, max_new_tokens=e.max_new_tokens,
+    acc = evaluate_accuracy(model, tok, prompts, eval_set.reward, batch_size=e.batch_size,
+                            max_new_tokens=e.max_new_tokens,
                             on_batch=greedy_batch)
     bar.close()
     results = {"prompts": acc.n, "greedy": {"accuracy": acc.value, "ci95": list(acc.ci95), "correct": acc.correct,
@@ -91,13 +95,15 @@ def _measure(cfg: EvalCommandConfig, model, tok, eval_set, run_dir: Path) -> dic
     if pk.n:
         bar = progress(len(prompts), f"eval {pk.n} samples", unit="prompt")
         counts = correct_samples(model, tok, prompts, eval_set.reward, pk.n, batch_size=e.batch_size,
-                                 max_new_tokens=e.max_new_tokens, temperature=pk.temperature, top_p=pk.top_p, seed=pk.seed,
+                                 max_new_tokens=e.max_new_tokens, temperature=pk.temperature, top_p=pk.top_p,
+                                 seed=pk.seed,
                                  on_batch=lambda chunk: bar.update(len(chunk)))
         bar.close()
         for row, c in zip(rows, counts):
             row["correct_samples"] = c
         results["pass_at_k"] = {"n": pk.n, "temperature": pk.temperature, "top_p": pk.top_p, "seed": pk.seed,
-                                "k": {str(k): sum(pass_at_k(pk.n, c, k) for c in counts) / len(counts) for k in sorted(set(pk.k))}}
+                                "k": {str(k): sum(pass_at_k(pk.n, c, k) for c in counts) / len(counts)
+                                      for k in sorted(set(pk.k))}}
     with open(run_dir / "samples.jsonl", "w") as f:
         f.writelines(json.dumps(row) + "\n" for row in rows)
     return results
@@ -105,7 +111,8 @@ def _measure(cfg: EvalCommandConfig, model, tok, eval_set, run_dir: Path) -> dic
 
 def _figures(results: dict) -> list[tuple[str, str]]:
     g = results["greedy"]
-    out = [("greedy accuracy [95% CI]", f"{100 * g['accuracy']:.1f}% [{100 * g['ci95'][0]:.1f}, {100 * g['ci95'][1]:.1f}]"),
+    out = [("greedy accuracy [95% CI]",
+            f"{100 * g['accuracy']:.1f}% [{100 * g['ci95'][0]:.1f}, {100 * g['ci95'][1]:.1f}]"),
            ("correct / prompts", f"{g['correct']} / {results['prompts']}")]
     p = results["pass_at_k"]
     if p:
@@ -126,7 +133,9 @@ def _table(results: dict) -> Table:
 
 
 def _markdown(results: dict) -> str:
-    lines = ["# Evaluation", "", f"- model: `{results['model']}`", f"- data: `{results['data']}` ({results['prompts']} prompts)",
-             f"- reward: `{results['reward']}`", f"- greedy decoding, up to {results['greedy']['max_new_tokens']} new tokens", "",
+    lines = ["# Evaluation", "", f"- model: `{results['model']}`",
+             f"- data: `{results['data']}` ({results['prompts']} prompts)",
+             f"- reward: `{results['reward']}`",
+             f"- greedy decoding, up to {results['greedy']['max_new_tokens']} new tokens", "",
              "| metric | value |", "|---|---|"]
     return "\n".join([*lines, *(f"| {name} | {value} |" for name, value in _figures(results))]) + "\n"

@@ -42,7 +42,8 @@ class Reward:
     def __init__(self, spec: str, weight: float, needs_answer: bool, call):
         self.spec, self.weight, self.needs_answer, self._call = spec, weight, needs_answer, call
 
-    def __call__(self, prompts: list[str], completions: list[str], answers: list[str | None], timeout: float | None = None) -> list:
+    def __call__(self, prompts: list[str], completions: list[str], answers: list[str | None],
+                 timeout: float | None = None) -> list:
         return self._call(prompts, completions, answers, timeout)
 
 
@@ -61,7 +62,8 @@ class Rewards:
         except (ValueError, RuntimeError) as e:
             raise RewardError(str(e)) from None
         loaded = {s: self._load(s, timeout, retries) for s in wanted}
-        self.train = [Reward(s, w, loaded[s].needs_answer, loaded[s]._call) for s, w in zip(specs, weights or [1.0] * len(specs))]
+        self.train = [Reward(s, w, loaded[s].needs_answer, loaded[s]._call) for s, w in zip(specs, weights or [
+            1.0] * len(specs))]
         self.eval = loaded[eval_spec] if eval_spec else self.train[0]
 
     def _load(self, spec: str, timeout: float, retries: int) -> Reward:
@@ -95,7 +97,8 @@ class Rewards:
         self.close()
 
 
-def load_rewards(fn: str | list[str], weights: list[float] | None = None, timeout: float = DEFAULT_TIMEOUT, retries: int = 3,
+def load_rewards(fn: str | list[str], weights: list[float] | None = None, timeout: float = DEFAULT_TIMEOUT,
+                 retries: int = 3,
                  eval_spec: str | None = None) -> Rewards:
     """Every configured reward (reward.fn, reward.weights), plus ``eval_spec`` for evaluation if given."""
     return Rewards(fn, weights, timeout, retries, eval_spec)
@@ -113,8 +116,9 @@ def require_answers(prompts: Iterable, rewards: Iterable[Reward], role: str) -> 
         return
     for p in prompts:
         if p.answer is None:
-            raise DataError(f"{p.source}: no 'answer', which {role} '{needing[0].spec}' needs to score this prompt; give every row "
-                            "an \"answer\" (a reward that needs none sets `needs_answer = False` on its function)")
+            raise DataError(f"{p.source}: no 'answer', which {role} '{needing[0].spec}' needs to score this prompt; "
+                            "give every row an \"answer\" (a reward that needs none sets `needs_answer = False` on "
+                            "its function)")
 
 
 def _check(values: list, spec: str, completions: list[str], sources: list[str]) -> None:
@@ -122,14 +126,16 @@ def _check(values: list, spec: str, completions: list[str], sources: list[str]) 
         raise RewardError(f"reward function '{spec}' returned {len(values)} values for {len(completions)} completions")
     for i, v in enumerate(values):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise RewardError(f"reward function '{spec}' returned {v!r} for sample {sources[i]} (completion {completions[i]!r}); expected a finite float")
+            raise RewardError(f"reward function '{spec}' returned {v!r} for sample {sources[i]} (completion "
+                              f"{completions[i]!r}); expected a finite float")
 
 
 def _batch_name(sources: list[str]) -> str:
     return sources[0] if len(sources) == 1 else f"of {len(sources)} samples {sources[0]} .. {sources[-1]}"
 
 
-def _isolate(reward: Reward, prompts, completions, answers, sources, timeout, fallback, batch_error) -> tuple[list, list]:
+def _isolate(reward: Reward, prompts, completions, answers, sources, timeout, fallback, batch_error) -> tuple[
+    list, list]:
     """Each sample alone, to find the ones the reward raises on; all of it within one more
     ``timeout``. Returns (values, [(source, reason)]) or raises naming the first failing sample."""
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -138,12 +144,14 @@ def _isolate(reward: Reward, prompts, completions, answers, sources, timeout, fa
         left = None if deadline is None else deadline - time.monotonic()
         try:
             if left is not None and left <= 0:
-                raise WorkerTimeout(f"not scored: finding the failing samples took longer than reward.timeout={timeout:g}s")
+                raise WorkerTimeout("not scored: finding the failing samples took longer than "
+                                    f"reward.timeout={timeout:g}s")
             (v,) = reward(prompts[i : i + 1], completions[i : i + 1], answers[i : i + 1], left)
         except (WorkerRaised, WorkerTimeout, WorkerDied, ValueError) as e:
             reason = f"{type(e).__name__}: {e}" if isinstance(e, ValueError) else str(e)
             if isinstance(e, WorkerTimeout) and left is not None and left > 0:  # the call had only what was left
-                reason = f"no result within what was left of reward.timeout={timeout:g}s (the reward process was killed)"
+                reason = (f"no result within what was left of reward.timeout={timeout:g}s (the reward process was "
+                          "killed)")
             if fallback is None:
                 raise RewardError(f"reward function '{reward.spec}' failed on sample {sources[i]} with {reason} "
                                   "(set reward.fallback to give such samples a fixed reward instead)") from None
@@ -157,7 +165,8 @@ def _isolate(reward: Reward, prompts, completions, answers, sources, timeout, fa
 
 
 def score(reward: Reward, prompts: list[str], completions: list[str], answers: list[str | None], sources: list[str],
-          timeout: float | None = DEFAULT_TIMEOUT, fallback: float | None = None, failures: list | None = None) -> list[float]:
+          timeout: float | None = DEFAULT_TIMEOUT, fallback: float | None = None,
+          failures: list | None = None) -> list[float]:
     """Rewards for a batch, one call; failures as in this module's docstring. Failed samples
     that got ``fallback`` are appended to ``failures`` as (source, reason)."""
     try:

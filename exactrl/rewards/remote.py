@@ -43,6 +43,7 @@ class RemoteReward:
             except json.JSONDecodeError as e:
                 raise RemoteRewardError(f"{self.url} answered with something that is not JSON ({e})") from None
             if not isinstance(answer, dict) or not isinstance(answer.get("rewards"), list):
-                raise RemoteRewardError(f"{self.url} answered {str(answer)[:200]!r}; expected {{\"rewards\": [float, ...]}}")
+                raise RemoteRewardError(f"{self.url} answered {str(answer)[:200]!r}; expected "
+                                        f"{{\"rewards\": [float, ...]}}")
             return answer["rewards"]
         raise RemoteRewardError(f"{self.url} failed {self.retries + 1} times; last: {last}")

@@ -39,7 +39,8 @@ def make_server(spec: str, host: str = "127.0.0.1", port: int = 8000, timeout: f
                 return self._send(400, {"error": f"expected {{prompts, completions, answers}}: {e}"})
             answers = answers or [None] * len(completions)
             if fn.needs_answer and None in answers:
-                return self._send(400, {"error": f"{spec} needs an answer for every prompt; got null at position {answers.index(None)}"})
+                error = f"{spec} needs an answer for every prompt; got null at position {answers.index(None)}"
+                return self._send(400, {"error": error})
             try:
                 rewards = [float(r) for r in fn(prompts, completions, answers, timeout)]
             except Exception as e:  # the reward's own failure: a server error, retried by the client
@@ -57,7 +58,8 @@ def main() -> None:
     parser.add_argument("fn", help="module:function(prompts, completions, answers) -> list[float]")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--timeout", type=float, default=60.0, help="seconds per batch before the reward process is killed (a 5xx)")
+    parser.add_argument("--timeout", type=float, default=60.0,
+                        help="seconds per batch before the reward process is killed (a 5xx)")
     args = parser.parse_args()
     server = make_server(args.fn, args.host, args.port, args.timeout)
     print(f"serving {args.fn} on http://{args.host}:{server.server_port}/", flush=True)

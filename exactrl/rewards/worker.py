@@ -43,8 +43,8 @@ def _import(spec: str):
     if not sep or not module_name or not attr:
         return None, f"reward function '{spec}' must be written module:function, e.g. my_rewards:exact_match"
     if module_name == "__main__":  # the reward process has a main module of its own
-        return None, (f"reward function '{spec}': rewards run in a process of their own, so the function must live in an "
-                      "importable module (a .py file on the Python path), not in the main script")
+        return None, (f"reward function '{spec}': rewards run in a process of their own, so the function must live in "
+                      "an importable module (a .py file on the Python path), not in the main script")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
@@ -122,9 +122,11 @@ class RewardWorker:
         mine, theirs = socket.socketpair()
         fd = theirs.fileno()
         # Not a fork: that would copy the trainer's threads, CUDA state and memory.
-        here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # where exactrl is importable from
+        # where exactrl is importable from
+        here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}
-        proc = subprocess.Popen([sys.executable, "-c", f"from exactrl.rewards.worker import main; main({fd})"], pass_fds=[fd],
+        proc = subprocess.Popen([sys.executable, "-c", f"from exactrl.rewards.worker import main; main({fd})"],
+                                pass_fds=[fd],
                                 stdin=subprocess.DEVNULL, env=env)
         theirs.close()
         parent = Connection(mine.detach())
@@ -163,7 +165,8 @@ class RewardWorker:
                 reply = self._conn.recv() if ready else None
             except (EOFError, OSError):  # a fresh child is started by the next call
                 code = self._reap()
-                raise WorkerDied(f"the reward process died (exit code {code}: a crash or os._exit in the reward)") from None
+                raise WorkerDied(f"the reward process died (exit code {code}: a crash or os._exit in the "
+                                 "reward)") from None
             if reply is None:
                 self._reap()
                 raise WorkerTimeout(f"no result within reward.timeout={timeout:g}s (the reward process was killed)")

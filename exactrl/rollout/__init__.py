@@ -1,1 +1,2 @@
-"""Generators (generator.py: the interface; hf.py: the KV-cached decode loop over the trainer's model) and rollout collection (collect.py)."""
+"""Generators (generator.py: the interface; hf.py: the KV-cached decode loop over the trainer's
+model) and rollout collection (collect.py)."""

@@ -56,7 +56,8 @@ def collect_rollout(engine_gen, prompts, rewards_cfg, cfg: RLConfig, rollout: in
     for i, (g, rw) in enumerate(zip(gens, rewards)):
         pen = overlong_penalty(len(g.response_ids), r.max_new_tokens, a.overlong_buffer, a.overlong_penalty)
         gen_lp = None if g.logprobs is None else torch.tensor([0.0] * (len(g.prompt_ids) - 1) + g.logprobs)
-        samples.append(Sample(g.prompt_ids, g.response_ids, rw + pen, g.finished, {k: v[i] for k, v in parts.items()}, pen,
+        samples.append(Sample(g.prompt_ids, g.response_ids, rw + pen, g.finished, {k: v[i] for k, v in parts.items()},
+                              pen,
                               weights_version=g.weights_version, gen_logprobs=gen_lp))
     shares = gather((samples, len(failures)))
     samples = [s for part, _ in shares for s in part]
@@ -75,12 +76,14 @@ def rollout_stats(samples: list[Sample], failures: int, cfg: RLConfig) -> dict:
     if cfg.algo.overlong_buffer:
         stats["overlong_penalty"] = sum(s.penalty for s in samples) / len(samples)
     tokens = sum(len(s.response_ids) for s in samples)
-    return stats | {"response_length": tokens / len(samples), "finished": sum(s.finished for s in samples) / len(samples),
+    return stats | {"response_length": tokens / len(samples), "finished": sum(s.finished for s in samples) / len(
+        samples),
                     "reward_failures": failures, "rollout_prompts": len(samples) // cfg.algo.group_size,
                     "rollout_responses": len(samples), "generated_tokens": tokens}
 
 
-def plain_rollout(engine_gen, prompts, indices: list[int], rollout: int, rewards_cfg, cfg: RLConfig) -> tuple[list[Sample], dict]:
+def plain_rollout(engine_gen, prompts, indices: list[int], rollout: int, rewards_cfg,
+                  cfg: RLConfig) -> tuple[list[Sample], dict]:
     """The rollout of prompts ``indices`` as drawn (the rollout source of most algorithms)."""
     return collect_rollout(engine_gen, [prompts[i] for i in indices], rewards_cfg, cfg, rollout)
 
@@ -106,9 +109,10 @@ def collect_dynamic_rollout(engine_gen, prompts, indices: list[int], rollout: in
                 dropped += 1
         if len(kept) >= want:
             trained = [s for group in kept[:want] for s in group]
-            return trained, rollout_stats(trained, failures, cfg) | {"generated_tokens": tokens, "groups_dropped": dropped,
+            return trained, rollout_stats(trained, failures, cfg) | {"generated_tokens": tokens,
+                                                                     "groups_dropped": dropped,
                                                                       "refill_rounds": rounds}
         indices = rng.sample(range(len(prompts)), want)
-    raise RolloutError(f"dynamic sampling kept {len(kept)} of {want} groups after algo.dapo.max_refill_rounds="
-                       f"{cfg.algo.dapo.max_refill_rounds} refills ({dropped} groups had all-equal rewards); raise it, or the "
-                       "task is too easy or too hard for the policy")
+    raise RolloutError(f"dynamic sampling kept {len(kept)} of {want} groups after "
+                       f"algo.dapo.max_refill_rounds={cfg.algo.dapo.max_refill_rounds} refills ({dropped} groups had "
+                       "all-equal rewards); raise it, or the task is too easy or too hard for the policy")

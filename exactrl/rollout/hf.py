@@ -36,9 +36,9 @@ from exactrl.rollout.generator import Generation, SamplingParams, WeightSyncErro
 
 class _PreallocatedLayer(DynamicLayer):
     """A key/value layer that writes each step into buffers sized for the whole generation.
-    Hugging Face's DynamicLayer concatenates the cache every step: on CPU that copy was 55%
-    of the time to sample 128 x 48 tokens from the 26M-parameter bench model. Keys and values
-    keep their own shapes (MLA caches its latent as keys and the rope part as values)."""
+    Hugging Face's DynamicLayer concatenates the cache every step, a copy that dominated CPU
+    sampling. Keys and values keep their own shapes (MLA caches its latent as keys and the rope
+    part as values)."""
 
     def __init__(self, capacity: int):
         super().__init__()
@@ -306,7 +306,8 @@ def sample_with_generate(model, input_ids: torch.Tensor, attention: torch.Tensor
     if not greedy and (seeds is None or len(seeds) != len(input_ids)):
         raise ValueError(f"sampling needs one seed per row: {len(input_ids)} rows, seeds={seeds!r}")
     config = GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=0, do_sample=False, num_beams=1,
-                              pad_token_id=pad, eos_token_id=eos, output_logits=not greedy, return_dict_in_generate=True,
+                              pad_token_id=pad, eos_token_id=eos, output_logits=not greedy,
+                              return_dict_in_generate=True,
                               use_cache=True)
     criteria = None if stop is None else StoppingCriteriaList([_AfterPrompt(stop, input_ids.shape[1])])
     keyed = None if greedy else LogitsProcessorList([_KeyedDraw(uniforms(seeds, max_new_tokens, input_ids.device),
@@ -364,7 +365,8 @@ class HFEngine:
             if param is tensor:
                 continue
             if param.shape != tensor.shape:
-                raise WeightSyncError(f"'{name}' arrived with shape {tuple(tensor.shape)}; the generator's is {tuple(param.shape)}")
+                raise WeightSyncError(f"'{name}' arrived with shape {tuple(tensor.shape)}; the generator's is "
+                                      f"{tuple(param.shape)}")
             with torch.no_grad():
                 param.copy_(tensor)
             if not torch.equal(param, tensor.to(param.device, param.dtype)):
@@ -376,7 +378,8 @@ class HFEngine:
         return self.weights_version
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams | None = None, seeds: list[int] | None = None,
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams | None = None,
+                 seeds: list[int] | None = None,
                  **kwargs) -> list[Generation]:
         """``params``, or its fields as keywords: generate(ids, n=4, temperature=0.7). ``seeds``:
         one per prompt (exactrl/rollout/generator.py); without them prompt i is keyed by i alone,

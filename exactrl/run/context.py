@@ -43,7 +43,8 @@ def _earlier_attempts(run_dir: Path) -> dict:
     return {"previous_attempts": [*old.pop("previous_attempts", []), old]}
 
 
-def open_run(cfg, command: str, run_dir: Path | None, data_files: dict, continues: bool = False) -> tuple[Path, MetricsLog]:
+def open_run(cfg, command: str, run_dir: Path | None, data_files: dict, continues: bool = False) -> tuple[
+    Path, MetricsLog]:
     """Create (or reuse, for a demo phase) the run directory; write config and manifest; open the
     metric sinks (metrics.jsonl and the trackers log.* asks for, exactrl/tracking.py).
     ``continues``: this launch continues the run in output_dir (train.resume_from=latest)."""
@@ -104,9 +105,11 @@ class RunContext:
         # Every rank generates for the same prompts (a sharded model needs all ranks in each
         # forward); greedy decoding keeps them in lockstep.
         acc = policy.apply(lambda model: greedy_accuracy(self.cfg, model, self.tokenizer, self.eval_set))
-        self.write(step, {"eval_accuracy": acc.value, "eval_ci95": list(acc.ci95), "eval_reward_failures": acc.reward_failures})
+        self.write(step, {"eval_accuracy": acc.value, "eval_ci95": list(acc.ci95),
+                          "eval_reward_failures": acc.reward_failures})
         if is_main():
-            failed = f" ({acc.reward_failures} scored reward.fallback: the reward failed on them)" if acc.reward_failures else ""
+            failed = (f" ({acc.reward_failures} scored reward.fallback: the reward failed on them)"
+                      if acc.reward_failures else "")
             say(f"[{self.phase}] step {step}: greedy accuracy on {acc.n} eval prompts {acc}{failed}")
         return acc
 

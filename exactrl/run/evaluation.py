@@ -98,7 +98,8 @@ def correct_samples(model, tokenizer, prompts: list[Prompt], reward: Reward, n: 
                                max_new_tokens=max_new_tokens,  # each prompt's n samples together, in order
                                seeds=prompt_seeds("pass@k", seed, positions=range(i, i + len(chunk))))
         values = score(reward, [p.text for p in chunk for _ in range(n)], [g.text for g in gens],
-                       [p.answer for p in chunk for _ in range(n)], [f"{p.source} sample {j}" for p in chunk for j in range(n)],
+                       [p.answer for p in chunk for _ in range(n)], [f"{p.source} sample {j}" for p in chunk
+                                                                     for j in range(n)],
                        timeout)
         counts += [sum(v >= 1.0 for v in values[j * n : (j + 1) * n]) for j in range(len(chunk))]
         if on_batch is not None:
@@ -133,12 +134,14 @@ def eval_data(cfg) -> str | None:
         return "builtin"
     if is_main():
         print(f"note: no evaluation -- data.train={cfg.data.train} is your own data and data.eval is unset; set "
-              "data.eval=FILE ({prompt, answer} rows) to measure accuracy, or data.eval=builtin for the built-in problems")
+              "data.eval=FILE ({prompt, answer} rows) to measure accuracy, or data.eval=builtin for the built-in "
+              "problems")
     return None
 
 
 def eval_reward_spec(cfg) -> str:
-    """The reward evaluation scores with: eval.reward_fn, else the run's first reward, else (sft) the built-in checker."""
+    """The reward evaluation scores with: eval.reward_fn, else the run's first reward, else (sft)
+    the built-in checker."""
     if cfg.eval.reward_fn:
         return cfg.eval.reward_fn
     return cfg.reward.specs()[0] if hasattr(cfg, "reward") else BUILTIN_CHECKER

@@ -19,8 +19,8 @@ style reliably but cannot add multi-digit numbers in one shot, so after imitatio
 greedy answer to those problems is direct and mostly wrong, while sampling still works
 them out now and then. The verifier reward lets RL discover that working pays on every problem. This is the
 mechanism by which SFT-then-RL beats SFT alone (RL selects among behaviours the SFT data
-contains), and it leaves RL honest room to improve on held-out problems. Splits are disjoint by construction: a problem's split is a
-hash of the problem itself, so no eval problem is ever trained on.
+contains), and it leaves RL honest room to improve on held-out problems. Splits are disjoint by
+construction: a problem's split is a hash of the problem itself, so no eval problem is ever trained on.
 """
 
 from __future__ import annotations

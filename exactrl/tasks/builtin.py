@@ -18,7 +18,6 @@ from exactrl.tasks.tiny_model import save_tiny_model
 from exactrl.tasks.tokenizer import save_tokenizer
 
 
-
 def cache_dir() -> Path:
     """Where built-in artefacts live: $EXACTRL_CACHE, else ~/.cache/exactrl."""
     return Path(os.environ.get("EXACTRL_CACHE") or Path.home() / ".cache" / "exactrl")
@@ -58,7 +57,8 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
 def ensure_builtin(spec: BuiltinSpec = BuiltinSpec(), cache: Path | None = None) -> BuiltinPaths:
     """Build (once) and return the paths of the built-in model and data for ``spec``."""
     root = Path(cache or cache_dir()) / spec.key()
-    paths = BuiltinPaths(root, root / "model-init", root / "sft_train.jsonl", root / "rl_train.jsonl", root / "eval.jsonl")
+    paths = BuiltinPaths(root, root / "model-init", root / "sft_train.jsonl", root / "rl_train.jsonl",
+                         root / "eval.jsonl")
     if (root / "DONE").exists():
         return paths
     root.mkdir(parents=True, exist_ok=True)
@@ -73,7 +73,8 @@ def _build(spec: BuiltinSpec, paths: BuiltinPaths) -> None:
     tok = save_tokenizer(paths.model)
     save_tiny_model(paths.model, tok, seed=spec.seed)
     train = arithmetic.generate("train", spec.n_sft + spec.n_rl, spec.seed, spec.digits)
-    _write_jsonl(paths.sft_train, arithmetic.sft_rows(train[: spec.n_sft], spec.direct_fraction, spec.skip_prob, spec.seed))
+    _write_jsonl(paths.sft_train, arithmetic.sft_rows(train[: spec.n_sft], spec.direct_fraction, spec.skip_prob,
+                                                      spec.seed))
     _write_jsonl(paths.rl_train, arithmetic.rl_rows(train[spec.n_sft :]))
     _write_jsonl(paths.eval, arithmetic.rl_rows(arithmetic.generate("eval", spec.n_eval, spec.seed, spec.digits)))
     (root / "DONE").write_text(json.dumps(asdict(spec)))

@@ -12,7 +12,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 TINY = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, intermediate_size=384)
 
 
-def build_tiny_model(vocab_size: int, pad_id: int, bos_id: int, eos_id: int, seed: int = 0, **overrides) -> LlamaForCausalLM:
+def build_tiny_model(vocab_size: int, pad_id: int, bos_id: int, eos_id: int, seed: int = 0,
+                     **overrides) -> LlamaForCausalLM:
     cfg = LlamaConfig(
         vocab_size=vocab_size,
         max_position_embeddings=256,
@@ -31,5 +32,6 @@ def build_tiny_model(vocab_size: int, pad_id: int, bos_id: int, eos_id: int, see
 
 
 def save_tiny_model(path: str | Path, tokenizer, seed: int = 0, **overrides) -> None:
-    model = build_tiny_model(len(tokenizer), tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id, seed, **overrides)
+    model = build_tiny_model(len(tokenizer), tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id,
+                             seed, **overrides)
     model.save_pretrained(str(path))

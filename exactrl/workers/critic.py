@@ -44,7 +44,8 @@ class Critic(Worker):
         self.cfg = cfg
 
     @classmethod
-    def _build(cls, cfg: RLConfig, role, path, *, run_dir: Path, phase: str, longest: int, pad_id: int, total_steps: int,
+    def _build(cls, cfg: RLConfig, role, path, *, run_dir: Path, phase: str, longest: int, pad_id: int,
+               total_steps: int,
                checkpoint: str | None, policy) -> Critic:
         """From the checkpoint being resumed, else ``path`` (critic.path or the policy's starting
         model); packing self-checked like the policy."""

@@ -43,7 +43,6 @@ from exactrl.models.lora import reference_mode
 from exactrl.models.packing import model_batch
 from exactrl.workers.load import load_model
 
-
 # role -> the worker class that builds it, as "module:Class" (imported when a run asks for the
 # role, as the engines are): a reward model joins with one row.
 ROLES = {
@@ -139,7 +138,8 @@ class Worker:
                 out[i] = row
         missing = [i for i, row in enumerate(out) if row is None]
         if missing:
-            raise RuntimeError(f"the {self.role}'s {name} were computed for no micro-batch holding samples {missing[:8]}")
+            raise RuntimeError(f"the {self.role}'s {name} were computed for no micro-batch holding samples "
+                               f"{missing[:8]}")
         return out
 
     def micro_batch(self, samples: list[Sample], objective: Objective, normalizers: dict, metrics: Metrics):
@@ -183,10 +183,11 @@ class Worker:
         loss, seen = summed[0], (int(summed[1]), int(summed[2]))
         if seen != (plan.num_samples, plan.count()[0]):
             raise SampleAccountingError(
-                f"step {self.engine.step_count}: the plan has {plan.num_samples} samples / {plan.count()[0]} loss tokens, "
-                f"the {self.role}'s losses saw {seen[0]} / {seen[1]} over all ranks")
+                f"step {self.engine.step_count}: the plan has {plan.num_samples} samples / {plan.count()[0]} loss "
+                f"tokens, the {self.role}'s losses saw {seen[0]} / {seen[1]} over all ranks")
         n = len(means)
-        out = {k: s / max(c, 1.0) for k, s, c in zip(means, summed[3 : 3 + n], summed[3 + n :])} | dict(zip(maxima, peak))
+        out = {k: s / max(c, 1.0) for k, s, c in zip(means, summed[3 : 3 + n], summed[3 + n :])} | dict(zip(
+            maxima, peak))
         if objective.on_policy is not None:  # before the step is applied
             objective.on_policy.verify(out["ratio_dev"])
         return StepResult(loss, out, self.engine.step(mine))

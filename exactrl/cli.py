@@ -16,7 +16,7 @@ from rich.markup import escape
 
 from exactrl.config import ConfigError, DemoConfig, RLConfig, SFTConfig, load_config
 from exactrl.config.loader import valid_keys
-from exactrl.config.schema import EvalCommandConfig
+from exactrl.config.schema_commands import EvalCommandConfig
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="exactrl: LLM post-training where every optimizer step applies exactly the gradient asked for.")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from exactrl.algorithms.registry import ALGORITHMS
-from exactrl.config.schema import GROUP_ALGOS, RL_ALGOS
+from exactrl.config.schema_rl import GROUP_ALGOS, RL_ALGOS
 from exactrl.data.batch import SEQUENCE_FIELDS, TOKEN_FIELDS, Sample, collate
 from exactrl.distributed.step_plan import plan_samples
 from exactrl.registry import Registry
@@ -146,7 +146,7 @@ def test_an_algorithms_own_section_and_its_old_flat_keys(tmp_path):
 
 
 def test_which_algorithms_use_a_setting_agrees_with_the_registry():
-    """schema.py's lists of which algorithms use critic.* / algo.gae.*, algo.std_normalize and
+    """schema_rl.py's lists of which algorithms use critic.* / algo.gae.*, algo.std_normalize and
     algo.gamma (config cannot import the registry) say what the registry's entries do."""
     from exactrl.algorithms.registry import ALGORITHMS
     from exactrl.config.used import CRITIC_ALGOS, DISCOUNT_ALGOS, STD_ALGOS

@@ -6,14 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from exactrl.config import (
-    ConfigError,
-    DemoConfig,
-    RLConfig,
-    SFTConfig,
-    dump_config,
-    load_config,
-)
+from exactrl.config import ConfigError, DemoConfig, RLConfig, SFTConfig, dump_config, load_config
 
 
 def error_of(cls, path=None, overrides=()) -> str:
@@ -168,7 +161,7 @@ def test_rl_max_steps_must_be_whole_rollouts():
 def test_the_tables_name_real_keys():
     """A row of USED_WHEN or ALIASES with a misspelt key would never act."""
     from exactrl.config.loader import valid_keys
-    from exactrl.config.schema import ALIASES
+    from exactrl.config.schema_rl import ALIASES
     from exactrl.config.used import USED_WHEN
 
     keys = set(valid_keys(SFTConfig)) | set(valid_keys(RLConfig))

@@ -8,7 +8,7 @@ import pytest
 
 from exactrl.config import DemoConfig, RLConfig, SFTConfig, load_config
 from exactrl.config.loader import valid_keys
-from exactrl.config.schema import EvalCommandConfig
+from exactrl.config.schema_commands import EvalCommandConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,7 +33,7 @@ def test_every_algorithm_has_an_example_config_that_loads():
     from pathlib import Path
 
     from exactrl.config import RLConfig, SFTConfig, load_config
-    from exactrl.config.schema import RL_ALGOS
+    from exactrl.config.schema_rl import RL_ALGOS
 
     root = Path(__file__).resolve().parents[1] / "examples"
     for algo in RL_ALGOS:

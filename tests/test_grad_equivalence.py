@@ -18,7 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from exactrl.config.schema import AlgoConfig, OptimConfig, RLConfig, RolloutConfig, SFTConfig, TrainConfig
+from exactrl.config.schema import OptimConfig, SFTConfig, TrainConfig
+from exactrl.config.schema_rl import AlgoConfig, RLConfig, RolloutConfig
 from exactrl.data.batch import Sample
 from exactrl.data.encode import encode_sft
 from exactrl.data.jsonl import Row

@@ -10,7 +10,8 @@ import numpy as np
 import torch
 
 from exactrl.config.loader import ConfigError
-from exactrl.config.schema import check_layout, check_rl_layout
+from exactrl.config.schema import check_layout
+from exactrl.config.schema_rl import check_rl_layout
 from exactrl.data.files import read_rows
 from exactrl.device import check_device, cpu_lacks_native_bf16, resolve_device
 from exactrl.distributed.launch import rank, world_size

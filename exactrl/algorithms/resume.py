@@ -12,11 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from exactrl.distributed.checkpoint import (
-    CheckpointError,
-    check_resumable,
-    complete_checkpoints,
-)
+from exactrl.distributed.checkpoint import CheckpointError, check_resumable, complete_checkpoints
 from exactrl.distributed.launch import is_main
 
 # How long to run, how often to log/save/evaluate, where to write (output_dir, log.*) and what to evaluate on,

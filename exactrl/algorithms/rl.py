@@ -38,7 +38,7 @@ from exactrl.algorithms.registry import ALGORITHMS
 from exactrl.algorithms.resume import prepare_resume
 from exactrl.algorithms.sft import resolve
 from exactrl.checks.on_policy import on_policy_check
-from exactrl.config.schema import RLConfig
+from exactrl.config.schema_rl import RLConfig
 from exactrl.data.batch import Sample
 from exactrl.data.batching import StepSampler, pad_right
 from exactrl.data.encode import load_prompts

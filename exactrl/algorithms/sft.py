@@ -20,7 +20,8 @@ from filelock import FileLock
 
 from exactrl.algorithms.common import check_data_size, check_world, seed_everything, steps_for
 from exactrl.algorithms.resume import prepare_resume
-from exactrl.config.schema import DemoConfig, SFTConfig
+from exactrl.config.schema import SFTConfig
+from exactrl.config.schema_commands import DemoConfig
 from exactrl.data.batch import Sample
 from exactrl.data.batching import StepSampler
 from exactrl.data.encode import SFTExample, load_sft

@@ -15,7 +15,8 @@ from typing import Any, TypeVar, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from exactrl.config.schema import ALIASES, RENAMED, CommonConfig
+from exactrl.config.schema import CommonConfig
+from exactrl.config.schema_rl import ALIASES, RENAMED
 from exactrl.config.used import USED_WHEN
 
 T = TypeVar("T", bound=BaseModel)
@@ -45,7 +46,7 @@ def valid_keys(cls: type[BaseModel], prefix: str = "") -> list[str]:
 
 
 def _suggest(key: str, keys: list[str]) -> str:
-    """The valid key (or section) nearest to ``key``: another framework's name for it (schema.ALIASES,
+    """The valid key (or section) nearest to ``key``: another framework's name for it (schema_rl.ALIASES,
     'learning_rate' -> 'optim.lr', in the demo's sections too), else the closest spelling, matching
     sections and leaf separately: a misspelt section ('trian.max_steps') keeps its leaf, a
     misspelt leaf keeps its section."""
@@ -109,7 +110,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 
 def _renamed(path: list[str], source: str) -> list[str]:
-    """A moved key's new path (schema.RENAMED), with a notice; other paths as given. Keys are
+    """A moved key's new path (schema_rl.RENAMED), with a notice; other paths as given. Keys are
     matched at any depth, so the demo's rl.algo.lam moves too."""
     dotted = ".".join(path)
     for old, new in RENAMED.items():
@@ -120,7 +121,7 @@ def _renamed(path: list[str], source: str) -> list[str]:
 
 
 def _rename(data: dict, source: str, prefix: list[str] | None = None) -> None:
-    """Move keys of a loaded YAML mapping that schema.RENAMED lists to their new place, in place."""
+    """Move keys of a loaded YAML mapping that schema_rl.RENAMED lists to their new place, in place."""
     for key in list(data):
         path = (prefix or []) + [key]
         if isinstance(data[key], dict):

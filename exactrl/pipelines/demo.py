@@ -18,7 +18,7 @@ from exactrl.algorithms.common import seed_everything
 from exactrl.algorithms.rl import train_rl
 from exactrl.algorithms.sft import train_sft
 from exactrl.audit.manifest import write_manifest
-from exactrl.config.schema import DemoConfig
+from exactrl.config.schema_commands import DemoConfig
 from exactrl.data.encode import encode_prompts
 from exactrl.data.jsonl import read_jsonl
 from exactrl.metrics import MetricsLog

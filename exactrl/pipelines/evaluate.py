@@ -18,18 +18,12 @@ from rich.table import Table
 from exactrl.algorithms.sft import resolve
 from exactrl.audit.manifest import write_manifest
 from exactrl.config.loader import ConfigError
-from exactrl.config.schema import EvalCommandConfig
+from exactrl.config.schema_commands import EvalCommandConfig
 from exactrl.device import use_device
 from exactrl.models.loading import load_causal_lm, load_tokenizer
 from exactrl.models.lora import adapter_base, is_adapter_dir, load_adapted
 from exactrl.progress import progress
-from exactrl.run.evaluation import (
-    correct_samples,
-    eval_reward_spec,
-    evaluate_accuracy,
-    load_eval_set,
-    pass_at_k,
-)
+from exactrl.run.evaluation import correct_samples, eval_reward_spec, evaluate_accuracy, load_eval_set, pass_at_k
 from exactrl.run_dir import create_run_dir
 
 BASE_KEY = "model.base=PATH"

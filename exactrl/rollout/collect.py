@@ -19,7 +19,7 @@ import random
 
 import torch
 
-from exactrl.config.schema import RLConfig
+from exactrl.config.schema_rl import RLConfig
 from exactrl.data.batch import Sample
 from exactrl.distributed.collectives import gather, shard
 from exactrl.rewards import score_all

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from exactrl.config.schema import RLConfig
+from exactrl.config.schema_rl import RLConfig
 from exactrl.data.batch import Sample
 from exactrl.distributed.engine import build_engine
 from exactrl.distributed.step_plan import StepPlan

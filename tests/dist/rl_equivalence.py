@@ -192,7 +192,7 @@ def case_config(case, layout) -> RLConfig:
                  "train.max_grad_norm=0", "optim.name=sgd", f"optim.lr={LR}",
                  "optim.scheduler=constant", f"algo.name={algo}", "algo.group_size=4",
                  f"algo.kl_coef={case.get('kl', 0.0)}", f"algo.entropy_coef={case.get('entropy', 0.0)}", "algo.ratio_check=off"]
-    # Only the keys this case's run uses (a key the run cannot use is refused, config/schema.py USED_WHEN).
+    # Only the keys this case's run uses (a key the run cannot use is refused, config/used.py USED_WHEN).
     if case["mode"] == "seq-mean-token-sum-norm":
         overrides.append(f"train.loss_agg_norm={NORM_LEN}")
     if algo == "ppo":

@@ -1,0 +1,300 @@
+"""The RL command's typed configuration (exactrl rl): rollout, algorithm, reward and critic
+sections on top of the sections every command shares (schema.py)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BeforeValidator, Field, model_validator
+
+from exactrl.config.schema import CheckPolicy, CommonConfig, OptimConfig, Section
+
+
+class RolloutConfig(Section):
+    engine: Literal["hf"] = Field("hf",
+                                  description="Generation engine: 'hf' (the Hugging Face model's own forward in a "
+                                              "KV-cached decode loop).")
+    temperature: float = Field(1.0, gt=0,
+                               description="Sampling temperature; log-probs are computed at the same temperature.")
+    top_p: float = Field(1.0, gt=0, le=1,
+                         description="Nucleus sampling: draw among the most likely tokens whose probabilities add up "
+                                     "to top_p (after temperature and top_k); 1 = off. Like top_k it shapes the "
+                                     "draws, not the log-probs: the generator's, the trainer's and the on-policy "
+                                     "check's are all log p of the token under the temperature-scaled distribution "
+                                     "over the whole vocabulary, before any cut (as TRL, OpenRLHF and verl compute "
+                                     "them).")
+    top_k: int = Field(0, ge=0,
+                       description="Top-k sampling: draw among the k most likely tokens (after temperature, before "
+                                   "top_p, as Hugging Face and vLLM apply them); 0 = off. Log-probs as for top_p: "
+                                   "before the cut.")
+    stop: Annotated[list[str], BeforeValidator(lambda v: [v] if isinstance(v, str) else v)] = Field(
+        [],
+        description="Stop strings (rollout.stop='</answer>' is a list of one): a response ends with the token that "
+                    "completes one of them (also when split over tokens); the string stays in the response (its "
+                    "tokens, and the text the reward sees, as vLLM's include_stop_str_in_output=true in OpenRLHF), "
+                    "and nothing after it is generated, masked in or trained on. Also ends rl's evaluation answers.")
+    max_new_tokens: int = Field(48, gt=0, description="Response length limit.")
+    batch_size: int = Field(256, gt=0, description="Sequences decoded together.")
+
+    @model_validator(mode="after")
+    def _stops_are_text(self):
+        if "" in self.stop:
+            raise ValueError("rollout.stop: an empty stop string would end every response at once; "
+                             "give non-empty strings")
+        return self
+
+
+RL_ALGOS = ("ppo", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo")
+# Algorithms whose baseline is the other responses to the same prompt.
+GROUP_ALGOS = ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp_baseline", "gspo")
+
+
+class GAEConfig(Section):
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda (1 = Monte Carlo returns minus the critic's value).")
+    whiten_advantages: bool = Field(True,
+                                    description="Whiten the GAE advantages over every response token of the rollout "
+                                                "(as OpenRLHF and TRL do).")
+
+
+class DAPOConfig(Section):
+    max_refill_rounds: int = Field(10, ge=0,
+                                   description="Extra generation rounds to replace groups with all-equal rewards "
+                                               "before giving up.")
+
+
+# Keys that moved, old -> new: older configs and checkpoints still load (with a notice).
+RENAMED = {"algo.lam": "algo.gae.lam", "algo.whiten_advantages": "algo.gae.whiten_advantages",
+           "algo.max_refill_rounds": "algo.dapo.max_refill_rounds"}
+
+
+# Names TRL, peft and OpenRLHF users type, -> exactrl's key (from the command's root) and, where
+# the meaning differs, how to translate: the loader suggests them before any spelling match.
+ALIASES = {
+    "learning_rate": ("optim.lr", ""), "lr_scheduler_type": ("optim.scheduler", ""),
+    "adam_beta1": ("optim.betas", " (both: optim.betas=[0.9,0.999])"), "adam_beta2": (
+        "optim.betas", " (both: optim.betas=[0.9,0.999])"),
+    "adam_epsilon": ("optim.eps", ""),
+    "r": ("model.lora.rank", ""), "lora_r": ("model.lora.rank", ""), "lora_rank": ("model.lora.rank", ""),
+    "lora_alpha": ("model.lora.alpha", ""), "lora_dropout": ("model.lora.dropout", ""),
+    "target_modules": ("model.lora.target_modules", ""), "lora_target_modules": ("model.lora.target_modules", ""),
+    "model_name_or_path": ("model.path", ""), "pretrain": ("model.path", ""),
+    "bf16": ("model.dtype", " (model.dtype=bf16)"),
+    "max_seq_length": ("data.max_length", ""),
+    "per_device_train_batch_size": ("train.micro_batch_size", ""), "micro_train_batch_size": (
+        "train.micro_batch_size", ""),
+    "train_batch_size": ("train.global_batch_size", " (samples per optimizer step, all ranks together)"),
+    "gradient_accumulation_steps": ("train.global_batch_size", (" exactrl derives the accumulation steps: set "
+                                    "train.global_batch_size = train.micro_batch_size x accumulation steps x ranks")),
+    "num_train_epochs": ("train.epochs", ""), "max_epochs": ("train.epochs", ""),
+    "max_grad_norm": ("train.max_grad_norm", ""), "logging_steps": ("train.log_every", ""),
+    "save_steps": ("train.save_every", ""), "eval_steps": ("train.eval_every", ""),
+    "beta": ("algo.kl_coef", " (the KL weight TRL calls beta)"), "init_kl_coef": ("algo.kl_coef", ""),
+    "num_generations": ("algo.group_size", ""), "n_samples_per_prompt": ("algo.group_size", ""),
+    "num_iterations": ("algo.ppo_epochs", ""), "epsilon": ("algo.clip_eps", ""), "eps_clip": ("algo.clip_eps", ""),
+    "epsilon_high": ("algo.clip_eps_high", ""),
+    "max_completion_length": ("rollout.max_new_tokens", ""), "generate_max_len": ("rollout.max_new_tokens", ""),
+}
+
+
+class AlgoConfig(Section):
+    name: Literal[RL_ALGOS] = Field("grpo", description="RL algorithm: " + ", ".join(RL_ALGOS)
+                                    + " (see `exactrl rl --help`).")
+    group_size: int = Field(8, ge=1,
+                            description="Responses sampled per prompt (>= 2 for the group-baseline algorithms).")
+    policy_loss: Literal["ppo", "gspo", "reinforce"] | None = Field(None,
+                                                                    description="Override the algorithm's policy "
+                                                                                "loss: ppo (clipped token ratio), "
+                                                                                "gspo (clipped sequence ratio), "
+                                                                                "reinforce (unclipped ratio x "
+                                                                                "advantage); unset = the algorithm's "
+                                                                                "own.")
+    clip_eps: float = Field(0.2, gt=0,
+                            description="PPO clip range on the policy ratio (the lower one when clip_eps_high is set).")
+    clip_eps_high: float | None = Field(None, gt=0,
+                                        description="Upper clip range (DAPO's clip-higher, e.g. 0.28); unset = "
+                                                    "clip_eps.")
+    dual_clip: float | None = Field(None, gt=1,
+                                    description="Dual-clip PPO (Ye et al. 2020, arXiv 1912.09729): for negative "
+                                                "advantages the clipped objective is bounded below by dual_clip x A "
+                                                "(3 in the paper, verl's clip_ratio_c, OpenRLHF's dual_clip); unset "
+                                                "= off.")
+    std_normalize: bool = Field(True,
+                                description="Divide group-centred rewards by the group std (grpo, gspo); dr_grpo "
+                                            "never does.")
+    overlong_buffer: int = Field(0, ge=0,
+                                 description="DAPO's soft overlong penalty: the last this-many tokens before "
+                                             "rollout.max_new_tokens cost up to overlong_penalty (0 = off).")
+    overlong_penalty: float = Field(1.0, ge=0,
+                                    description="Reward lost by a response that reaches rollout.max_new_tokens (with "
+                                                "overlong_buffer > 0).")
+    gamma: float = Field(1.0, ge=0, le=1,
+                         description="Discount of the return to go (ppo's GAE, reinforce_pp, reinforce_pp_baseline).")
+    reward_norm: Literal["none", "whiten", "scale"] = Field("none",
+                                                            description="Before advantages: 'whiten' the rollout's "
+                                                                        "rewards to mean 0, std 1, or only 'scale' "
+                                                                        "them by 1/std (TRL's whiten_rewards without "
+                                                                        "shift).")
+    kl_coef: float = Field(0.0, ge=0,
+                           description="Weight of the KL penalty to the frozen reference (0 = no reference model).")
+    kl_target: float | None = Field(None, gt=0,
+                                    description="Adaptive KL: move kl_coef after each rollout so the per-response KL "
+                                                "approaches this (Ziegler et al. 2019); unset = fixed.")
+    kl_horizon: int = Field(10000, gt=0,
+                            description="Adaptive KL horizon (responses): how slowly the coefficient moves.")
+    kl_in_reward: bool = Field(False,
+                               description="Put -kl_coef x KL (k1, per token) in the reward instead of in the loss: "
+                                           "reinforce_pp and ppo take it per token (return to go, GAE); grpo, "
+                                           "dr_grpo, rloo, gspo and dapo add its sum over the response to the "
+                                           "response's score before the group baseline, as verl does.")
+    entropy_coef: float = Field(0.0, ge=0,
+                                description="Weight of the entropy bonus (subtracted from the loss per token, same "
+                                            "aggregation).")
+    log_entropy: bool = Field(False,
+                              description="Log the policy's mean per-token entropy (entropy) every step. Off by "
+                                          "default: without an entropy bonus it costs one extra pass over every "
+                                          "micro-batch's logits (a softmax over the vocabulary); with "
+                                          "algo.entropy_coef > 0 it is logged anyway, at no cost.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3",
+                                                    description="KL estimator per token (Schulman's k1, k2 or k3).")
+    ppo_epochs: int = Field(1, gt=0, description="Passes over each rollout.")
+    mini_batches: int = Field(1, gt=0,
+                              description="Optimizer steps per rollout epoch; a rollout holds mini_batches x "
+                                          "train.global_batch_size responses.")
+    ratio_check: CheckPolicy = Field("error",
+                                     description="On-policy check: the ratio must be 1 at the first update after a "
+                                                 "rollout.")
+    ratio_tol: float = Field(1e-4, gt=0, description="Allowed |ratio - 1| for the on-policy check.")
+    gae: GAEConfig = Field(default_factory=GAEConfig,
+                           description="ppo's generalised advantage estimation (Schulman et al. 2016).")
+    dapo: DAPOConfig = Field(default_factory=DAPOConfig, description="dapo's dynamic sampling (Yu et al. 2025).")
+    gen_ratio_tol: float = Field(1e-2, gt=0,
+                                 description="Allowed |ratio - 1| for the on-policy check when a rollout feeding one "
+                                             "update is checked against the generator's log-probs (KV-cached "
+                                             "decoding rounds differently from the training forward; the loss uses "
+                                             "the forward's own).")
+
+
+class RewardConfig(Section):
+    fn: str | list[str] = Field("exactrl.tasks.arithmetic:reward",
+                                description="module:function(prompts, completions, answers) -> list[float] or "
+                                            "http://host:port/ (a reward server), or a list of them (summed with "
+                                            "reward.weights; the first one counts for accuracy and scores evaluation "
+                                            "unless eval.reward_fn is set); exactrl.rewards.mathverify:reward checks "
+                                            "math answers. Functions run in a process of their own; rows need an "
+                                            "'answer' unless the function has needs_answer = False.")
+    weights: list[float] | None = Field(None, description="One weight per reward.fn entry (default: all 1).")
+    timeout: float = Field(60.0, gt=0,
+                           description="Seconds one batch (a rank's share of a rollout, or an evaluation) may take "
+                                       "in a reward function before its process is killed and the batch counts as "
+                                       "failed; also the budget for finding which samples a raising reward fails on.")
+    retries: int = Field(3, ge=0,
+                         description="Retries of a reward server call (connection errors, timeouts, 5xx), with "
+                                     "exponential backoff.")
+    fallback: float | None = Field(None,
+                                   description="Reward for samples the function fails on (raises on them; every "
+                                               "sample of a batch that times out, crashes or calls sys.exit); "
+                                               "counted in reward_failures. Unset = stop the run naming the sample "
+                                               "or batch.")
+    url: str | None = Field(None,
+                            description="A reward server (http://host:port/, JSON over HTTP, see `python -m "
+                                        "exactrl.rewards.server`) used instead of reward.fn; to combine one with "
+                                        "functions, list its URL in reward.fn.")
+
+    def specs(self) -> list[str]:
+        """The rewards to load, in order: reward.url alone, else reward.fn."""
+        if self.url:
+            return [self.url]
+        return [self.fn] if isinstance(self.fn, str) else list(self.fn)
+
+
+def _critic_optim() -> OptimConfig:
+    return OptimConfig(lr=1e-4, scheduler="constant")
+
+
+class CriticConfig(Section):
+    path: str | None = Field(None,
+                             description="ppo: the critic's starting model (a causal LM or a saved critic); unset = "
+                                         "the policy's starting model. Its value head is new unless the directory "
+                                         "holds one.")
+    optim: OptimConfig = Field(default_factory=_critic_optim,
+                               description="The critic's own optimizer (same keys as optim.*).")
+    value_clip: float | None = Field(0.2, gt=0,
+                                     description="PPO value clipping: the new value may move this far from the "
+                                                 "rollout's before the loss stops rewarding it (unset = off).")
+    warmup_rollouts: int = Field(0, ge=0,
+                                 description="Rollouts at the start in which only the critic learns (the policy is "
+                                             "frozen), so advantages start from a fitted value.")
+
+
+class RLConfig(CommonConfig):
+    """`exactrl rl`: policy-gradient training from rollouts and rewards."""
+
+    rollout: RolloutConfig = RolloutConfig()
+    algo: AlgoConfig = AlgoConfig()
+    reward: RewardConfig = RewardConfig()
+    critic: CriticConfig = CriticConfig()
+
+
+    @model_validator(mode="after")
+    def _checkpoints_at_rollout_ends(self):
+        per_rollout = self.algo.ppo_epochs * self.algo.mini_batches
+        if self.train.max_steps % per_rollout:
+            whole = -(-self.train.max_steps // per_rollout) * per_rollout
+            raise ValueError(f"train.max_steps={self.train.max_steps} must be a multiple of algo.ppo_epochs x "
+                             f"algo.mini_batches = {per_rollout}: each rollout feeds that many optimizer steps and a "
+                             f"run trains whole rollouts (set train.max_steps={whole}, or 0 to derive it from "
+                             "train.epochs)")
+        if self.train.save_every % per_rollout:
+            raise ValueError(f"train.save_every={self.train.save_every} must be a multiple of algo.ppo_epochs x "
+                             f"algo.mini_batches = {per_rollout}: checkpoints are taken between rollouts, so a "
+                             "resumed run needs no half-used rollout")
+        return self
+
+    @model_validator(mode="after")
+    def _deterministic_policy(self):
+        if not self.model.disable_dropout:
+            raise ValueError("model.disable_dropout=false: an RL policy with dropout computes other log-probs than "
+                             "the generator sampled with (the on-policy check would fail); RL trains with dropout off")
+        if self.model.lora.rank and self.model.lora.dropout > 0:
+            raise ValueError(f"model.lora.dropout={self.model.lora.dropout}: RL needs a deterministic forward (the "
+                             "policy's log-probs must equal the generator's); set model.lora.dropout=0")
+        return self
+
+    @model_validator(mode="after")
+    def _reward_weights_fit(self):
+        fns = self.reward.specs()
+        if self.reward.url and not self.reward.url.startswith(("http://", "https://")):
+            raise ValueError(f"reward.url={self.reward.url!r} is not an http:// or https:// address")
+        if not fns:
+            raise ValueError("reward.fn: give at least one module:function")
+        if self.reward.weights is not None and len(self.reward.weights) != len(fns):
+            raise ValueError(f"reward.weights has {len(self.reward.weights)} entries for {len(fns)} reward.fn entries")
+        return self
+
+    @model_validator(mode="after")
+    def _algorithm_needs(self):
+        a = self.algo
+        if a.name in GROUP_ALGOS and a.group_size < 2:
+            raise ValueError(f"algo.name={a.name} compares responses to the same prompt: algo.group_size must be >= 2 "
+                             f"(given {a.group_size}); reinforce_pp works with 1")
+        return self
+
+    @model_validator(mode="after")
+    def _groups_fit(self):
+        if self.train.global_batch_size % self.algo.group_size:
+            raise ValueError(
+                f"train.global_batch_size={self.train.global_batch_size} must be a multiple of "
+                f"algo.group_size={self.algo.group_size}, so no GRPO group is split across optimizer steps"
+            )
+        check_rl_layout(self, self.distributed.nproc_per_node)
+        return self
+
+
+def check_rl_layout(cfg: RLConfig, world: int) -> None:
+    """A rollout's prompts (whole groups) spread evenly over ``world`` ranks."""
+    prompts = cfg.train.global_batch_size * cfg.algo.mini_batches // cfg.algo.group_size
+    if prompts % world:
+        raise ValueError(f"a rollout of {prompts} prompts (train.global_batch_size x algo.mini_batches / "
+                         f"algo.group_size) does not spread evenly over {world} ranks; each rank samples whole groups "
+                         "for an equal share")
+

@@ -114,9 +114,10 @@ def _relaunch(nproc: int) -> typer.Exit:
 
 def _run(kind: str, config: Path | None, overrides: list[str] | None, fn) -> None:
     """Exit codes: 0 success, 2 a problem in the config, data, model, checkpoint, output_dir or
-    disk, 1 the final evaluation failed (the model is saved), 3 stopped by a verification check
-    (the canary; the packing, generation or determinism self-check; the on-policy ratio; a weight
-    sync), 4 a non-finite loss, gradient or weight, 130/143 SIGINT/SIGTERM.
+    disk (or a dynamic-sampling rollout that cannot be filled), 1 the final evaluation failed
+    (the model is saved), 3 stopped by a verification check (the canary; the packing, generation
+    or determinism self-check; the on-policy ratio; a weight sync), 4 a non-finite loss,
+    gradient or weight, 130/143 SIGINT/SIGTERM.
     Every run directory's status.json records the same end."""
     from exactrl.algorithms.common import preflight
     from exactrl.checks.canary import CanaryError
@@ -130,6 +131,7 @@ def _run(kind: str, config: Path | None, overrides: list[str] | None, fn) -> Non
     from exactrl.distributed.launch import shutdown, under_launcher
     from exactrl.models.loading import ModelLoadError
     from exactrl.rewards import RewardError
+    from exactrl.rollout.collect import RolloutError
     from exactrl.rollout.generator import WeightSyncError
     from exactrl.run.context import EvaluationError
     from exactrl.run_dir import forget_current, note_end, record_event, set_status
@@ -146,7 +148,7 @@ def _run(kind: str, config: Path | None, overrides: list[str] | None, fn) -> Non
         fn(cfg)
         set_status("success")
         shutdown()
-    except (ConfigError, DataError, ModelLoadError, RewardError, CheckpointError) as e:
+    except (ConfigError, DataError, ModelLoadError, RewardError, CheckpointError, RolloutError) as e:
         raise _fail("error", "error", str(e), 2) from None
     except (PackingCheckError, GenerationCheckError, DeterminismError, OnPolicyCheckError, WeightSyncError) as e:
         raise _fail("check", "stopped by a self-check", str(e), 3) from None

@@ -223,3 +223,15 @@ def test_plain_progress_lines():
     lines = out.getvalue().splitlines()  # one line at the end (the period is an hour), then the message
     assert len(lines) == 2 and lines[0].startswith("sft: step 4/4 (100%), ") and lines[0].endswith("ETA 0 s, loss=0.5")
     assert "\r" not in out.getvalue()
+
+
+def test_dynamic_sampling_that_cannot_fill_its_rollout_is_one_line(tmp_path, cache):
+    """DAPO's dynamic sampling with every group flat (a reward that scores all alike) runs out of
+    refill rounds: a problem of the task or its settings, said in one line, not a traceback."""
+    out = tmp_path / "dapo"
+    proc = exactrl(["rl", "model.path=builtin", "data.eval=null", "algo.name=dapo", "algo.group_size=2",
+                    "algo.dapo.max_refill_rounds=0", "train.global_batch_size=4", "train.micro_batch_size=2",
+                    "train.max_steps=1", "rollout.max_new_tokens=4", "reward.fn=reward_fixtures:one",
+                    f"output_dir={out}"], tmp_path, cache)
+    line = one_line_error(proc, 2)
+    assert line.startswith("error: dynamic sampling kept 0 of 2 groups after algo.dapo.max_refill_rounds=0"), line

@@ -9,7 +9,8 @@ import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from exactrl.rollout.generator import prompt_seeds, row_seed
-from exactrl.rollout.hf import HFEngine, _draw, _warp
+from exactrl.rollout.hf import HFEngine
+from exactrl.rollout.sampling import draw, warp
 
 
 def same(a, b) -> bool:
@@ -56,13 +57,13 @@ def test_keys_differ_by_every_part():
 @pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 0.9, 0), (1.3, 1.0, 5), (0.9, 0.6, 7),
                                                      (1.0, 0.0, 0)])
 def test_the_kept_distribution_is_hugging_faces(temperature, top_p, top_k):
-    """_warp against transformers' own warpers in generate's order, on logits with ties at the cuts."""
+    """warp against transformers' own warpers in generate's order, on logits with ties at the cuts."""
     logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(1))
     logits[:, 10:14] = logits[:, :1]  # ties with the best score
     warpers = [TemperatureLogitsWarper(temperature)] + ([TopKLogitsWarper(top_k)] if top_k else [])
     warpers += [TopPLogitsWarper(top_p)] if top_p < 1.0 else []
     want = LogitsProcessorList(warpers)(None, logits.clone()).softmax(-1)
-    scores, logp = _warp(logits, temperature, top_p, top_k)
+    scores, logp = warp(logits, temperature, top_p, top_k)
     assert torch.equal(scores.softmax(-1), want)
     assert torch.allclose(logp, torch.log_softmax(logits / temperature, -1))  # before the cuts
 
@@ -74,11 +75,11 @@ def test_the_inverse_cdf_draws_each_token_with_its_probability(top_p, top_k):
     logits = torch.randn(1, 12, generator=torch.Generator().manual_seed(2), dtype=torch.float32)
     n = 20000
     u = (torch.arange(n, dtype=torch.float64) + 0.5) / n
-    tokens, logp = _draw(logits.expand(n, -1), False, 1.0, top_p, top_k, u.float())
-    probs = _warp(logits, 1.0, top_p, top_k)[0].softmax(-1)[0]
+    tokens, logp = draw(logits.expand(n, -1), False, 1.0, top_p, top_k, u.float())
+    probs = warp(logits, 1.0, top_p, top_k)[0].softmax(-1)[0]
     counts = torch.bincount(tokens, minlength=12)
     assert ((counts - n * probs.double()).abs() <= 1.0 + 1e-6).all(), (counts, n * probs)
     assert (counts[probs == 0] == 0).all()
     assert torch.equal(logp, torch.log_softmax(logits, -1)[0, tokens])
-    edge = _draw(logits, False, 1.0, top_p, top_k, torch.tensor([1 - 2**-24]))[0]  # the largest uniform
+    edge = draw(logits, False, 1.0, top_p, top_k, torch.tensor([1 - 2**-24]))[0]  # the largest uniform
     assert probs[edge] > 0

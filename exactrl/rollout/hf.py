@@ -11,7 +11,6 @@ import torch
 from transformers import (
     DynamicCache,
     GenerationConfig,
-    LogitsProcessor,
     LogitsProcessorList,
     StoppingCriteria,
     StoppingCriteriaList,
@@ -32,6 +31,7 @@ from transformers.cache_utils import (
 from exactrl.device import device_of
 from exactrl.models import packing
 from exactrl.rollout.generator import Generation, SamplingParams, WeightSyncError, prompt_seeds, row_seed
+from exactrl.rollout.sampling import KeyedDraw, draw, uniforms
 
 
 class _PreallocatedLayer(DynamicLayer):
@@ -128,46 +128,6 @@ def decodes_with_generate(model) -> str | None:
     return reason
 
 
-def _warp(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Hugging Face's sampling distribution from fp32 logits [rows, vocab]: temperature, then
-    top-k (ties with the k-th score stay in), then top-p keeping at least one token. Returns
-    the cut scores and log p at the temperature before the cuts, as the loss computes it
-    (exactrl/rollout/generator.py: the kept set shapes the draws, not the log-probs)."""
-    scores = logits / temperature
-    logp = torch.log_softmax(scores, dim=-1)
-    if 0 < top_k < scores.shape[-1]:  # TopKLogitsWarper
-        scores = scores.masked_fill(scores < torch.topk(scores, top_k)[0][:, -1:], float("-inf"))
-    if top_p < 1.0:  # TopPLogitsWarper
-        sorted_scores, order = torch.sort(scores, descending=False)
-        cut = sorted_scores.softmax(-1).cumsum(-1) <= 1 - top_p
-        cut[:, -1] = False
-        scores = scores.masked_fill(cut.scatter(1, order, cut), float("-inf"))
-    return scores, logp
-
-
-def _draw(logits: torch.Tensor, greedy: bool, temperature: float, top_p: float, top_k: int = 0,
-          uniform: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Next tokens from fp32 logits [rows, vocab], greedy or drawn from ``_warp``'s distribution
-    by inverting its CDF at each row's ``uniform`` in [0, 1) (one multinomial draw, keyed by the
-    row rather than by a shared stream); with the log-prob of each drawn token. The CDF is
-    summed in float64 so that u * total stays below the total: a token outside the kept set
-    (probability 0) is never picked."""
-    if greedy:
-        return logits.argmax(-1), None
-    scores, logp = _warp(logits, temperature, top_p, top_k)
-    cdf = torch.softmax(scores, dim=-1).double().cumsum(-1)
-    token = torch.searchsorted(cdf, uniform.double()[:, None] * cdf[:, -1:], right=True)[:, 0]
-    return token, logp.gather(1, token[:, None])[:, 0]
-
-
-def uniforms(seeds: list[int], steps: int, device) -> torch.Tensor:
-    """[rows, steps] uniforms in [0, 1): row r's from a generator seeded ``seeds[r]``, step t's in
-    column t. Drawn once per batch on the CPU (the same numbers on any device), so a row's draw
-    at step t depends on its seed and t alone: not on its batch, its place in it, or on which
-    rows have left it."""
-    return torch.stack([torch.rand(steps, generator=torch.Generator().manual_seed(s)) for s in seeds]).to(device)
-
-
 class StopStrings:
     """Which rows' responses so far end with the token that completes one of ``strings``
     (Hugging Face's StopStringCriteria, which also catches a stop string split over tokens or
@@ -221,7 +181,7 @@ def sample(model, input_ids: torch.Tensor, attention: torch.Tensor, *, max_new_t
     string leave the batch (and the cache) once they are at least ``compact_at`` of it, so late
     steps run only live rows; until then they feed ``pad`` as generate does, and their draws are
     discarded. Returns tokens [rows, max_new_tokens] (``pad`` after a row's end) and, sampled,
-    the log-prob of each token at ``temperature`` (0 after the end; see ``_draw``). Sampling
+    the log-prob of each token at ``temperature`` (0 after the end; see ``draw``). Sampling
     needs ``seeds``, one per row: row r's tokens come from ``uniforms`` keyed by seeds[r].
 
     Each step's inputs come from the model's own ``prepare_inputs_for_generation``, as in
@@ -260,7 +220,7 @@ def sample(model, input_ids: torch.Tensor, attention: torch.Tensor, *, max_new_t
     row = torch.arange(rows, device=device)  # the original row of each batch row
     live = torch.ones(rows, dtype=torch.bool, device=device)
     for t in range(max_new_tokens):
-        token, logp = _draw(out.logits[:, -1].float(), greedy, temperature, top_p, top_k, None if greedy else u[row, t])
+        token, logp = draw(out.logits[:, -1].float(), greedy, temperature, top_p, top_k, None if greedy else u[row, t])
         tokens[row[live], t] = token[live]
         if logprobs is not None:
             logprobs[row[live], t] = logp[live]
@@ -279,26 +239,13 @@ def sample(model, input_ids: torch.Tensor, attention: torch.Tensor, *, max_new_t
     return tokens, logprobs
 
 
-class _KeyedDraw(LogitsProcessor):
-    """Inside a greedy ``generate``: leaves only the token ``_draw`` picks from row r's uniform at
-    this step (the step counted from the prompt width), so the argmax is the keyed draw."""
-
-    def __init__(self, u: torch.Tensor, width: int, temperature: float, top_p: float, top_k: int):
-        self.u, self.width, self.temperature, self.top_p, self.top_k = u, width, temperature, top_p, top_k
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        token, _ = _draw(scores.float(), False, self.temperature, self.top_p, self.top_k,
-                         self.u[:, input_ids.shape[1] - self.width])
-        return torch.full_like(scores, float("-inf")).scatter(1, token[:, None], 0.0)
-
-
 @torch.no_grad()
 def sample_with_generate(model, input_ids: torch.Tensor, attention: torch.Tensor, *, max_new_tokens: int,
                          eos: int | None, pad: int, greedy: bool = False, temperature: float = 1.0, top_p: float = 1.0,
                          top_k: int = 0, seeds: list[int] | None = None, stop: StopStrings | None = None,
                          synced: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``sample``'s contract through Hugging Face's ``generate``: the same tokens for the same
-    ``seeds`` (the keyed draw of ``_draw`` applied as a logits processor to the logits
+    ``seeds`` (the keyed draw of ``draw`` applied as a logits processor to the logits
     ``generate`` would sample from, which then decodes greedily: rows stay in its batch, so row r
     at step t reads the same uniform as in the loop; nothing of the model's
     generation_config.json), the same ends (EOS, ``stop``), and the log-prob of each sampled
@@ -310,7 +257,7 @@ def sample_with_generate(model, input_ids: torch.Tensor, attention: torch.Tensor
                               return_dict_in_generate=True,
                               use_cache=True)
     criteria = None if stop is None else StoppingCriteriaList([_AfterPrompt(stop, input_ids.shape[1])])
-    keyed = None if greedy else LogitsProcessorList([_KeyedDraw(uniforms(seeds, max_new_tokens, input_ids.device),
+    keyed = None if greedy else LogitsProcessorList([KeyedDraw(uniforms(seeds, max_new_tokens, input_ids.device),
                                                                 input_ids.shape[1], temperature, top_p, top_k)])
     # generate fills what the config leaves at its defaults from the model's generation_config.json
     # (a repetition penalty, top-k, ...): none of it may shape the draws the log-probs describe.

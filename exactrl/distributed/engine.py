@@ -1,14 +1,14 @@
 """Train engines: own the model's optimizer, accumulate micro-batch gradients, step.
 
-Every algorithm drives an engine the same way:
+Worker.train_step (exactrl/workers/worker.py) drives every engine the same way:
 
-    plan = plan_step(...)
-    engine.begin_step(len(plan.micro_batches))
-    for mb in plan.micro_batches:
+    mine = plan.for_rank(engine.rank)
+    engine.begin_step(len(mine.micro_batches))
+    for mb in mine.micro_batches:
         with engine.autocast():
-            loss = aggregate(per_token_loss(mb), mask, plan.normalizer)
-        engine.backward(loss, canary_share(mask, plan.normalizer), num_samples=len(mb))
-    stats = engine.step(plan)
+            loss, share = ...  # this micro-batch's exact share of the step's objective, and its canary share
+        engine.backward(loss, share, num_samples=rows)
+    stats = engine.step(mine)
 
 ``single`` is one process. The loss handed to ``backward`` is already this micro-batch's
 exact part of the step loss, so the engine only sums gradients (no division by the number
@@ -183,21 +183,6 @@ class SingleEngine:
         self._micro_seen = self._samples_seen = 0
         self._micro_planned = None
         return stats
-
-    def sum_over_ranks(self, value: float) -> float:
-        """A metric summed over ranks (for logging only)."""
-        return self._reduce([value], torch.distributed.ReduceOp.SUM)[0] if self.world_size > 1 else value
-
-    def max_over_ranks(self, value: float) -> float:
-        """The largest of every rank's ``value`` (the same answer on every rank)."""
-        return self._reduce([value], torch.distributed.ReduceOp.MAX)[0] if self.world_size > 1 else value
-
-    def mean_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
-        """Per-rank metric means averaged over ranks (every rank has as many micro-batches)."""
-        if self.world_size == 1 or not values:
-            return values
-        summed = self._reduce(list(values.values()), torch.distributed.ReduceOp.SUM)
-        return {k: v / self.world_size for k, v in zip(values, summed)}
 
     def _reduce(self, values: list[float], op) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)  # NCCL reduces GPU tensors only

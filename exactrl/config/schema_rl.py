@@ -44,9 +44,11 @@ class RolloutConfig(Section):
         return self
 
 
-RL_ALGOS = ("ppo", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo")
+RL_ALGOS = ("ppo", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "luffy", "srft")
 # Algorithms whose baseline is the other responses to the same prompt.
-GROUP_ALGOS = ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp_baseline", "gspo")
+GROUP_ALGOS = ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp_baseline", "gspo", "luffy", "srft")
+# Algorithms whose GRPO groups hold demonstrations beside the policy's samples (exactrl/rollout/mixed.py).
+DEMO_GROUP_ALGOS = ("luffy", "srft")
 
 
 class GAEConfig(Section):
@@ -60,6 +62,42 @@ class DAPOConfig(Section):
     max_refill_rounds: int = Field(10, ge=0,
                                    description="Extra generation rounds to replace groups with all-equal rewards "
                                                "before giving up.")
+
+
+class LuffyConfig(Section):
+    demonstrations: int = Field(1, ge=1,
+                                description="Demonstrations in each GRPO group of algo.group_size: the policy "
+                                            "samples algo.group_size minus this many (the prompt's one "
+                                            "demonstration repeated). 1 as the paper (7 + 1) and its code "
+                                            "(rollout.n=8, n_prefix=1).")
+    gamma: float = Field(0.1, gt=0,
+                         description="Policy shaping f(p) = p / (p + gamma) on demonstration tokens (paper eq. 7 and "
+                                     "code: 0.1).")
+    clip: bool = Field(True,
+                       description="PPO's clip on the policy's own tokens, as the paper's objective (eq. 6) has it; "
+                                   "its official code trains without (loss_remove_clip=True): false. With "
+                                   "algo.policy_loss set, that loss is used instead.")
+
+
+class SRFTConfig(Section):
+    demonstrations: int = Field(1, ge=1,
+                                description="Demonstrations in each GRPO group of algo.group_size (their advantages "
+                                            "come from the whole group, as in LUFFY, on which SRFT builds); the "
+                                            "policy samples the rest. 1, as LUFFY.")
+    sft_coef: float = Field(0.5, ge=0,
+                            description="w_SFT = sft_coef x sg(exp(-H)) on the demonstrations' NLL, H the token's "
+                                        "entropy (paper eq. 3: 0.5).")
+    positive_coef: float = Field(0.1, ge=0,
+                                 description="w_RL = positive_coef x sg(exp(H)) on the NLL of the policy's positive "
+                                             "responses (paper eq. 5: 0.1); negative ones get +log p, weight 1.")
+    positive_reward: float = Field(1.0,
+                                   description="A response whose reward is at least this is positive (the rollout's "
+                                               "accuracy rule: the built-in and math rewards give 1 to a correct "
+                                               "answer).")
+    demo_clip: bool = Field(True,
+                            description="PPO's clip (algo.clip_eps, algo.clip_eps_high) on the demonstrations' ratio "
+                                        "p (behaviour probability 1), as the paper's eq. 4 writes it; false: -p A "
+                                        "unclipped, as LUFFY's off-policy term.")
 
 
 # Keys that moved, old -> new: older configs and checkpoints still load (with a notice).
@@ -167,6 +205,10 @@ class AlgoConfig(Section):
     gae: GAEConfig = Field(default_factory=GAEConfig,
                            description="ppo's generalised advantage estimation (Schulman et al. 2016).")
     dapo: DAPOConfig = Field(default_factory=DAPOConfig, description="dapo's dynamic sampling (Yu et al. 2025).")
+    luffy: LuffyConfig = Field(default_factory=LuffyConfig,
+                               description="luffy's demonstrations in the group and policy shaping (Yan et al. 2025).")
+    srft: SRFTConfig = Field(default_factory=SRFTConfig,
+                             description="srft's demonstration and entropy-weighted terms (Fu et al. 2025).")
     gen_ratio_tol: float = Field(1e-2, gt=0,
                                  description="Allowed |ratio - 1| for the on-policy check when a rollout feeding one "
                                              "update is checked against the generator's log-probs (KV-cached "
@@ -277,6 +319,10 @@ class RLConfig(CommonConfig):
         if a.name in GROUP_ALGOS and a.group_size < 2:
             raise ValueError(f"algo.name={a.name} compares responses to the same prompt: algo.group_size must be >= 2 "
                              f"(given {a.group_size}); reinforce_pp works with 1")
+        if a.name in DEMO_GROUP_ALGOS and getattr(a, a.name).demonstrations >= a.group_size:
+            raise ValueError(f"algo.{a.name}.demonstrations={getattr(a, a.name).demonstrations} leaves no response for "
+                             f"the policy to sample in a group of algo.group_size={a.group_size}; the group holds "
+                             "both: raise algo.group_size or lower the demonstrations")
         return self
 
     @model_validator(mode="after")

@@ -11,7 +11,7 @@ from exactrl.config.schema import CommonConfig, OptimConfig
 
 # Which algorithms use which settings (algorithms/registry.py declares the same; tests check they agree).
 CRITIC_ALGOS = ("ppo",)  # train a critic (critic.*) and estimate advantages with GAE (algo.gae.*)
-STD_ALGOS = ("grpo", "gspo", "dapo")  # the grpo estimator: group-centred rewards / group std
+STD_ALGOS = ("grpo", "gspo", "dapo", "luffy", "srft")  # the grpo estimator: group-centred rewards / group std
 DISCOUNT_ALGOS = ("ppo", "reinforce_pp", "reinforce_pp_baseline")  # returns to go, discounted by algo.gamma
 
 
@@ -37,6 +37,16 @@ USED_WHEN = [
              "(algo.name={c.algo.name})", "set algo.name=ppo"),
     UsedWhen("algo.dapo.", lambda c: c.algo.name == "dapo", "dynamic sampling is dapo's (algo.name={c.algo.name})",
              "set algo.name=dapo"),
+    *(UsedWhen(f"algo.{name}.", lambda c, n=name: c.algo.name == n, f"these are {name}'s settings "
+               "(algo.name={c.algo.name})", f"set algo.name={name}") for name in ("luffy", "srft")),
+    UsedWhen("algo.luffy.clip", lambda c: c.algo.policy_loss is None, "algo.policy_loss={c.algo.policy_loss} is the "
+             "loss on the policy's tokens", "unset algo.policy_loss"),
+    UsedWhen("algo.policy_loss", lambda c: c.algo.name != "srft", "srft has no ratio loss on the policy's responses "
+             "(its positive and negative terms are log-likelihoods)", "use another algo.name"),
+    UsedWhen("algo.dual_clip", lambda c: c.algo.name != "srft", "srft clips only its demonstrations' ratio, with no "
+             "dual clip", "use another algo.name"),
+    *(UsedWhen(key, lambda c: _clips(c), "nothing is clipped (algo.luffy.clip=false or algo.srft.demo_clip=false)",
+               "turn that clip on") for key in ("algo.clip_eps", "algo.clip_eps_high", "algo.dual_clip")),
     UsedWhen("algo.std_normalize", lambda c: c.algo.name in STD_ALGOS, "algo.name={c.algo.name} does not divide by the "
              "group std (only " + ", ".join(STD_ALGOS) + " do)", "use one of those"),
     UsedWhen("algo.gamma", lambda c: c.algo.name in DISCOUNT_ALGOS, "algo.name={c.algo.name} does not discount returns "
@@ -99,6 +109,14 @@ USED_WHEN = [
                  f"set {section}scheduler=linear or cosine"),
     )),
 ]
+
+
+def _clips(c) -> bool:
+    """Whether some term clips a ratio: luffy's policy tokens (unless algo.luffy.clip=false picks the
+    unclipped ratio), srft's demonstrations (unless algo.srft.demo_clip=false), every other algorithm's."""
+    if c.algo.name == "luffy":
+        return c.algo.luffy.clip or c.algo.policy_loss is not None
+    return c.algo.srft.demo_clip if c.algo.name == "srft" else True
 
 
 def _optim(cfg: CommonConfig, section: str) -> OptimConfig:

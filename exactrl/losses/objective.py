@@ -26,7 +26,7 @@ import torch
 
 from exactrl.data.batch import ORIGINS
 from exactrl.losses.aggregation import aggregate, canary_share
-from exactrl.losses.policy import PolicyInput, get_policy_loss, value_loss
+from exactrl.losses.policy import PolicyInput, demonstration_loss, get_policy_loss, value_loss
 from exactrl.losses.token_losses import kl_penalty
 
 
@@ -153,6 +153,67 @@ class ValueTerm(Term):
             m.mean("critic_clip_frac", (value_loss(values, b["old_values"], b["returns"], None) < tok).float(), mask)
             m.mean("value_mean", values.detach(), mask)
         return tok
+
+
+@dataclass(frozen=True, kw_only=True)
+class MixedPolicyTerm(PolicyTerm):
+    """LUFFY's policy loss (arXiv 2504.14945, eq. 6) on a group of on-policy samples and
+    demonstrations: the PolicyTerm's loss on the policy's tokens, the shaped demonstration loss
+    (losses/policy.py demonstration_loss, f(p) = p / (p + gamma), unclipped) on the
+    demonstrations' tokens, and ONE normaliser over both (the paper's 1/Z sums the tokens of every
+    trajectory of the group, on- and off-policy). Two terms with their own normalisers would be a
+    mean of means across sources: a group's one demonstration would weigh as much as its
+    on-policy samples together. The ratio metrics (and so the on-policy check) cover the policy's
+    tokens only: a demonstration's ratio is not 1 by construction."""
+
+    gamma: float = 0.1
+
+    def token_loss(self, f, b, mask, m):
+        demo = b["origin"] == ORIGINS.index("demonstration")
+        on = super().token_loss(f, b, mask * ~demo, m)
+        shaped = demonstration_loss(f["logprobs"], b["advantages"], self.gamma)
+        m.mean("demo_prob", torch.exp(f["logprobs"].detach()), mask * demo)
+        return torch.where(demo, shaped, on)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemonstrationTerm(Term):
+    """The policy-gradient loss on demonstrations, behaviour probability 1 (losses/policy.py
+    demonstration_loss): SRFT's demonstration RL term (arXiv 2506.19767, eq. 4), with ``clip``
+    = (low, high) PPO's clip on the ratio p, or None."""
+
+    kind = "demo_policy"
+    fields: tuple[str, ...] = ("logprobs",)
+    gamma: float | None = None
+    clip: tuple[float, float] | None = None
+
+    def token_loss(self, f, b, mask, m):
+        m.mean("demo_prob", torch.exp(f["logprobs"].detach()), mask)
+        return demonstration_loss(f["logprobs"], b["advantages"], self.gamma, self.clip)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutcomeTerm(Term):
+    """SRFT's self-rollout terms (arXiv 2506.19767, eq. 5), split by the response's reward: on a
+    "positive" response (reward >= ``threshold``) the NLL -log p (maximise its likelihood), on a
+    "negative" one +log p (minimise it); the other responses' tokens add 0. Both halves sit under
+    the on-policy tokens' one normaliser, the paper's expectation over the policy's samples."""
+
+    kind = "outcome"
+    fields: tuple[str, ...] = ("logprobs",)
+    sign: str = "positive"
+    threshold: float = 1.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.sign not in ("positive", "negative"):
+            raise ValueError(f"an outcome term's sign is positive or negative, not {self.sign!r}")
+
+    def token_loss(self, f, b, mask, m):
+        positive = (b["reward"] >= self.threshold)[:, None]
+        rows = positive if self.sign == "positive" else ~positive
+        m.mean(f"{self.sign}_fraction", rows.expand_as(mask).double(), mask)
+        return rows.to(f["logprobs"].dtype) * (-f["logprobs"] if self.sign == "positive" else f["logprobs"])
 
 
 @dataclass(frozen=True)

@@ -15,18 +15,25 @@ import torch
 
 from exactrl.data.batch import Sample, collate
 from exactrl.distributed.step_plan import plan_samples
-from exactrl.losses.objective import DemonstrationTerm, Metrics, MixedPolicyTerm, Objective, OutcomeTerm, \
-    micro_batch_loss
+from exactrl.losses.objective import (
+    DemonstrationTerm,
+    Metrics,
+    MixedPolicyTerm,
+    Objective,
+    OutcomeTerm,
+    PolicyTerm,
+    micro_batch_loss,
+)
 from exactrl.losses.policy import demonstration_loss
 
-torch.set_default_dtype(torch.float64)
+D = torch.float64  # exact comparisons (the default dtype is left alone: it is the whole session's)
 
 
 def test_luffy_shaping_value_and_gradient_by_hand():
-    logp = torch.log(torch.tensor([0.01, 0.1, 0.5, 0.9])).requires_grad_()
-    adv = torch.tensor([1.0, -2.0, 0.5, 3.0])
+    logp = torch.log(torch.tensor([0.01, 0.1, 0.5, 0.9], dtype=D)).requires_grad_()
+    adv = torch.tensor([1.0, -2.0, 0.5, 3.0], dtype=D)
     loss = demonstration_loss(logp, adv, gamma=0.1)
-    p = torch.tensor([0.01, 0.1, 0.5, 0.9])
+    p = torch.tensor([0.01, 0.1, 0.5, 0.9], dtype=D)
     assert torch.allclose(loss, -adv * p / (p + 0.1), rtol=1e-12)
     loss.sum().backward()
     # d/dlog p of -A p/(p+g) = -A g p / (p+g)^2: large relative to p on rare tokens, unlike -A p
@@ -34,16 +41,16 @@ def test_luffy_shaping_value_and_gradient_by_hand():
 
 
 def test_srft_demonstration_ratio_is_p_and_clipped_by_hand():
-    p = torch.tensor([0.3, 0.95, 0.95, 0.3])
-    adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    p = torch.tensor([0.3, 0.95, 0.95, 0.3], dtype=D)
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0], dtype=D)
     logp = p.log().requires_grad_()
     loss = demonstration_loss(logp, adv, clip=(0.2, 0.2))
     # min(pA, clip(p, 0.8, 1.2) A) with p <= 1: only the lower bound can act, on a negative advantage
     # whose token is already below 0.8 (no gradient there)
-    expected = -torch.tensor([0.3, 0.95, -0.95, -0.8])
+    expected = -torch.tensor([0.3, 0.95, -0.95, -0.8], dtype=D)
     assert torch.allclose(loss, expected, rtol=1e-12)
     loss.sum().backward()
-    assert torch.allclose(logp.grad, torch.tensor([-0.3, -0.95, 0.95, 0.0]), rtol=1e-12)
+    assert torch.allclose(logp.grad, torch.tensor([-0.3, -0.95, 0.95, 0.0], dtype=D), rtol=1e-12)
     assert torch.allclose(demonstration_loss(p.log(), adv), -p * adv, rtol=1e-12)  # unclipped: -p A
 
 
@@ -56,14 +63,14 @@ def mixed_batch():
                                           (7, "demonstration", 1.0)]):
         s = Sample([1, 2, 3], list(range(4, 4 + n)), reward=reward, source=src)
         t = s.num_targets
-        s.advantages = torch.zeros(t)
+        s.advantages = torch.zeros(t, dtype=D)
         s.advantages[2:] = [1.2, -0.6, -0.6, 1.5][i]
-        s.old_logprobs = -torch.rand(t, generator=g) * 2
+        s.old_logprobs = -torch.rand(t, generator=g, dtype=D) * 2
         samples.append(s)
     b = collate(samples, 0)
-    logits = torch.randn(*b["loss_mask"].shape, generator=g)
+    logits = torch.randn(*b["loss_mask"].shape, generator=g, dtype=D)
     logp = (b["old_logprobs"] + 0.4 * logits).clamp(max=-1e-3).detach().requires_grad_()
-    entropy = torch.rand(*b["loss_mask"].shape, generator=g) * 3
+    entropy = torch.rand(*b["loss_mask"].shape, generator=g, dtype=D) * 3
     return samples, b, logp, entropy
 
 
@@ -121,7 +128,6 @@ def test_luffy_unclipped_on_policy_tokens_use_the_plain_ratio():
 def test_two_terms_with_their_own_normalisers_would_be_a_mean_of_means():
     """What the one normaliser prevents: the demonstration's term averaged by itself."""
     samples, b, logp, _ = mixed_batch()
-    from exactrl.losses.objective import PolicyTerm
     split = Objective((PolicyTerm(sources=("on_policy",)), DemonstrationTerm(sources=("demonstration",), gamma=0.1)))
     loss, _ = run(split, samples, b, {"logprobs": logp}, 2)
     assert not torch.allclose(loss, luffy_by_the_paper(samples, b, logp), rtol=1e-3)
@@ -138,4 +144,67 @@ def test_outcome_terms_by_hand():
     ref = (0.1 * -logp[0][mask[0]].sum() + logp[1][mask[1]].sum() + logp[2][mask[2]].sum()) / tokens
     assert torch.allclose(loss, ref, rtol=1e-12)
     assert torch.allclose(*(torch.autograd.grad(x, logp)[0] for x in (loss, ref)), rtol=1e-12)
-    assert m.sums["positive_fraction"] / m.counts["positive_fraction"] == mask[0].sum() / tokens
+    share = m.sums["positive_fraction"] / m.counts["positive_fraction"]
+    assert float(share) == pytest.approx(int(mask[0].sum()) / tokens)
+
+
+def srft_by_the_paper(samples, b, logp, entropy, clip=(0.2, 0.2)):
+    """eq. 3-6 on the batch: the demonstrations' terms over their tokens, the policy's over theirs."""
+    demo, on, n_demo, n_on = 0.0, 0.0, 0, 0
+    for i, s in enumerate(samples):
+        mask = b["loss_mask"][i].bool()
+        lp, h, adv = logp[i][mask], entropy[i][mask], b["advantages"][i][mask]
+        if s.source == "demonstration":
+            p = lp.exp()
+            demo = demo + (0.5 * torch.exp(-h) * -lp).sum() - torch.minimum(p * adv, p.clamp(1 - clip[0], 1 + clip[1])
+                                                                             * adv).sum()
+            n_demo += int(mask.sum())
+        else:
+            on = on + ((0.1 * torch.exp(h) * -lp).sum() if s.reward >= 1.0 else lp.sum())
+            n_on += int(mask.sum())
+    return demo / n_demo + on / n_on
+
+
+@pytest.mark.parametrize("micro", [1, 3])
+def test_srft_objective_from_the_registry_is_the_papers_loss(micro):
+    from exactrl.algorithms.registry import ALGORITHMS
+    from exactrl.config import RLConfig, load_config
+
+    samples, b, logp, entropy = mixed_batch()
+    b["advantages"][3, 2:] = torch.tensor([1.5, -0.5, 1.5, -0.5, 1.5, -0.5, 1.5], dtype=D)  # both clip sides
+    logp.data[3, 2:] = torch.tensor([0.9, 0.5, 0.1, 0.95, 0.7, 0.02, 0.85], dtype=D).log()
+    objective = ALGORITHMS.lookup("srft").objective(load_config(RLConfig, None, ["algo.name=srft"]))
+    assert objective.fields() == ("logprobs", "entropy")
+    loss, _ = run(objective, samples, b, {"logprobs": logp, "entropy": entropy}, micro)
+    ref = srft_by_the_paper(samples, b, logp, entropy)
+    assert torch.allclose(loss, ref, rtol=1e-12)
+    assert torch.allclose(*(torch.autograd.grad(x, logp)[0] for x in (loss, ref)), rtol=1e-10, atol=1e-15)
+    unclipped = ALGORITHMS.lookup("srft").objective(load_config(RLConfig, None, ["algo.name=srft",
+                                                                                 "algo.srft.demo_clip=false"]))
+    loss, _ = run(unclipped, samples, b, {"logprobs": logp, "entropy": entropy}, micro)
+    assert torch.allclose(loss, srft_by_the_paper(samples, b, logp, entropy, clip=(1e9, 1e9)), rtol=1e-12)
+
+
+def test_luffy_objective_from_the_registry_follows_paper_or_code():
+    from exactrl.algorithms.registry import ALGORITHMS
+    from exactrl.config import RLConfig, load_config
+
+    samples, b, logp, _ = mixed_batch()
+    paper = ALGORITHMS.lookup("luffy").objective(load_config(RLConfig, None, ["algo.name=luffy"]))
+    (term,) = paper.terms
+    assert isinstance(term, MixedPolicyTerm) and (term.loss, term.gamma, term.agg) == ("ppo", 0.1, "token-mean")
+    loss, _ = run(paper, samples, b, {"logprobs": logp}, 2)
+    assert torch.allclose(loss, luffy_by_the_paper(samples, b, logp), rtol=1e-12)
+    # its code: no clip, and the loss sum over a constant length (the padded response length) per sequence
+    code = ALGORITHMS.lookup("luffy").objective(load_config(RLConfig, None, [
+        "algo.name=luffy", "algo.luffy.clip=false", "train.loss_agg=seq-mean-token-sum-norm",
+        "train.loss_agg_norm=16"]))
+    plan = plan_samples(samples, 2, "seq-mean-token-sum-norm", 16)
+    normalizers, m, total = code.normalizers(plan), Metrics(), 0.0
+    for mb in plan.micro_batches:
+        rows = list(mb)
+        part = {k: v[rows] for k, v in b.items()}
+        total = total + micro_batch_loss(code, {"logprobs": logp[rows]}, part, part,
+                                         [samples[i].source for i in rows], normalizers, m)[0]
+    ref = luffy_by_the_paper(samples, b, logp, clip=(1e9, 1e9)) * sum(s.loss_tokens for s in samples) / (4 * 16)
+    assert torch.allclose(total, ref, rtol=1e-12)

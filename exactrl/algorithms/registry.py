@@ -10,10 +10,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from exactrl.advantages.estimators import TOKEN_REWARDS
+from exactrl.algorithms.luffy_srft import luffy_terms, srft_terms
 from exactrl.config.loader import ConfigError
 from exactrl.losses.objective import EntropyTerm, KLTerm, Objective, PolicyTerm
 from exactrl.registry import Registry
 from exactrl.rollout.collect import collect_dynamic_rollout, plain_rollout
+from exactrl.rollout.mixed import mixed_rollout
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,9 @@ class Algorithm:
     # learns from a demonstration of each prompt besides its own samples (the mixed-policy methods): every
     # training prompt must carry one (data/encode.py), and data.train=builtin is the built-in task's mixed file
     demonstrations: bool = False
+    # (cfg, aggregation) -> the method's own terms on the policy's samples and demonstrations (LUFFY, SRFT:
+    # algorithms/luffy_srft.py); None: the clipped surrogate of ``policy_loss``
+    policy_terms: Callable | None = None
 
     def objective(self, cfg) -> Objective:
         """The policy's loss as data: the clipped surrogate (against the batch's old log-probs;
@@ -42,9 +47,9 @@ class Algorithm:
         micro-batch's logits (a softmax over the vocabulary), so it is logged only on request (algo.log_entropy)."""
         a, t = cfg.algo, cfg.train
         agg = {"agg": t.loss_agg, "norm_len": t.loss_agg_norm or cfg.rollout.max_new_tokens}
-        terms = [PolicyTerm(loss=a.policy_loss or self.policy_loss, clip_low=a.clip_eps, clip_high=a.clip_eps_high
-                            or a.clip_eps,
-                            dual_clip=a.dual_clip, **agg)]
+        terms = self.policy_terms(cfg, agg) if self.policy_terms else [
+            PolicyTerm(loss=a.policy_loss or self.policy_loss, clip_low=a.clip_eps, clip_high=a.clip_eps_high
+                       or a.clip_eps, dual_clip=a.dual_clip, **agg)]
         if a.kl_coef > 0 and a.kl_in_reward and self.advantage not in TOKEN_REWARDS:
             raise ConfigError(f"algo.kl_in_reward=true: algo.name={self.name}'s estimator '{self.advantage}' does not "
                               "read per-token rewards, so the KL would land nowhere; set algo.kl_in_reward=false")
@@ -69,6 +74,10 @@ for algorithm in (
     # + clip_eps_high and overlong shaping, set in its config
     Algorithm("dapo", "grpo", "ppo", "Yu et al. 2025, arXiv 2503.14476", rollout=collect_dynamic_rollout,
               config="dapo"),
+    # mixed-policy: demonstrations inside the GRPO groups (rollout/mixed.py), the method's own terms
+    Algorithm("luffy", "grpo", "ppo", "Yan et al. 2025, arXiv 2504.14945", rollout=mixed_rollout, config="luffy",
+              demonstrations=True, policy_terms=luffy_terms),
+    Algorithm("srft", "grpo", "ppo", "Fu et al. 2025, arXiv 2506.19767", rollout=mixed_rollout, config="srft",
+              demonstrations=True, policy_terms=srft_terms),
 ):
     ALGORITHMS.add(algorithm.name, algorithm)
-

@@ -219,7 +219,7 @@ def update(policy: Worker | None, critic: Critic | None, batch: list[Sample], pl
     loss = 0.0
     if policy is not None:
         result = policy.train_step(batch, plan, objective)
-        ratio_dev = result.metrics.pop("ratio_dev")
+        ratio_dev = result.metrics.pop("ratio_dev", None)  # None: no term of the objective takes a ratio (srft)
         if objective.on_policy is not None:
             stats["ratio_dev_first"] = ratio_dev
         loss, stats = result.loss, stats | result.metrics | result.stats
@@ -311,11 +311,13 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
         attach_advantages(samples, cfg, kl_coef)
 
         # 4. epochs x mini-batches, one verified optimizer step each (during the critic's warm-up only the critic steps)
+        # only a policy term takes a ratio to check (srft's terms are likelihoods, its demonstrations' ratio p)
+        has_ratio = any(t.kind == "policy" for t in objective.terms)
         loss_now = objective.with_term("kl", coef=kl_coef).with_term("policy", old="self" if reused else "old_logprobs")
         train_policy = critic is None or rollout >= cfg.critic.warmup_rollouts
         for batch, plan, first in mini_batches(samples, cfg, engine, group_rng):
             # the first update must see ratio 1 on every rank, checked before it is applied
-            check = on_policy_check(cfg, rollout, against_generator=reused) if first else None
+            check = on_policy_check(cfg, rollout, against_generator=reused) if first and has_ratio else None
             loss, stats = update(policy if train_policy else None, critic, batch, plan, replace(
                 loss_now, on_policy=check))
             step += 1

@@ -47,6 +47,9 @@ USED_WHEN = [
              "dual clip", "use another algo.name"),
     *(UsedWhen(key, lambda c: _clips(c), "nothing is clipped (algo.luffy.clip=false or algo.srft.demo_clip=false)",
                "turn that clip on") for key in ("algo.clip_eps", "algo.clip_eps_high", "algo.dual_clip")),
+    *(UsedWhen(key, lambda c: c.algo.name != "srft", "srft's loss takes no ratio to the policy that sampled, so "
+               "there is no on-policy ratio to check", "use another algo.name") for key in (
+        "algo.ratio_check", "algo.ratio_tol", "algo.gen_ratio_tol")),
     UsedWhen("algo.std_normalize", lambda c: c.algo.name in STD_ALGOS, "algo.name={c.algo.name} does not divide by the "
              "group std (only " + ", ".join(STD_ALGOS) + " do)", "use one of those"),
     UsedWhen("algo.gamma", lambda c: c.algo.name in DISCOUNT_ALGOS, "algo.name={c.algo.name} does not discount returns "

@@ -157,8 +157,8 @@ class AlgoConfig(Section):
                                                 "(3 in the paper, verl's clip_ratio_c, OpenRLHF's dual_clip); unset "
                                                 "= off.")
     std_normalize: bool = Field(True,
-                                description="Divide group-centred rewards by the group std (grpo, gspo); dr_grpo "
-                                            "never does.")
+                                description="Divide group-centred rewards by the group std (grpo, gspo, dapo, luffy, "
+                                            "srft); dr_grpo never does.")
     overlong_buffer: int = Field(0, ge=0,
                                  description="DAPO's soft overlong penalty: the last this-many tokens before "
                                              "rollout.max_new_tokens cost up to overlong_penalty (0 = off).")

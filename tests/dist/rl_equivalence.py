@@ -119,6 +119,41 @@ def sequence_advantages(samples: list[Sample]) -> list[Sample]:
     return out
 
 
+def mixed(samples: list[Sample]) -> list[Sample]:
+    """The rollout with each group's last response a demonstration (LUFFY's and SRFT's groups):
+    micro-batches of 2 then hold 0 or 1 demonstration, and its tokens a varying share."""
+    out = [copy.copy(s) for s in samples]
+    for s in out[3::4]:
+        s.source = "demonstration"
+    return out
+
+
+def reference_mixed_loss(model, samples, tok, case):
+    """LUFFY (arXiv 2504.14945, eq. 6): the clipped ratio on the policy's tokens, p / (p + 0.1) on the
+    demonstrations', one token-mean over both. SRFT (arXiv 2506.19767, eq. 3-6): on demonstrations
+    0.5 sg(e^-H) NLL - min(p A, clip(p) A), on the policy's responses 0.1 sg(e^H) NLL if the reward is 1
+    else log p; a token-mean over each."""
+    ids, attn = padded(samples, tok.pad_token_id)
+    logp_all = torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits[:, :-1], -1)
+    groups = {"demonstration": [], "on_policy": []}
+    for b, (s, sl) in enumerate(zip(samples, spans(samples))):
+        lp = logp_all[b, sl].gather(-1, ids[b, 1:][sl][:, None])[:, 0]
+        h = -(logp_all[b, sl].exp() * logp_all[b, sl]).sum(-1).detach()
+        adv, p = s.advantages[sl], lp.exp()
+        if case["loss"] == "luffy":
+            if s.source == "demonstration":
+                tok_loss = -p / (p + 0.1) * adv
+            else:
+                ratio = torch.exp(lp - s.old_logprobs[sl])
+                tok_loss = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
+            groups["on_policy"].append(tok_loss)
+        elif s.source == "demonstration":
+            groups["demonstration"].append(0.5 * torch.exp(-h) * -lp - torch.minimum(p * adv, p.clamp(0.8, 1.2) * adv))
+        else:
+            groups["on_policy"].append(0.1 * torch.exp(h) * -lp if s.reward == 1.0 else lp)
+    return sum(aggregate_by_definition(g, case["mode"]) for g in groups.values() if g)
+
+
 def aggregate_by_definition(per_token: list[torch.Tensor], mode: str) -> torch.Tensor:
     if mode == "token-mean":
         return torch.cat(per_token).sum() / sum(t.numel() for t in per_token)
@@ -179,19 +214,23 @@ def reference(case, samples, tok, dtype) -> tuple[dict, dict]:
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for _ in range(2):
         opt.zero_grad()
-        (reference_value_loss if critic else reference_policy_loss)(model, samples, tok, case).backward()
+        loss = reference_value_loss if critic else reference_mixed_loss if case["loss"] in MIXED else reference_policy_loss
+        loss(model, samples, tok, case).backward()
         opt.step()
     return {k: v.detach() for k, v in model.state_dict().items()}, fresh().state_dict()
 
 
 def case_config(case, layout) -> RLConfig:
-    algo = {"ppo": "grpo", "gspo": "gspo", "reinforce": "reinforce_pp", "value": "ppo"}[case["loss"]]
+    algo = {"ppo": "grpo", "gspo": "gspo", "reinforce": "reinforce_pp", "value": "ppo", "luffy": "luffy",
+            "srft": "srft"}[case["loss"]]
     lo, hi = case.get("clip", (0.2, 0.2))
     overrides = [*layout, f"distributed.nproc_per_node={dist.get_world_size() if dist.is_initialized() else 1}",
                  "train.global_batch_size=8", f"train.micro_batch_size={case['micro']}", f"train.loss_agg={case['mode']}",
                  "train.max_grad_norm=0", "optim.name=sgd", f"optim.lr={LR}",
                  "optim.scheduler=constant", f"algo.name={algo}", "algo.group_size=4",
-                 f"algo.kl_coef={case.get('kl', 0.0)}", f"algo.entropy_coef={case.get('entropy', 0.0)}", "algo.ratio_check=off"]
+                 f"algo.kl_coef={case.get('kl', 0.0)}", f"algo.entropy_coef={case.get('entropy', 0.0)}"]
+    if algo != "srft":  # srft takes no ratio to check (config/used.py)
+        overrides.append("algo.ratio_check=off")
     # Only the keys this case's run uses (a key the run cannot use is refused, config/used.py USED_WHEN).
     if case["mode"] == "seq-mean-token-sum-norm":
         overrides.append(f"train.loss_agg_norm={NORM_LEN}")
@@ -228,11 +267,14 @@ POLICY_CASES = [
     dict(loss="gspo", mode="seq-mean-token-mean", clip=(0.03, 0.05)),  # clips some sequences (ratios 0.86-1.13), not all
     dict(loss="reinforce", mode="seq-mean-token-sum"),
 ]
+MIXED = ("luffy", "srft")
+# demonstrations in the groups, each method's own terms (exactrl/algorithms/luffy_srft.py)
+MIXED_CASES = [dict(loss="luffy", mode="token-mean"), dict(loss="srft", mode="token-mean")]
 VALUE_CASES = [dict(loss="value", mode="token-mean", value_clip=0.2), dict(loss="value", mode="seq-mean-token-mean")]
 
 
 def cases(backend: str) -> list[dict]:
-    every = POLICY_CASES + VALUE_CASES
+    every = POLICY_CASES + VALUE_CASES + MIXED_CASES
     if backend == "fsdp2":
         return [dict(c, micro=2, layout=["distributed.backend=fsdp2"]) for c in every] + \
                [dict(every[0], micro=m, layout=["distributed.backend=fsdp2"]) for m in (1, 4)]
@@ -324,7 +366,8 @@ def main(backend: str, world: int, out_path: str) -> None:
     samples = make_rollout(tok)
     results = []
     for case in cases(backend):
-        rollout = sequence_advantages(samples) if case["loss"] == "gspo" else samples
+        rollout = sequence_advantages(samples) if case["loss"] == "gspo" else mixed(samples) if case["loss"] in MIXED \
+            else samples
         got = exactrl_run(case, rollout, tok, case["layout"])
         if not dist.is_initialized() or dist.get_rank() == 0:
             cfg = case_config(case, case["layout"])

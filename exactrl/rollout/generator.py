@@ -78,6 +78,7 @@ def row_seed(seed: int, sample: int) -> int:
 
 class Generator(Protocol):
     weights_version: int
+    tok: object  # the tokenizer of its ids; decodes texts it did not sample (demonstrations, rollout/mixed.py)
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
                  seeds: Sequence[int] | None = None) -> list[Generation]: ...

@@ -40,7 +40,7 @@ def luffy_terms(cfg, agg: dict) -> list[Term]:
 
 def srft_terms(cfg, agg: dict) -> list[Term]:
     a, s = cfg.algo, cfg.algo.srft
-    clip = (a.clip_eps, a.clip_eps_high or a.clip_eps) if s.demo_clip else None
+    clip = (a.clip_eps, a.clip_eps) if s.demo_clip else None  # p <= 1: only the lower bound can act
     return [NLLTerm(coef=s.sft_coef, weight="exp_neg_entropy", sources=DEMO, **agg),
             DemonstrationTerm(clip=clip, sources=DEMO, **agg),
             OutcomeTerm(sign="positive", coef=s.positive_coef, weight="exp_entropy", threshold=s.positive_reward,

@@ -95,9 +95,10 @@ class SRFTConfig(Section):
                                                "accuracy rule: the built-in and math rewards give 1 to a correct "
                                                "answer).")
     demo_clip: bool = Field(True,
-                            description="PPO's clip (algo.clip_eps, algo.clip_eps_high) on the demonstrations' ratio "
-                                        "p (behaviour probability 1), as the paper's eq. 4 writes it; false: -p A "
-                                        "unclipped, as LUFFY's off-policy term.")
+                            description="PPO's clip (algo.clip_eps) on the demonstrations' ratio p (behaviour "
+                                        "probability 1), as the paper's eq. 4 writes it (p <= 1: only the lower bound "
+                                        "acts, on negative advantages); false: -p A unclipped, as LUFFY's off-policy "
+                                        "term.")
 
 
 # Keys that moved, old -> new: older configs and checkpoints still load (with a notice).

@@ -43,6 +43,8 @@ USED_WHEN = [
              "loss on the policy's tokens", "unset algo.policy_loss"),
     UsedWhen("algo.policy_loss", lambda c: c.algo.name != "srft", "srft has no ratio loss on the policy's responses "
              "(its positive and negative terms are log-likelihoods)", "use another algo.name"),
+    UsedWhen("algo.clip_eps_high", lambda c: c.algo.name != "srft", "srft clips only its demonstrations' ratio p, "
+             "which never exceeds 1, so no upper bound acts", "use another algo.name"),
     UsedWhen("algo.dual_clip", lambda c: c.algo.name != "srft", "srft clips only its demonstrations' ratio, with no "
              "dual clip", "use another algo.name"),
     *(UsedWhen(key, lambda c: _clips(c), "nothing is clipped (algo.luffy.clip=false or algo.srft.demo_clip=false)",

@@ -218,7 +218,8 @@ class MixedPolicyTerm(PolicyTerm):
 class DemonstrationTerm(Term):
     """The policy-gradient loss on demonstrations, behaviour probability 1 (losses/policy.py
     demonstration_loss): SRFT's demonstration RL term (arXiv 2506.19767, eq. 4), with ``clip``
-    = (low, high) PPO's clip on the ratio p, or None."""
+    = (low, high) PPO's clip on the ratio p, or None. Since p <= 1 only the lower bound acts: a
+    demonstration token with a negative advantage stops being pushed down once p < 1 - low."""
 
     kind = "demo_policy"
     fields: tuple[str, ...] = ("logprobs",)

@@ -239,7 +239,7 @@ def case_config(case, layout) -> RLConfig:
     if case["loss"] == "reinforce":
         overrides.append("algo.policy_loss=reinforce")
     else:
-        overrides += [f"algo.clip_eps={lo}", f"algo.clip_eps_high={hi}"]
+        overrides += [f"algo.clip_eps={lo}"] + ([f"algo.clip_eps_high={hi}"] if algo != "srft" else [])
     return load_config(RLConfig, None, overrides)
 
 

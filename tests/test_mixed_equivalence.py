@@ -64,7 +64,7 @@ def forward(model, samples, pad_id):
 
 
 def reference(model, samples, algo: str, agg: str, pad_id: int, clip: bool = True) -> dict:
-    """The step's gradient from the papers' formulas (LUFFY eq. 6; SRFT eq. 3-6), eps = 0.2."""
+    """The step's gradient from the papers' formulas (LUFFY's objective; SRFT's four terms), eps = 0.2."""
     model.zero_grad(set_to_none=True)
     logp, entropy = forward(model, samples, pad_id)
     parts = {"on": [0.0, 0, 0], "demo": [0.0, 0, 0]}  # loss sum, tokens, sequences of the policy's / demonstrations'

@@ -1,9 +1,9 @@
 """LUFFY's and SRFT's losses against their papers' formulas, written out here in plain torch on
 hand-made tensors (value AND gradient):
 
-LUFFY (arXiv 2504.14945, eq. 6): J = 1/Z [sum_demo sum_t f(p_t) A + sum_on sum_t min(r_t A, clip(r_t) A)],
+LUFFY (arXiv 2504.14945, its objective): J = 1/Z [sum_demo sum_t f(p_t) A + sum_on sum_t min(r_t A, clip(r_t) A)],
 f(p) = p / (p + gamma), behaviour probability 1 on demonstrations, Z = every token of the group.
-SRFT (arXiv 2506.19767, eq. 3-6): w_SFT = 0.5 sg(e^{-H}) on the demonstrations' NLL; the demonstrations'
+SRFT (arXiv 2506.19767): w_SFT = 0.5 sg(e^{-H}) on the demonstrations' NLL; the demonstrations'
 RL term -min(p A, clip(p) A); on the policy's responses w_RL = 0.1 sg(e^{H}) times the NLL of a positive
 response, +log p of a negative one.
 """
@@ -15,15 +15,7 @@ import torch
 
 from exactrl.data.batch import Sample, collate
 from exactrl.distributed.step_plan import plan_samples
-from exactrl.losses.objective import (
-    DemonstrationTerm,
-    Metrics,
-    MixedPolicyTerm,
-    Objective,
-    OutcomeTerm,
-    PolicyTerm,
-    micro_batch_loss,
-)
+from exactrl.losses.objective import Metrics, MixedPolicyTerm, Objective, OutcomeTerm, micro_batch_loss
 from exactrl.losses.policy import demonstration_loss
 
 D = torch.float64  # exact comparisons (the default dtype is left alone: it is the whole session's)
@@ -128,7 +120,7 @@ def test_luffy_unclipped_on_policy_tokens_use_the_plain_ratio():
 def test_two_terms_with_their_own_normalisers_would_be_a_mean_of_means():
     """What the one normaliser prevents: the demonstration's term averaged by itself."""
     samples, b, logp, _ = mixed_batch()
-    split = Objective((PolicyTerm(sources=("on_policy",)), DemonstrationTerm(sources=("demonstration",), gamma=0.1)))
+    split = Objective((MixedPolicyTerm(sources=("on_policy",)), MixedPolicyTerm(sources=("demonstration",))))
     loss, _ = run(split, samples, b, {"logprobs": logp}, 2)
     assert not torch.allclose(loss, luffy_by_the_paper(samples, b, logp), rtol=1e-3)
 
@@ -149,7 +141,7 @@ def test_outcome_terms_by_hand():
 
 
 def srft_by_the_paper(samples, b, logp, entropy, clip=(0.2, 0.2)):
-    """eq. 3-6 on the batch: the demonstrations' terms over their tokens, the policy's over theirs."""
+    """SRFT on the batch: the demonstrations' terms over their tokens, the policy's over theirs."""
     demo, on, n_demo, n_on = 0.0, 0.0, 0, 0
     for i, s in enumerate(samples):
         mask = b["loss_mask"][i].bool()

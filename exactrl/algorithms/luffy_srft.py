@@ -4,7 +4,7 @@ policy's samples (exactrl/rollout/mixed.py puts them there; advantages come from
 LUFFY (Yan et al. 2025, "Learning to Reason under Off-Policy Guidance", arXiv 2504.14945; code
 github.com/ElliottYan/LUFFY, verl/mix_src): the clipped ratio on the policy's tokens, the shaped
 f(p) = p / (p + gamma) with behaviour probability 1 and no clip on the demonstrations', one
-token-mean over both (eq. 6). Where its official code (exp_scripts/train.sh) differs, exactrl
+token-mean over both (its objective). Where its official code (exp_scripts/train.sh) differs, exactrl
 follows the paper and exposes the code's choice:
   - the code drops the clip on the policy's tokens (loss_remove_clip=True): algo.luffy.clip=false;
   - the code does not divide advantages by the group std (grpo_use_std=False): algo.std_normalize=false;
@@ -15,7 +15,7 @@ follows the paper and exposes the code's choice:
 
 SRFT (Fu et al. 2025, "SRFT: A Single-Stage Method with Supervised and Reinforcement Fine-Tuning
 for Reasoning", arXiv 2506.19767; no official training code was found, only released models):
-  L = w_SFT NLL(demo) + L_RL(demo) + [w_RL NLL(y+) + log p(y-)] (eq. 3-6), with
+  L = w_SFT NLL(demo) + L_RL(demo) + [w_RL NLL(y+) + log p(y-)], with
   w_SFT = 0.5 sg(exp(-H)), w_RL = 0.1 sg(exp(H)) and L_RL(demo) = -min(p A, clip(p) A) (behaviour
   probability 1, advantages over the group with the demonstration, as LUFFY, on which it builds).
   Choices the paper leaves open, made here: H is each token's own entropy (not a batch mean); the

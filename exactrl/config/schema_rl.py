@@ -71,10 +71,10 @@ class LuffyConfig(Section):
                                             "demonstration repeated). 1 as the paper (7 + 1) and its code "
                                             "(rollout.n=8, n_prefix=1).")
     gamma: float = Field(0.1, gt=0,
-                         description="Policy shaping f(p) = p / (p + gamma) on demonstration tokens (paper eq. 7 and "
-                                     "code: 0.1).")
+                         description="Policy shaping f(p) = p / (p + gamma) on demonstration tokens (paper and code: "
+                                     "0.1).")
     clip: bool = Field(True,
-                       description="PPO's clip on the policy's own tokens, as the paper's objective (eq. 6) has it; "
+                       description="PPO's clip on the policy's own tokens, as the paper's objective has it; "
                                    "its official code trains without (loss_remove_clip=True): false. With "
                                    "algo.policy_loss set, that loss is used instead.")
 
@@ -86,17 +86,17 @@ class SRFTConfig(Section):
                                             "policy samples the rest. 1, as LUFFY.")
     sft_coef: float = Field(0.5, ge=0,
                             description="w_SFT = sft_coef x sg(exp(-H)) on the demonstrations' NLL, H the token's "
-                                        "entropy (paper eq. 3: 0.5).")
+                                        "entropy (paper: 0.5).")
     positive_coef: float = Field(0.1, ge=0,
                                  description="w_RL = positive_coef x sg(exp(H)) on the NLL of the policy's positive "
-                                             "responses (paper eq. 5: 0.1); negative ones get +log p, weight 1.")
+                                             "responses (paper: 0.1); negative ones get +log p, weight 1.")
     positive_reward: float = Field(1.0,
                                    description="A response whose reward is at least this is positive (the rollout's "
                                                "accuracy rule: the built-in and math rewards give 1 to a correct "
                                                "answer).")
     demo_clip: bool = Field(True,
                             description="PPO's clip (algo.clip_eps) on the demonstrations' ratio p (behaviour "
-                                        "probability 1), as the paper's eq. 4 writes it (p <= 1: only the lower bound "
+                                        "probability 1), as the paper writes it (p <= 1: only the lower bound "
                                         "acts, on negative advantages); false: -p A unclipped, as LUFFY's off-policy "
                                         "term.")
 

@@ -195,7 +195,7 @@ class ValueTerm(Term):
 
 @dataclass(frozen=True, kw_only=True)
 class MixedPolicyTerm(PolicyTerm):
-    """LUFFY's policy loss (arXiv 2504.14945, eq. 6) on a group of on-policy samples and
+    """LUFFY's policy loss (arXiv 2504.14945, its objective) on a group of on-policy samples and
     demonstrations: the PolicyTerm's loss on the policy's tokens, the shaped demonstration loss
     (losses/policy.py demonstration_loss, f(p) = p / (p + gamma), unclipped) on the
     demonstrations' tokens, and ONE normaliser over both (the paper's 1/Z sums the tokens of every
@@ -217,23 +217,22 @@ class MixedPolicyTerm(PolicyTerm):
 @dataclass(frozen=True, kw_only=True)
 class DemonstrationTerm(Term):
     """The policy-gradient loss on demonstrations, behaviour probability 1 (losses/policy.py
-    demonstration_loss): SRFT's demonstration RL term (arXiv 2506.19767, eq. 4), with ``clip``
+    demonstration_loss): SRFT's demonstration RL term (arXiv 2506.19767), with ``clip``
     = (low, high) PPO's clip on the ratio p, or None. Since p <= 1 only the lower bound acts: a
     demonstration token with a negative advantage stops being pushed down once p < 1 - low."""
 
     kind = "demo_policy"
     fields: tuple[str, ...] = ("logprobs",)
-    gamma: float | None = None
     clip: tuple[float, float] | None = None
 
     def token_loss(self, f, b, mask, m):
         m.mean("demo_prob", torch.exp(f["logprobs"].detach()), mask)
-        return demonstration_loss(f["logprobs"], b["advantages"], self.gamma, self.clip)
+        return demonstration_loss(f["logprobs"], b["advantages"], clip=self.clip)
 
 
 @dataclass(frozen=True, kw_only=True)
 class OutcomeTerm(Term):
-    """SRFT's self-rollout terms (arXiv 2506.19767, eq. 5), split by the response's reward: on a
+    """SRFT's self-rollout terms (arXiv 2506.19767), split by the response's reward: on a
     "positive" response (reward >= ``threshold``) the NLL -log p (maximise its likelihood), on a
     "negative" one +log p (minimise it); the other responses' tokens add 0. Both halves sit under
     the on-policy tokens' one normaliser, the paper's expectation over the policy's samples."""

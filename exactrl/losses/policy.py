@@ -96,10 +96,10 @@ def demonstration_loss(logprobs: torch.Tensor, advantages: torch.Tensor, gamma: 
                        clip: tuple[float, float] | None = None) -> torch.Tensor:
     """Per-token policy-gradient loss on a demonstration's tokens. The policy never sampled them
     and the demonstrator's probabilities are unknown, so the behaviour probability is taken as 1
-    and the ratio is the policy's own probability p (LUFFY, Yan et al. 2025, arXiv 2504.14945,
-    sec. 3.2; SRFT, Fu et al. 2025, arXiv 2506.19767, sec. 4). ``gamma``: LUFFY's policy shaping
+    and the ratio is the policy's own probability p (LUFFY, Yan et al. 2025, arXiv 2504.14945;
+    SRFT, Fu et al. 2025, arXiv 2506.19767). ``gamma``: LUFFY's policy shaping
     f(p) = p / (p + gamma), whose gradient gamma p / (p + gamma)^2 per unit of log p does not
-    vanish on the low-probability tokens a demonstration teaches (LUFFY eq. 7, gamma = 0.1);
+    vanish on the low-probability tokens a demonstration teaches (LUFFY: gamma = 0.1);
     None: f(p) = p. ``clip``: (low, high) bounds of PPO's pessimistic clip on f(p) (SRFT's
     demonstration term as its paper writes it); None: unclipped (LUFFY: "no clip" off-policy).
     Returns -min(f(p) A, clip(f(p)) A), or -f(p) A unclipped."""

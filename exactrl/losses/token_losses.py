@@ -91,7 +91,7 @@ TOKEN_WEIGHTS = {
     "exp_neg_entropy": (("entropy",), lambda fields: torch.exp(-fields["entropy"].detach())),
     # CHORD (arXiv 2508.11408): phi = p (1 - p), p the probability of the demonstrated token
     "p_one_minus_p": (("logprobs",), _p_one_minus_p),
-    # SRFT (arXiv 2506.19767, eq. 5): sg(e^{H}) on the NLL of the policy's positive responses, so that training on
+    # SRFT (arXiv 2506.19767): sg(e^{H}) on the NLL of the policy's positive responses, so that training on
     # them (which lowers entropy) weighs more while entropy is high
     "exp_entropy": (("entropy",), lambda fields: torch.exp(fields["entropy"].detach())),
 }

@@ -129,8 +129,8 @@ def mixed(samples: list[Sample]) -> list[Sample]:
 
 
 def reference_mixed_loss(model, samples, tok, case):
-    """LUFFY (arXiv 2504.14945, eq. 6): the clipped ratio on the policy's tokens, p / (p + 0.1) on the
-    demonstrations', one token-mean over both. SRFT (arXiv 2506.19767, eq. 3-6): on demonstrations
+    """LUFFY (arXiv 2504.14945, its objective): the clipped ratio on the policy's tokens, p / (p + 0.1) on the
+    demonstrations', one token-mean over both. SRFT (arXiv 2506.19767): on demonstrations
     0.5 sg(e^-H) NLL - min(p A, clip(p) A), on the policy's responses 0.1 sg(e^H) NLL if the reward is 1
     else log p; a token-mean over each."""
     ids, attn = padded(samples, tok.pad_token_id)

@@ -238,6 +238,8 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     a, t, alg = cfg.algo, cfg.train, ALGORITHMS.lookup(cfg.algo.name)
     # the policy's loss as data; refuses a KL that would land nowhere before anything loads
     objective = alg.objective(cfg)
+    # only a policy term takes a ratio to check (srft's terms are likelihoods, its demonstrations' ratio p)
+    has_ratio = any(term.kind == "policy" for term in objective.terms)
     model_path = model_path or resolve(cfg.model.path, "model", spec)
     train_kind = "mixed_train" if alg.demonstrations else "rl_train"
     train_path, eval_path = resolve(cfg.data.train, train_kind, spec), resolve(eval_data(cfg), "eval", spec)
@@ -311,8 +313,6 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
         attach_advantages(samples, cfg, kl_coef)
 
         # 4. epochs x mini-batches, one verified optimizer step each (during the critic's warm-up only the critic steps)
-        # only a policy term takes a ratio to check (srft's terms are likelihoods, its demonstrations' ratio p)
-        has_ratio = any(t.kind == "policy" for t in objective.terms)
         loss_now = objective.with_term("kl", coef=kl_coef).with_term("policy", old="self" if reused else "old_logprobs")
         train_policy = critic is None or rollout >= cfg.critic.warmup_rollouts
         for batch, plan, first in mini_batches(samples, cfg, engine, group_rng):

@@ -42,8 +42,3 @@ def test_mixed_policy_method_trains_through_the_cli(algo, tmp_path, cli_cache):
             assert r["ratio_dev_first"] is None  # srft takes no ratio
             assert r["positive_fraction"] + r["negative_fraction"] == pytest.approx(1.0)
 
-
-def test_a_key_of_the_other_method_is_refused_in_one_line(tmp_path, cli_cache):
-    proc = run(tmp_path, cli_cache, "algo.name=luffy", "algo.srft.sft_coef=1.0", *STEP)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "algo.srft.sft_coef=1.0 has no effect: these are srft's settings (algo.name=luffy)" in proc.stderr

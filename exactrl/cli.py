@@ -239,7 +239,8 @@ def sft(config: Path | None = ConfigOpt, overrides: list[str] | None = Overrides
     _run("sft", config, overrides, lambda cfg: _say_final(train_sft(cfg).final_model))
 
 
-@app.command(short_help="RL from verifiable rewards: ppo, grpo, dr_grpo, dapo, rloo, reinforce_pp(_baseline), gspo.")
+@app.command(short_help="RL from verifiable rewards: ppo, grpo, dr_grpo, dapo, rloo, reinforce_pp(_baseline), gspo, "
+                      "luffy, srft.")
 def rl(config: Path | None = ConfigOpt, overrides: list[str] | None = OverridesArg):
     """RL from verifiable rewards. algo.name (README "RL algorithms"):
 
@@ -252,6 +253,8 @@ def rl(config: Path | None = ConfigOpt, overrides: list[str] | None = OverridesA
     reinforce_pp           REINFORCE++: return to go, global whitening (Hu 2025)
     reinforce_pp_baseline  REINFORCE++ after subtracting the group mean
     gspo                   sequence-level ratio and clipping (Zheng 2025)
+    luffy                  demonstrations in the group, p/(p+0.1) on their tokens (Yan 2025)
+    srft                   entropy-weighted SFT and RL on demonstrations and samples (Fu 2025)
     """
     from exactrl.algorithms.rl import train_rl
 

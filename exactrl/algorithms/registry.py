@@ -10,10 +10,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from exactrl.advantages.estimators import TOKEN_REWARDS
+from exactrl.algorithms.hint_methods import prefix_rft_objective, uft_objective
 from exactrl.config.loader import ConfigError
 from exactrl.losses.objective import EntropyTerm, KLTerm, Objective, PolicyTerm
 from exactrl.registry import Registry
 from exactrl.rollout.collect import collect_dynamic_rollout, plain_rollout
+from exactrl.rollout.hinted import prefix_rft_rollout, uft_rollout
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,8 @@ class Algorithm:
     # learns from a demonstration of each prompt besides its own samples (the mixed-policy methods): every
     # training prompt must carry one (data/encode.py), and data.train=builtin is the built-in task's mixed file
     demonstrations: bool = False
+    # the method's own objective made from the standard one: (objective, cfg) -> objective (None: the standard)
+    reshape: Callable | None = None
 
     def objective(self, cfg) -> Objective:
         """The policy's loss as data: the clipped surrogate (against the batch's old log-probs;
@@ -52,7 +56,8 @@ class Algorithm:
             terms.append(KLTerm(coef=a.kl_coef, estimator=a.kl_estimator, **agg))
         if a.entropy_coef > 0:
             terms.append(EntropyTerm(coef=a.entropy_coef, **agg))
-        return Objective(tuple(terms), metrics=("entropy",) if a.log_entropy and a.entropy_coef == 0 else ())
+        objective = Objective(tuple(terms), metrics=("entropy",) if a.log_entropy and a.entropy_coef == 0 else ())
+        return self.reshape(objective, cfg) if self.reshape else objective
 
 
 ALGORITHMS: Registry[Algorithm] = Registry("algo.name")
@@ -69,6 +74,13 @@ for algorithm in (
     # + clip_eps_high and overlong shaping, set in its config
     Algorithm("dapo", "grpo", "ppo", "Yu et al. 2025, arXiv 2503.14476", rollout=collect_dynamic_rollout,
               config="dapo"),
+    # a scheduled hint continued by the policy; GRPO on the continuation, NLL on the hint (its code's estimator: grpo)
+    Algorithm("uft", "grpo", "ppo", "Liu et al. 2025, arXiv 2505.16984", rollout=uft_rollout, config="uft",
+              demonstrations=True, reshape=uft_objective),
+    # a scheduled prefix continued by the policy; Dr.GRPO (its A.2) on every token but a prefix's low-entropy ones
+    Algorithm("prefix_rft", "dr_grpo", "ppo", "Huang et al. 2025, arXiv 2507.01679", rollout=prefix_rft_rollout,
+              loss_agg="seq-mean-token-sum-norm", config="prefix_rft", demonstrations=True,
+              reshape=prefix_rft_objective),
 ):
     ALGORITHMS.add(algorithm.name, algorithm)
 

@@ -44,9 +44,10 @@ class RolloutConfig(Section):
         return self
 
 
-RL_ALGOS = ("ppo", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo")
+RL_ALGOS = ("ppo", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "uft",
+            "prefix_rft")
 # Algorithms whose baseline is the other responses to the same prompt.
-GROUP_ALGOS = ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp_baseline", "gspo")
+GROUP_ALGOS = ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp_baseline", "gspo", "uft", "prefix_rft")
 
 
 class GAEConfig(Section):
@@ -60,6 +61,52 @@ class DAPOConfig(Section):
     max_refill_rounds: int = Field(10, ge=0,
                                    description="Extra generation rounds to replace groups with all-equal rewards "
                                                "before giving up.")
+
+
+class UFTConfig(Section):
+    """UFT (Liu et al. 2025, arXiv 2505.16984); defaults from its official code (liumy2010/UFT run.py)."""
+
+    hint_steps: int = Field(300, ge=1,
+                            description="Optimizer steps over which the hint's expected share of the demonstration "
+                                        "falls from hint_high to hint_low (cosine); later rollouts get no hint (the "
+                                        "code's T_hint: 300 of its 500 steps).")
+    hint_high: float = Field(0.95, ge=0, le=1, description="Expected hint share at step 0 (the code's upper_prob).")
+    hint_low: float = Field(0.05, ge=0, le=1,
+                            description="Expected hint share at step hint_steps (the code's lower_prob).")
+    hint_parts: int = Field(5, ge=1,
+                            description="The demonstration is cut into this many equal parts; a prompt's hint is the "
+                                        "first k of them, k ~ Binomial(hint_parts, share) (the code's 5 reasoning "
+                                        "steps).")
+    nll_coef: float = Field(0.001, ge=0,
+                            description="Weight of the NLL on the hint tokens beside GRPO on the policy's "
+                                        "continuation (the code's sft_loss_coef).")
+    nll_agg: Literal["token-mean", "seq-mean-token-sum"] = Field(
+        "token-mean",
+        description="The hint NLL's normaliser: 'token-mean' over the step's hint tokens (the code's mean over hint "
+                    "tokens, there per micro-batch) or 'seq-mean-token-sum', the paper's sum over a hint's tokens, "
+                    "averaged over the step's hinted sequences.")
+
+
+class PrefixRFTConfig(Section):
+    """Prefix-RFT (Huang et al. 2025, arXiv 2507.01679); defaults from its appendix A.2."""
+
+    prefixed: int = Field(1, ge=1,
+                          description="Responses per group that continue a prefix of the demonstration (the paper: "
+                                      "one of 8); the others are sampled from the prompt alone.")
+    decay_steps: int = Field(500, ge=1,
+                             description="Optimizer steps over which the prefix share's lower bound decays (cosine) "
+                                         "from low_start to low_end (the paper's 500 training steps).")
+    low_start: float = Field(0.95, ge=0, le=1, description="Lower bound of the prefix share at step 0.")
+    low_end: float = Field(0.05, ge=0, le=1, description="Lower bound of the prefix share from step decay_steps on.")
+    high: float = Field(0.95, ge=0, le=1,
+                        description="Upper bound of the prefix share: a prefix is int(l x the demonstration's length) "
+                                    "tokens, l ~ U[lower bound, high].")
+    keep: float = Field(0.2, gt=0, le=1,
+                        description="Share of each prefix's tokens, those of highest entropy, that train "
+                                    "(entropy-based clipping: the others' advantage is zeroed; the paper's top 20%).")
+    clip_prefix: bool = Field(True,
+                              description="Clip the prefix tokens' ratio like the policy's (the code's enable_clip); "
+                                          "false: unclipped ratio x advantage on them.")
 
 
 # Keys that moved, old -> new: older configs and checkpoints still load (with a notice).
@@ -167,6 +214,11 @@ class AlgoConfig(Section):
     gae: GAEConfig = Field(default_factory=GAEConfig,
                            description="ppo's generalised advantage estimation (Schulman et al. 2016).")
     dapo: DAPOConfig = Field(default_factory=DAPOConfig, description="dapo's dynamic sampling (Yu et al. 2025).")
+    uft: UFTConfig = Field(default_factory=UFTConfig,
+                           description="uft's scheduled hint and its NLL (Liu et al. 2025, arXiv 2505.16984).")
+    prefix_rft: PrefixRFTConfig = Field(default_factory=PrefixRFTConfig,
+                                        description="prefix_rft's scheduled prefix and entropy-based clipping "
+                                                    "(Huang et al. 2025, arXiv 2507.01679).")
     gen_ratio_tol: float = Field(1e-2, gt=0,
                                  description="Allowed |ratio - 1| for the on-policy check when a rollout feeding one "
                                              "update is checked against the generator's log-probs (KV-cached "

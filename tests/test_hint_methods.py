@@ -343,3 +343,33 @@ def test_prefix_rft_runs_from_its_example_with_one_prefixed_response_per_group(t
     # each prefix keeps n - int(0.8 n) of its n tokens: 1 of a 1-token prefix, 2 of 9 (rollout 0: n >= 9)
     assert 0.2 <= rows[0]["prefix_kept"] <= 1 / 3 and all(0 < r["prefix_kept"] <= 1 for r in rows)
     assert all(r["canary"] == 1.0 and r["ratio_dev_first"] == 0.0 for r in rows)
+
+
+def test_prefix_rft_code_advantages_centre_on_the_unprefixed_responses_only():
+    """advantage=code, from the official code's formula written out: a group of 4 with rewards
+    1, 0, 1, 1 whose first response continues a 2-token prefix: the unprefixed mean is 2/3, so
+    they get -2/3, 1/3, 1/3; the prefixed one gets 1/3 on its prefix tokens and its reward 1 on its
+    continuation. A group whose only unprefixed response is the one left centres on 0. The default
+    (group) leaves Dr.GRPO's group-centred advantages."""
+    from exactrl.algorithms.rl import attach_advantages
+
+    def group(rewards, prefixed):
+        out = []
+        for r, h in zip(rewards, prefixed):
+            out.append(Sample([1, 2, 3], [7, 8, 9, 4], reward=r, origin=("policy",) * 2 + ("demonstration",) * h + (
+                "policy",) * (4 - h)))
+        return out
+
+    samples = group([1.0, 0.0, 1.0, 1.0], [2, 0, 0, 0]) + group([0.0, 1.0, 1.0, 0.5], [1, 3, 1, 0])
+    base = ["algo.name=prefix_rft", "algo.group_size=4", "train.global_batch_size=8", "train.micro_batch_size=4"]
+    attach_advantages(samples, load_config(RLConfig, None, [*base, "algo.prefix_rft.prefixed=3",
+                                                             "algo.prefix_rft.advantage=code"]))
+    z = [0.0, 0.0]  # the prompt's targets
+    expect = [z + [1 / 3, 1 / 3, 1, 1], z + [-2 / 3] * 4, z + [1 / 3] * 4, z + [1 / 3] * 4,
+              z + [0.0, 0, 0, 0], z + [1, 1, 1, 1], z + [1, 1, 1, 1], z + [0.5] * 4]
+    assert [s.advantages.tolist() for s in samples] == [pytest.approx(e, abs=1e-6) for e in expect]
+    attach_advantages(samples, load_config(RLConfig, None, [*base, "algo.prefix_rft.prefixed=3"]))
+    assert [float(s.advantages[-1]) for s in samples[:4]] == pytest.approx([0.25, -0.75, 0.25, 0.25])
+    with pytest.raises(ConfigError, match="leaves none of the 4"):
+        ALGORITHMS.lookup("prefix_rft").objective(load_config(RLConfig, None, [
+            *base, "algo.prefix_rft.prefixed=4", "algo.prefix_rft.advantage=code"]))

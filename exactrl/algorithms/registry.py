@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from exactrl.advantages.estimators import TOKEN_REWARDS
-from exactrl.algorithms.hint_methods import prefix_rft_objective, uft_objective
+from exactrl.algorithms.hint_methods import prefix_rft_advantages, prefix_rft_objective, uft_objective
 from exactrl.config.loader import ConfigError
 from exactrl.losses.objective import EntropyTerm, KLTerm, Objective, PolicyTerm
 from exactrl.registry import Registry
@@ -36,6 +36,8 @@ class Algorithm:
     demonstrations: bool = False
     # the method's own objective made from the standard one: (objective, cfg) -> objective (None: the standard)
     reshape: Callable | None = None
+    # replaces the estimator's advantages after it ran: (samples, rewards, cfg) -> None (None: keeps them)
+    reshape_advantages: Callable | None = None
 
     def objective(self, cfg) -> Objective:
         """The policy's loss as data: the clipped surrogate (against the batch's old log-probs;
@@ -80,7 +82,7 @@ for algorithm in (
     # a scheduled prefix continued by the policy; Dr.GRPO (its A.2) on every token but a prefix's low-entropy ones
     Algorithm("prefix_rft", "dr_grpo", "ppo", "Huang et al. 2025, arXiv 2507.01679", rollout=prefix_rft_rollout,
               loss_agg="seq-mean-token-sum-norm", config="prefix_rft", demonstrations=True,
-              reshape=prefix_rft_objective),
+              reshape=prefix_rft_objective, reshape_advantages=prefix_rft_advantages),
 ):
     ALGORITHMS.add(algorithm.name, algorithm)
 

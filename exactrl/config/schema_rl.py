@@ -107,6 +107,11 @@ class PrefixRFTConfig(Section):
     clip_prefix: bool = Field(True,
                               description="Clip the prefix tokens' ratio like the policy's (the code's enable_clip); "
                                           "false: unclipped ratio x advantage on them.")
+    advantage: Literal["group", "code"] = Field(
+        "group",
+        description="'group': Dr.GRPO's group-centred rewards, prefixed responses in the group (the paper's A.2); "
+                    "'code': the official code's, the unprefixed responses centred on their own mean, a prefixed "
+                    "response's continuation on 0 and its prefix tokens on that mean.")
 
 
 # Keys that moved, old -> new: older configs and checkpoints still load (with a notice).

@@ -277,7 +277,7 @@ def test_a_uft_rollout_continues_the_demonstrations_hint_whatever_the_batching(t
     marked 'demonstration' (and only those); the group shares one hint; the rollout is the same
     decoded one row at a time or all together (keyed streams)."""
     prompts = [Prompt(tokenizer(f"{i}+{i}=")["input_ids"], f"{i}+{i}=", str(2 * i), f"d:{i}",
-                      tokenizer(f"{i}+{i}={2 * i}")["input_ids"][1:] + [tokenizer.eos_token_id]) for i in range(4)]
+                      tokenizer(f"{i}+{i}={2 * i}")["input_ids"] + [tokenizer.eos_token_id]) for i in range(4)]
     cfg = load_config(RLConfig, None, ["algo.name=uft", "algo.group_size=2", "train.global_batch_size=8",
                                        "train.micro_batch_size=4", "rollout.max_new_tokens=4",
                                        "algo.uft.hint_steps=10", "reward.fn=reward_fixtures:varied"])
@@ -302,6 +302,32 @@ def test_a_uft_rollout_continues_the_demonstrations_hint_whatever_the_batching(t
     assert lengths[0::2] == lengths[1::2] and any(lengths)  # one hint per group
     assert stats["hint_tokens"] == pytest.approx(sum(lengths) / len(lengths))
 
+
+def test_a_prefix_rft_rollout_is_the_same_split_over_two_ranks(tokenizer, make_model, monkeypatch):
+    """Each rank generates its half of the prompts (whole groups); what the two produce, in rank
+    order, is the one-process rollout: prefix lengths and continuations come from keyed streams,
+    not from a rank's position in its share (tests/test_rl_layout.py runs it through the command
+    on FSDP2 x 2 in its slow matrix)."""
+    import exactrl.rollout.hinted as hinted
+    from exactrl.rewards import load_rewards
+
+    prompts = [Prompt(tokenizer(f"{i}+{i}=")["input_ids"], f"{i}+{i}=", str(2 * i), f"d:{i}",
+                      tokenizer(f"{i}+{i}={2 * i}")["input_ids"] + [tokenizer.eos_token_id]) for i in range(4)]
+    cfg = load_config(RLConfig, None, ["algo.name=prefix_rft", "algo.group_size=4", "train.global_batch_size=16",
+                                       "train.micro_batch_size=4", "rollout.max_new_tokens=4",
+                                       "algo.prefix_rft.prefixed=2"])
+    engine = HFEngine(make_model(1), tokenizer, 64)
+    with load_rewards(["reward_fixtures:varied"], None) as fns:
+        whole, _ = hinted.prefix_rft_rollout(engine, prompts, [0, 1, 2, 3], 1, fns, cfg)
+        split = []
+        for rank in (0, 1):
+            monkeypatch.setattr(hinted, "shard", lambda items, r=rank: items[r * len(items) // 2 : (r + 1) * len(
+                items) // 2])
+            monkeypatch.setattr(hinted, "gather", lambda obj: [obj])  # this rank's own share
+            split += hinted.prefix_rft_rollout(engine, prompts, [0, 1, 2, 3], 1, fns, cfg)[0]
+    assert [(s.response_ids, s.origin, s.reward) for s in split] == [(s.response_ids, s.origin, s.reward)
+                                                                     for s in whole]
+    assert sum(any(o == "demonstration" for o in s.origin) for s in whole) == 8  # 2 of each group of 4
 
 def run_cli(args, cwd, cache):
     env = {**os.environ, "EXACTRL_CACHE": str(cache), "OMP_NUM_THREADS": "1"}

@@ -399,3 +399,11 @@ def test_prefix_rft_code_advantages_centre_on_the_unprefixed_responses_only():
     with pytest.raises(ConfigError, match="leaves none of the 4"):
         ALGORITHMS.lookup("prefix_rft").objective(load_config(RLConfig, None, [
             *base, "algo.prefix_rft.prefixed=4", "algo.prefix_rft.advantage=code"]))
+
+
+def test_a_hint_setting_that_would_do_nothing_is_refused():
+    with pytest.raises(ConfigError, match="algo.uft.nll_agg=seq-mean-token-sum has no effect: there is no hint NLL"):
+        load_config(RLConfig, None, ["algo.name=uft", "algo.uft.nll_coef=0", "algo.uft.nll_agg=seq-mean-token-sum"])
+    with pytest.raises(ConfigError, match="clip_prefix=false has no effect: algo.policy_loss=reinforce does not"):
+        load_config(RLConfig, None, ["algo.name=prefix_rft", "algo.policy_loss=reinforce",
+                                     "algo.prefix_rft.clip_prefix=false"])

@@ -41,6 +41,10 @@ USED_WHEN = [
              "set algo.name=uft"),
     UsedWhen("algo.prefix_rft.", lambda c: c.algo.name == "prefix_rft", "the scheduled prefix is prefix_rft's "
              "(algo.name={c.algo.name})", "set algo.name=prefix_rft"),
+    UsedWhen("algo.uft.nll_agg", lambda c: c.algo.uft.nll_coef > 0, "there is no hint NLL (algo.uft.nll_coef=0)",
+             "set algo.uft.nll_coef > 0"),
+    UsedWhen("algo.prefix_rft.clip_prefix", lambda c: c.algo.policy_loss != "reinforce", "algo.policy_loss=reinforce "
+             "does not clip", "use another algo.policy_loss"),
     UsedWhen("algo.std_normalize", lambda c: c.algo.name in STD_ALGOS, "algo.name={c.algo.name} does not divide by the "
              "group std (only " + ", ".join(STD_ALGOS) + " do)", "use one of those"),
     UsedWhen("algo.gamma", lambda c: c.algo.name in DISCOUNT_ALGOS, "algo.name={c.algo.name} does not discount returns "

@@ -7,8 +7,10 @@ sampling with sharded parameters keeps every rank stepping until the last rank's
 The policy losses: PPO's clipped token ratio (GRPO, RLOO, REINFORCE++), with clip-higher, a
 k3 KL and an entropy bonus under Dr.GRPO's constant-length aggregation (DAPO/Dr.GRPO); GSPO's
 clipped sequence ratio; unclipped REINFORCE; LUFFY's and SRFT's terms on a rollout whose
-groups hold a demonstration. The value loss with and without PPO's value clipping. Each
-against a one-pass reference written from the definitions, two SGD steps.
+groups hold a demonstration; UFT (GRPO on the policy's tokens, NLL on a demonstration prefix's)
+and Prefix-RFT (the prefix's top-entropy tokens only) on sequences that mix both origins in
+different shares. The value loss with and without PPO's value clipping. Each against a one-pass
+reference written from the definitions, two SGD steps.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import pytest
 from distributed_harness import LAYOUT_IDS, LAYOUTS, layout_results, over_bound
 
 SCRIPT = Path(__file__).parent / "dist" / "rl_equivalence.py"
-LOSSES = {"ppo", "gspo", "reinforce", "value", "luffy", "srft"}
+LOSSES = {"ppo", "gspo", "reinforce", "value", "luffy", "srft", "uft", "prefix_rft"}
 
 
 @pytest.fixture(scope="module", params=LAYOUTS, ids=LAYOUT_IDS)

@@ -37,6 +37,9 @@ ALGOS = {
     "ppo": ["algo.name=ppo", "algo.kl_coef=0.05", "critic.warmup_rollouts=0", "reward.fn=length_reward:reward"],
     "dapo": ["algo.name=dapo", "algo.clip_eps_high=0.28", "algo.dapo.max_refill_rounds=8",
              "reward.fn=length_reward:sparse"],
+    # a demonstration prefix of scheduled length (keyed per prompt) continued by the policy
+    "uft": ["algo.name=uft", "reward.fn=length_reward:reward"],
+    "prefix_rft": ["algo.name=prefix_rft", "algo.prefix_rft.prefixed=2", "reward.fn=length_reward:reward"],
 }
 BACKENDS = {"single": [], "fsdp2": ["distributed.backend=fsdp2"], "deepspeed": ["distributed.backend=deepspeed"]}
 REFERENCE = ("single", 1, 16, 4)  # backend, world size, rollout.batch_size, train.micro_batch_size

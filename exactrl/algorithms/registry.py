@@ -11,11 +11,13 @@ from dataclasses import dataclass
 
 from exactrl.advantages.estimators import TOKEN_REWARDS
 from exactrl.algorithms.luffy_srft import luffy_terms, srft_terms
+from exactrl.algorithms.hint_methods import prefix_rft_advantages, prefix_rft_objective, uft_objective
 from exactrl.config.loader import ConfigError
 from exactrl.losses.objective import EntropyTerm, KLTerm, Objective, PolicyTerm
 from exactrl.registry import Registry
 from exactrl.rollout.collect import collect_dynamic_rollout, plain_rollout
 from exactrl.rollout.mixed import mixed_rollout
+from exactrl.rollout.hinted import prefix_rft_rollout, uft_rollout
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,10 @@ class Algorithm:
     # (cfg, aggregation) -> the method's own terms on the policy's samples and demonstrations (LUFFY, SRFT:
     # algorithms/luffy_srft.py); None: the clipped surrogate of ``policy_loss``
     policy_terms: Callable | None = None
+    # the method's own objective made from the standard one: (objective, cfg) -> objective (None: the standard)
+    reshape: Callable | None = None
+    # replaces the estimator's advantages after it ran: (samples, rewards, cfg) -> None (None: keeps them)
+    reshape_advantages: Callable | None = None
 
     def objective(self, cfg) -> Objective:
         """The policy's loss as data: the clipped surrogate (against the batch's old log-probs;
@@ -57,7 +63,8 @@ class Algorithm:
             terms.append(KLTerm(coef=a.kl_coef, estimator=a.kl_estimator, **agg))
         if a.entropy_coef > 0:
             terms.append(EntropyTerm(coef=a.entropy_coef, **agg))
-        return Objective(tuple(terms), metrics=("entropy",) if a.log_entropy and a.entropy_coef == 0 else ())
+        objective = Objective(tuple(terms), metrics=("entropy",) if a.log_entropy and a.entropy_coef == 0 else ())
+        return self.reshape(objective, cfg) if self.reshape else objective
 
 
 ALGORITHMS: Registry[Algorithm] = Registry("algo.name")
@@ -79,5 +86,12 @@ for algorithm in (
               demonstrations=True, policy_terms=luffy_terms),
     Algorithm("srft", "grpo", "ppo", "Fu et al. 2025, arXiv 2506.19767", rollout=mixed_rollout, config="srft",
               demonstrations=True, policy_terms=srft_terms),
+    # a scheduled hint continued by the policy; GRPO on the continuation, NLL on the hint (its code's estimator: grpo)
+    Algorithm("uft", "grpo", "ppo", "Liu et al. 2025, arXiv 2505.16984", rollout=uft_rollout, config="uft",
+              demonstrations=True, reshape=uft_objective),
+    # a scheduled prefix continued by the policy; Dr.GRPO (its A.2) on every token but a prefix's low-entropy ones
+    Algorithm("prefix_rft", "dr_grpo", "ppo", "Huang et al. 2025, arXiv 2507.01679", rollout=prefix_rft_rollout,
+              loss_agg="seq-mean-token-sum-norm", config="prefix_rft", demonstrations=True,
+              reshape=prefix_rft_objective, reshape_advantages=prefix_rft_advantages),
 ):
     ALGORITHMS.add(algorithm.name, algorithm)

@@ -117,6 +117,8 @@ def attach_advantages(samples: list[Sample], cfg: RLConfig, kl_coef: float | Non
     for s, row, ret in zip(samples, adv, returns):
         n = len(s.prompt_ids) + len(s.response_ids) - 1
         s.advantages, s.returns = row[:n].float(), ret[:n].float()
+    if alg.reshape_advantages:  # a method's own advantages from the same rewards (prefix_rft's code variant)
+        alg.reshape_advantages(samples, rewards, cfg)
 
 
 def require_demonstrations(prompts: list[Prompt], name: str) -> None:

@@ -44,9 +44,10 @@ class RolloutConfig(Section):
         return self
 
 
-RL_ALGOS = ("ppo", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "luffy", "srft")
+RL_ALGOS = ("ppo", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "luffy", "srft",
+            "uft", "prefix_rft")
 # Algorithms whose baseline is the other responses to the same prompt.
-GROUP_ALGOS = ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp_baseline", "gspo", "luffy", "srft")
+GROUP_ALGOS = ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp_baseline", "gspo", "luffy", "srft", "uft", "prefix_rft")
 # Algorithms whose GRPO groups hold demonstrations beside the policy's samples (exactrl/rollout/mixed.py).
 DEMO_GROUP_ALGOS = ("luffy", "srft")
 
@@ -99,6 +100,55 @@ class SRFTConfig(Section):
                                         "probability 1), as the paper writes it (p <= 1: only the lower bound "
                                         "acts, on negative advantages); false: -p A unclipped, as LUFFY's off-policy "
                                         "term.")
+class UFTConfig(Section):
+    """UFT (Liu et al. 2025, arXiv 2505.16984); defaults from its official code (liumy2010/UFT run.py)."""
+
+    hint_steps: int = Field(300, ge=1,
+                            description="Optimizer steps over which the hint's expected share of the demonstration "
+                                        "falls from hint_high to hint_low (cosine); later rollouts get no hint (the "
+                                        "code's T_hint: 300 of its 500 steps).")
+    hint_high: float = Field(0.95, ge=0, le=1, description="Expected hint share at step 0 (the code's upper_prob).")
+    hint_low: float = Field(0.05, ge=0, le=1,
+                            description="Expected hint share at step hint_steps (the code's lower_prob).")
+    hint_parts: int = Field(5, ge=1,
+                            description="The demonstration is cut into this many equal parts; a prompt's hint is the "
+                                        "first k of them, k ~ Binomial(hint_parts, share) (the code's 5 reasoning "
+                                        "steps).")
+    nll_coef: float = Field(0.001, ge=0,
+                            description="Weight of the NLL on the hint tokens beside GRPO on the policy's "
+                                        "continuation (the code's sft_loss_coef).")
+    nll_agg: Literal["token-mean", "seq-mean-token-sum"] = Field(
+        "token-mean",
+        description="The hint NLL's normaliser: 'token-mean' over the step's hint tokens (the code's mean over hint "
+                    "tokens, there per micro-batch) or 'seq-mean-token-sum', the paper's sum over a hint's tokens, "
+                    "averaged over the step's hinted sequences.")
+
+
+class PrefixRFTConfig(Section):
+    """Prefix-RFT (Huang et al. 2025, arXiv 2507.01679); defaults from its appendix A.2."""
+
+    prefixed: int = Field(1, ge=1,
+                          description="Responses per group that continue a prefix of the demonstration (the paper: "
+                                      "one of 8); the others are sampled from the prompt alone.")
+    decay_steps: int = Field(500, ge=1,
+                             description="Optimizer steps over which the prefix share's lower bound decays (cosine) "
+                                         "from low_start to low_end (the paper's 500 training steps).")
+    low_start: float = Field(0.95, ge=0, le=1, description="Lower bound of the prefix share at step 0.")
+    low_end: float = Field(0.05, ge=0, le=1, description="Lower bound of the prefix share from step decay_steps on.")
+    high: float = Field(0.95, ge=0, le=1,
+                        description="Upper bound of the prefix share: a prefix is int(l x the demonstration's length) "
+                                    "tokens, l ~ U[lower bound, high].")
+    keep: float = Field(0.2, gt=0, le=1,
+                        description="Share of each prefix's tokens, those of highest entropy, that train "
+                                    "(entropy-based clipping: the others' advantage is zeroed; the paper's top 20%).")
+    clip_prefix: bool = Field(True,
+                              description="Clip the prefix tokens' ratio like the policy's (the code's enable_clip); "
+                                          "false: unclipped ratio x advantage on them.")
+    advantage: Literal["group", "code"] = Field(
+        "group",
+        description="'group': Dr.GRPO's group-centred rewards, prefixed responses in the group (the paper's A.2); "
+                    "'code': the official code's, the unprefixed responses centred on their own mean, a prefixed "
+                    "response's continuation on 0 and its prefix tokens on that mean.")
 
 
 # Keys that moved, old -> new: older configs and checkpoints still load (with a notice).
@@ -210,6 +260,11 @@ class AlgoConfig(Section):
                                description="luffy's demonstrations in the group and policy shaping (Yan et al. 2025).")
     srft: SRFTConfig = Field(default_factory=SRFTConfig,
                              description="srft's demonstration and entropy-weighted terms (Fu et al. 2025).")
+    uft: UFTConfig = Field(default_factory=UFTConfig,
+                           description="uft's scheduled hint and its NLL (Liu et al. 2025, arXiv 2505.16984).")
+    prefix_rft: PrefixRFTConfig = Field(default_factory=PrefixRFTConfig,
+                                        description="prefix_rft's scheduled prefix and entropy-based clipping "
+                                                    "(Huang et al. 2025, arXiv 2507.01679).")
     gen_ratio_tol: float = Field(1e-2, gt=0,
                                  description="Allowed |ratio - 1| for the on-policy check when a rollout feeding one "
                                              "update is checked against the generator's log-probs (KV-cached "

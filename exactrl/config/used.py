@@ -11,7 +11,7 @@ from exactrl.config.schema import CommonConfig, OptimConfig
 
 # Which algorithms use which settings (algorithms/registry.py declares the same; tests check they agree).
 CRITIC_ALGOS = ("ppo",)  # train a critic (critic.*) and estimate advantages with GAE (algo.gae.*)
-STD_ALGOS = ("grpo", "gspo", "dapo", "luffy", "srft")  # the grpo estimator: group-centred rewards / group std
+STD_ALGOS = ("grpo", "gspo", "dapo", "luffy", "srft", "uft")  # the grpo estimator: group-centred rewards / group std
 DISCOUNT_ALGOS = ("ppo", "reinforce_pp", "reinforce_pp_baseline")  # returns to go, discounted by algo.gamma
 
 
@@ -52,6 +52,14 @@ USED_WHEN = [
     *(UsedWhen(key, lambda c: c.algo.name != "srft", "srft's loss takes no ratio to the policy that sampled, so "
                "there is no on-policy ratio to check", "use another algo.name") for key in (
         "algo.ratio_check", "algo.ratio_tol", "algo.gen_ratio_tol")),
+    UsedWhen("algo.uft.", lambda c: c.algo.name == "uft", "the scheduled hint is uft's (algo.name={c.algo.name})",
+             "set algo.name=uft"),
+    UsedWhen("algo.prefix_rft.", lambda c: c.algo.name == "prefix_rft", "the scheduled prefix is prefix_rft's "
+             "(algo.name={c.algo.name})", "set algo.name=prefix_rft"),
+    UsedWhen("algo.uft.nll_agg", lambda c: c.algo.uft.nll_coef > 0, "there is no hint NLL (algo.uft.nll_coef=0)",
+             "set algo.uft.nll_coef > 0"),
+    UsedWhen("algo.prefix_rft.clip_prefix", lambda c: c.algo.policy_loss != "reinforce", "algo.policy_loss=reinforce "
+             "does not clip", "use another algo.policy_loss"),
     UsedWhen("algo.std_normalize", lambda c: c.algo.name in STD_ALGOS, "algo.name={c.algo.name} does not divide by the "
              "group std (only " + ", ".join(STD_ALGOS) + " do)", "use one of those"),
     UsedWhen("algo.gamma", lambda c: c.algo.name in DISCOUNT_ALGOS, "algo.name={c.algo.name} does not discount returns "

@@ -152,6 +152,24 @@ def reference_mixed_loss(model, samples, tok, case):
         else:
             groups["on_policy"].append(0.1 * torch.exp(h) * -lp if s.reward == 1.0 else lp)
     return sum(aggregate_by_definition(g, case["mode"]) for g in groups.values() if g)
+def hinted(samples: list[Sample]) -> list[Sample]:
+    """The rollout as UFT and Prefix-RFT train it: the first (i % 4) / 4 of response i written by a
+    demonstration (origin "demonstration"), the rest by the policy, so micro-batches hold different
+    shares of each."""
+    out = []
+    for i, (s, sl) in enumerate(zip(samples, spans(samples))):
+        h = len(s.response_ids) * (i % 4) // 4
+        out.append(copy.copy(s))
+        out[-1].origin = ("policy",) * sl.start + ("demonstration",) * h + ("policy",) * (len(s.response_ids) - h)
+    return out
+
+
+def top_entropy(entropy: torch.Tensor, prefix: torch.Tensor, keep: float) -> torch.Tensor:
+    """Prefix-RFT's selection, by definition: of a row's n prefix tokens, the n - int(n (1 - keep))
+    of highest entropy."""
+    idx = prefix.nonzero().flatten().tolist()
+    chosen = sorted(idx, key=lambda t: -float(entropy[t]))[: len(idx) - int(len(idx) * (1 - keep))]
+    return torch.tensor([t in chosen for t in range(len(prefix))])
 
 
 def aggregate_by_definition(per_token: list[torch.Tensor], mode: str) -> torch.Tensor:
@@ -169,10 +187,19 @@ def reference_policy_loss(model, samples, tok, case):
     logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
     logp_all = torch.log_softmax(logits, -1)
     lo, hi = case.get("clip", (0.2, 0.2))
-    per_token = []
+    per_token, hint_nll = [], []
     for b, (s, sl) in enumerate(zip(samples, spans(samples))):
         lp = logp_all[b, sl].gather(-1, ids[b, 1:][sl][:, None])[:, 0]
         old, adv = s.old_logprobs[sl], s.advantages[sl]
+        prefix = torch.tensor([o == "demonstration" for o in (s.origin or ("policy",) * s.num_targets)][sl])
+        if case["loss"] == "uft":  # GRPO on the continuation; NLL on the hint (below)
+            ratio = torch.exp(lp - old)
+            per_token.append(-torch.minimum(ratio * adv, ratio.clamp(1 - lo, 1 + hi) * adv)[~prefix])
+            hint_nll.append(-lp[prefix])
+            continue
+        if case["loss"] == "prefix_rft":  # advantages kept on the top-entropy share of the prefix only
+            p = torch.softmax(logits[b, sl], -1).detach()
+            adv = adv * (~prefix | top_entropy(-(p * torch.log(p)).sum(-1), prefix, case["keep"]))
         if case["loss"] == "gspo":  # one ratio per sequence: the geometric mean of its token ratios
             ratio = torch.exp((lp - old).mean())
             a = s.seq_advantage
@@ -189,6 +216,8 @@ def reference_policy_loss(model, samples, tok, case):
             p = torch.softmax(logits[b, sl], -1)
             tok_loss = tok_loss - case["entropy"] * -(p * torch.log(p)).sum(-1)
         per_token.append(tok_loss)
+    if case["loss"] == "uft":
+        return aggregate_by_definition(per_token, case["mode"]) + case["nll"] * torch.cat(hint_nll).mean()
     return aggregate_by_definition(per_token, case["mode"])
 
 
@@ -221,8 +250,7 @@ def reference(case, samples, tok, dtype) -> tuple[dict, dict]:
 
 
 def case_config(case, layout) -> RLConfig:
-    algo = {"ppo": "grpo", "gspo": "gspo", "reinforce": "reinforce_pp", "value": "ppo", "luffy": "luffy",
-            "srft": "srft"}[case["loss"]]
+    algo = {"ppo": "grpo", "gspo": "gspo", "reinforce": "reinforce_pp", "value": "ppo"}.get(case["loss"], case["loss"])
     lo, hi = case.get("clip", (0.2, 0.2))
     overrides = [*layout, f"distributed.nproc_per_node={dist.get_world_size() if dist.is_initialized() else 1}",
                  "train.global_batch_size=8", f"train.micro_batch_size={case['micro']}", f"train.loss_agg={case['mode']}",
@@ -236,6 +264,10 @@ def case_config(case, layout) -> RLConfig:
         overrides.append(f"train.loss_agg_norm={NORM_LEN}")
     if algo == "ppo":
         overrides += ["critic.optim.name=sgd", f"critic.optim.lr={LR}", f"critic.value_clip={case.get('value_clip') or 'null'}"]
+    if algo == "uft":
+        overrides.append(f"algo.uft.nll_coef={case['nll']}")
+    if algo == "prefix_rft":
+        overrides.append(f"algo.prefix_rft.keep={case['keep']}")
     if case["loss"] == "reinforce":
         overrides.append("algo.policy_loss=reinforce")
     else:
@@ -266,6 +298,8 @@ POLICY_CASES = [
     dict(loss="ppo", mode="seq-mean-token-sum-norm", clip=(0.2, 0.28), kl=0.1, entropy=0.01),
     dict(loss="gspo", mode="seq-mean-token-mean", clip=(0.03, 0.05)),  # clips some sequences (ratios 0.86-1.13), not all
     dict(loss="reinforce", mode="seq-mean-token-sum"),
+    dict(loss="uft", mode="token-mean", nll=0.5),  # on hinted(): prefix and policy tokens in one sequence
+    dict(loss="prefix_rft", mode="seq-mean-token-sum-norm", keep=0.4),
 ]
 MIXED = ("luffy", "srft")
 # demonstrations in the groups, each method's own terms (exactrl/algorithms/luffy_srft.py)
@@ -366,8 +400,8 @@ def main(backend: str, world: int, out_path: str) -> None:
     samples = make_rollout(tok)
     results = []
     for case in cases(backend):
-        rollout = sequence_advantages(samples) if case["loss"] == "gspo" else mixed(samples) if case["loss"] in MIXED \
-            else samples
+        rollout = {"gspo": sequence_advantages, "luffy": mixed, "srft": mixed, "uft": hinted,
+                   "prefix_rft": hinted}.get(case["loss"], list)(samples)
         got = exactrl_run(case, rollout, tok, case["layout"])
         if not dist.is_initialized() or dist.get_rank() == 0:
             cfg = case_config(case, case["layout"])

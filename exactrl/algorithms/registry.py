@@ -10,14 +10,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from exactrl.advantages.estimators import TOKEN_REWARDS
-from exactrl.algorithms.luffy_srft import luffy_terms, srft_terms
 from exactrl.algorithms.hint_methods import prefix_rft_advantages, prefix_rft_objective, uft_objective
+from exactrl.algorithms.luffy_srft import luffy_terms, srft_terms
 from exactrl.config.loader import ConfigError
 from exactrl.losses.objective import EntropyTerm, KLTerm, Objective, PolicyTerm
 from exactrl.registry import Registry
 from exactrl.rollout.collect import collect_dynamic_rollout, plain_rollout
-from exactrl.rollout.mixed import mixed_rollout
 from exactrl.rollout.hinted import prefix_rft_rollout, uft_rollout
+from exactrl.rollout.mixed import mixed_rollout
 
 
 @dataclass(frozen=True)

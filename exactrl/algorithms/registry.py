@@ -10,10 +10,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from exactrl.advantages.estimators import TOKEN_REWARDS
+from exactrl.algorithms.sft_rl import chord_terms, hpt_terms
 from exactrl.config.loader import ConfigError
 from exactrl.losses.objective import EntropyTerm, KLTerm, Objective, PolicyTerm
 from exactrl.registry import Registry
 from exactrl.rollout.collect import collect_dynamic_rollout, plain_rollout
+from exactrl.rollout.gated import gated, with_demonstrations
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,11 @@ class Algorithm:
     # learns from a demonstration of each prompt besides its own samples (the mixed-policy methods): every
     # training prompt must carry one (data/encode.py), and data.train=builtin is the built-in task's mixed file
     demonstrations: bool = False
+    # (the GRPO terms, cfg) -> the step's terms, when its steps hold demonstrations (sft_rl.py): the GRPO terms are
+    # then scoped to the on-policy samples and an SFT term added on the demonstrations
+    mix: Callable | None = None
+    # ReLIFT: SFT steps of their own on buffered demonstrations of unsolved questions (sft_rl.SFTBuffer)
+    sft_buffer: bool = False
 
     def objective(self, cfg) -> Objective:
         """The policy's loss as data: the clipped surrogate (against the batch's old log-probs;
@@ -52,6 +59,8 @@ class Algorithm:
             terms.append(KLTerm(coef=a.kl_coef, estimator=a.kl_estimator, **agg))
         if a.entropy_coef > 0:
             terms.append(EntropyTerm(coef=a.entropy_coef, **agg))
+        if self.mix is not None:
+            terms = self.mix(terms, cfg)
         return Objective(tuple(terms), metrics=("entropy",) if a.log_entropy and a.entropy_coef == 0 else ())
 
 
@@ -69,6 +78,13 @@ for algorithm in (
     # + clip_eps_high and overlong shaping, set in its config
     Algorithm("dapo", "grpo", "ppo", "Yu et al. 2025, arXiv 2503.14476", rollout=collect_dynamic_rollout,
               config="dapo"),
+    # mixed-policy methods: GRPO plus SFT on demonstrations (sft_rl.py)
+    Algorithm("chord", "grpo", "ppo", "Zhang et al. 2025, arXiv 2508.11408", rollout=with_demonstrations,
+              config="chord", demonstrations=True, mix=chord_terms),
+    Algorithm("hpt", "grpo", "ppo", "Lv et al. 2025, arXiv 2509.04419", rollout=gated, config="hpt",
+              demonstrations=True, mix=hpt_terms),
+    Algorithm("relift", "grpo", "ppo", "Ma et al. 2025, arXiv 2506.07527", config="relift", demonstrations=True,
+              sft_buffer=True),
 ):
     ALGORITHMS.add(algorithm.name, algorithm)
 

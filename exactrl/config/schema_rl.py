@@ -44,9 +44,12 @@ class RolloutConfig(Section):
         return self
 
 
-RL_ALGOS = ("ppo", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo")
+RL_ALGOS = ("ppo", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "chord", "hpt",
+            "relift")
 # Algorithms whose baseline is the other responses to the same prompt.
-GROUP_ALGOS = ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp_baseline", "gspo")
+GROUP_ALGOS = ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp_baseline", "gspo", "chord", "hpt", "relift")
+# Mixed-policy methods whose steps hold the demonstrations of their own prompts: one optimizer step per rollout.
+ONE_STEP_ALGOS = ("chord", "hpt")
 
 
 class GAEConfig(Section):
@@ -60,6 +63,45 @@ class DAPOConfig(Section):
     max_refill_rounds: int = Field(10, ge=0,
                                    description="Extra generation rounds to replace groups with all-equal rewards "
                                                "before giving up.")
+
+
+class ChordConfig(Section):
+    """CHORD (Zhang et al. 2025, arXiv 2508.11408): (1 - mu) x GRPO + mu x SFT in one step. Defaults: CHORD-mu as
+    Trinity-RFT's examples/mix_chord/mix_chord.yaml comments give it (warm-up 0, decay 200, peak 0.9, valley
+    0.05, phi off); CHORD-phi there is mu_peak=mu_valley=0.1, mu_decay=0, phi=true."""
+
+    mu_warmup: int = Field(0, ge=0, description="Optimizer steps over which mu rises linearly from 0 to mu_peak "
+                                                "(Trinity-RFT's mu_warmup_steps).")
+    mu_decay: int = Field(200, ge=0, description="Optimizer steps after the warm-up over which mu falls along a half "
+                                                 "cosine from mu_peak to mu_valley, then held (mu_decay_steps).")
+    mu_peak: float = Field(0.9, ge=0, le=1, description="mu at the end of the warm-up: the SFT share of the loss.")
+    mu_valley: float = Field(0.05, ge=0, le=1, description="mu after the decay.")
+    phi: bool = Field(False, description="CHORD-phi: weight each demonstration token's NLL by sg(p (1 - p)), p the "
+                                         "policy's probability of the token (Trinity-RFT's enable_phi_function).")
+
+
+class HPTConfig(Section):
+    """HPT (Lv et al. 2025, arXiv 2509.04419): per question, SFT on its demonstration when few of its responses are
+    correct, GRPO on its responses otherwise. Defaults: TsinghuaC3I/Unify-Post-Training exp_scripts/train.sh."""
+
+    gate: int = Field(0, ge=0, description="A question whose group has at most this many correct responses (first "
+                                           "reward >= 1) is learnt by SFT on its demonstration instead of GRPO "
+                                           "(SWITCH_GATE: 0 for Qwen2.5-Math-7B, 2 in train_llama.sh).")
+    sft_coef: float = Field(1.0, gt=0, description="Weight of the SFT term (SFT_LOSS_COEF; 0.3 there for "
+                                                   "Qwen2.5-Math-1.5B).")
+
+
+class ReLIFTConfig(Section):
+    """ReLIFT (Ma et al. 2025, arXiv 2506.07527): GRPO, plus an SFT step on buffered demonstrations of the questions
+    no response solved. Defaults: TheRoadQaQ/ReLIFT examples/math-7b/train.sh."""
+
+    buffer_size: int = Field(128, gt=0, description="Demonstrations an SFT step trains on: once the buffer holds "
+                                                    "this many, the newest this-many make one optimizer step "
+                                                    "(sft_data_size = sft_mini_batch_size, one SFT epoch).")
+    mean_of_means: bool = Field(False, description="Normalise the SFT step as ReLIFT's code does: the mean over "
+                                                   "micro-batches (all ranks) of each micro-batch's token mean, "
+                                                   "which over-weights micro-batches with few tokens (the bug of "
+                                                   "arXiv 2604.23747). Off: the step's one token mean.")
 
 
 # Keys that moved, old -> new: older configs and checkpoints still load (with a notice).
@@ -167,6 +209,10 @@ class AlgoConfig(Section):
     gae: GAEConfig = Field(default_factory=GAEConfig,
                            description="ppo's generalised advantage estimation (Schulman et al. 2016).")
     dapo: DAPOConfig = Field(default_factory=DAPOConfig, description="dapo's dynamic sampling (Yu et al. 2025).")
+    chord: ChordConfig = Field(default_factory=ChordConfig, description="chord's SFT weight schedule (arXiv "
+                                                                        "2508.11408).")
+    hpt: HPTConfig = Field(default_factory=HPTConfig, description="hpt's per-question switch (arXiv 2509.04419).")
+    relift: ReLIFTConfig = Field(default_factory=ReLIFTConfig, description="relift's SFT buffer (arXiv 2506.07527).")
     gen_ratio_tol: float = Field(1e-2, gt=0,
                                  description="Allowed |ratio - 1| for the on-policy check when a rollout feeding one "
                                              "update is checked against the generator's log-probs (KV-cached "
@@ -277,6 +323,10 @@ class RLConfig(CommonConfig):
         if a.name in GROUP_ALGOS and a.group_size < 2:
             raise ValueError(f"algo.name={a.name} compares responses to the same prompt: algo.group_size must be >= 2 "
                              f"(given {a.group_size}); reinforce_pp works with 1")
+        if a.name in ONE_STEP_ALGOS and a.ppo_epochs * a.mini_batches != 1:
+            raise ValueError(f"algo.name={a.name} trains each rollout's responses and its prompts' demonstrations in "
+                             f"one optimizer step: set algo.ppo_epochs=1 and algo.mini_batches=1 (given "
+                             f"{a.ppo_epochs} and {a.mini_batches})")
         return self
 
     @model_validator(mode="after")

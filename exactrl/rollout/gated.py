@@ -16,12 +16,13 @@ from exactrl.data.encode import Prompt
 from exactrl.rollout.collect import collect_rollout
 
 
-def demonstration_sample(prompt: Prompt) -> Sample:
-    """``prompt`` followed by its demonstration. Its generator log-probs are zero (nothing sampled
-    it) so that it collates beside on-policy rows, whose policy term alone reads them."""
+def demonstration_sample(prompt: Prompt, beside: list[Sample] = ()) -> Sample:
+    """``prompt`` followed by its demonstration. When the on-policy rows it will be batched
+    ``beside`` carry generator log-probs, it carries zeros (nothing sampled it) so that it collates
+    with them; only their policy term reads them."""
     ids = list(prompt.demonstration)
-    return Sample(list(prompt.input_ids), ids, source="demonstration",
-                  gen_logprobs=torch.zeros(len(prompt.input_ids) + len(ids) - 1))
+    gen = torch.zeros(len(prompt.input_ids) + len(ids) - 1) if any(s.gen_logprobs is not None for s in beside) else None
+    return Sample(list(prompt.input_ids), ids, source="demonstration", gen_logprobs=gen)
 
 
 def correct(s: Sample) -> bool:
@@ -36,7 +37,8 @@ def with_demonstrations(engine_gen, prompts, indices: list[int], rollout: int, r
     (expert_data_ratio 0.2); here they are the demonstrations of the rollout's own prompts (equal
     data: the same prompts and demonstrations every method sees), 1 per group_size responses."""
     samples, stats = collect_rollout(engine_gen, [prompts[i] for i in indices], rewards_cfg, cfg, rollout)
-    return samples + [demonstration_sample(prompts[i]) for i in indices], stats | {"demonstrations": len(indices)}
+    demos = [demonstration_sample(prompts[i], samples) for i in indices]
+    return samples + demos, stats | {"demonstrations": len(demos)}
 
 
 def gated(engine_gen, prompts, indices: list[int], rollout: int, rewards_cfg,
@@ -50,7 +52,7 @@ def gated(engine_gen, prompts, indices: list[int], rollout: int, rewards_cfg,
     for k, i in enumerate(indices):
         group = samples[k * g : (k + 1) * g]
         if sum(correct(s) for s in group) <= cfg.algo.hpt.gate:
-            sft.append(demonstration_sample(prompts[i]))
+            sft.append(demonstration_sample(prompts[i], samples))
         else:
             kept += group
     return kept + sft, stats | {"sft_share": len(sft) / len(indices), "demonstrations": len(sft)}

@@ -1,4 +1,4 @@
-"""RL on every backend: each policy loss and the critic's value loss apply exactly the
+"""RL on every backend: each policy loss (and CHORD's and HPT's mixed steps) and the critic's value loss apply exactly the
 full-rollout update on FSDP2 and DeepSpeed (ZeRO 0-3, offload) at world size 1 and 2, with
 the canary on; and the rollout each rank assembles, and its advantages, are those of one
 process (tests/dist/rl_equivalence.py, one process group per backend and world size); and
@@ -19,7 +19,7 @@ import pytest
 from distributed_harness import LAYOUT_IDS, LAYOUTS, layout_results, over_bound
 
 SCRIPT = Path(__file__).parent / "dist" / "rl_equivalence.py"
-LOSSES = {"ppo", "gspo", "reinforce", "value"}
+LOSSES = {"ppo", "gspo", "reinforce", "value", "chord", "hpt"}
 
 
 @pytest.fixture(scope="module", params=LAYOUTS, ids=LAYOUT_IDS)

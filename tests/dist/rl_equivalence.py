@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import sys
 from dataclasses import dataclass
 
@@ -119,6 +120,34 @@ def sequence_advantages(samples: list[Sample]) -> list[Sample]:
     return out
 
 
+def with_demonstrations(samples: list[Sample], tok) -> list[Sample]:
+    """The rollout followed by three demonstrations of uneven length (CHORD's and HPT's steps):
+    a step of 11 samples whose micro-batches hold different shares of the two kinds of token."""
+    g = torch.Generator().manual_seed(12)
+    demos = []
+    for i, n in enumerate((9, 2, 5)):
+        demo = ScoredSample(tok(f"{i}*{i + 3}=")["input_ids"], torch.randint(7, 20, (n,), generator=g).tolist(),
+                            source="demonstration")
+        for key in ("advantages", "old_logprobs", "ref_logprobs", "old_values", "returns"):
+            setattr(demo, key, torch.zeros(demo.num_targets))  # read by no term of a demonstration
+        demos.append(demo)
+    return samples + demos
+
+
+def chord_mu(step: int) -> float:
+    """CHORD's mu (arXiv 2508.11408) for MIXED_MU: linear warm-up from 0, then cosine to the valley."""
+    warmup, decay, peak, valley = MIXED_MU
+    if step < warmup:
+        return peak * step / warmup
+    if step >= warmup + decay:
+        return valley
+    return valley + (peak - valley) * 0.5 * (1 + math.cos(math.pi * (step - warmup) / decay))
+
+
+MIXED_MU = (1, 2, 0.6, 0.2)  # warm-up, decay, peak, valley: mu is 0 at the first step, 0.6 at the second
+HPT_SFT_COEF = 0.3
+
+
 def aggregate_by_definition(per_token: list[torch.Tensor], mode: str) -> torch.Tensor:
     if mode == "token-mean":
         return torch.cat(per_token).sum() / sum(t.numel() for t in per_token)
@@ -127,6 +156,28 @@ def aggregate_by_definition(per_token: list[torch.Tensor], mode: str) -> torch.T
     if mode == "seq-mean-token-sum":
         return torch.stack([t.sum() for t in per_token]).mean()
     return torch.stack([t.sum() for t in per_token]).sum() / (len(per_token) * NORM_LEN)
+
+
+def reference_mixed_loss(model, samples, tok, case, step):
+    """CHORD: (1 - mu) x clipped surrogate over the on-policy tokens' mean + mu x sg(p (1 - p)) NLL over
+    the demonstration tokens' mean; HPT: the surrogate's mean + HPT_SFT_COEF x the NLL's mean."""
+    ids, attn = padded(samples, tok.pad_token_id)
+    logp_all = torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits[:, :-1], -1)
+    lo, hi = case.get("clip", (0.2, 0.2))
+    policy, demo = [], []
+    for b, (s, sl) in enumerate(zip(samples, spans(samples))):
+        lp = logp_all[b, sl].gather(-1, ids[b, 1:][sl][:, None])[:, 0]
+        if s.source == "demonstration":
+            p = lp.detach().exp()
+            demo.append(-lp * (p * (1 - p) if case["loss"] == "chord" else 1.0))
+        else:
+            ratio, adv = torch.exp(lp - s.old_logprobs[sl]), s.advantages[sl]
+            policy.append(-torch.minimum(ratio * adv, ratio.clamp(1 - lo, 1 + hi) * adv))
+    surrogate, nll = torch.cat(policy).mean(), torch.cat(demo).mean()
+    if case["loss"] == "hpt":
+        return surrogate + HPT_SFT_COEF * nll
+    mu = chord_mu(step)
+    return (1 - mu) * surrogate + mu * nll
 
 
 def reference_policy_loss(model, samples, tok, case):
@@ -177,15 +228,19 @@ def reference(case, samples, tok, dtype) -> tuple[dict, dict]:
     fresh = (lambda: fresh_critic(tok, dtype)) if critic else (lambda: fresh_policy(tok, dtype=dtype))  # noqa: E731
     model = fresh()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    for _ in range(2):
+    for step in range(2):
         opt.zero_grad()
-        (reference_value_loss if critic else reference_policy_loss)(model, samples, tok, case).backward()
+        if case["loss"] in MIXED:
+            reference_mixed_loss(model, samples, tok, case, step).backward()
+        else:
+            (reference_value_loss if critic else reference_policy_loss)(model, samples, tok, case).backward()
         opt.step()
     return {k: v.detach() for k, v in model.state_dict().items()}, fresh().state_dict()
 
 
 def case_config(case, layout) -> RLConfig:
-    algo = {"ppo": "grpo", "gspo": "gspo", "reinforce": "reinforce_pp", "value": "ppo"}[case["loss"]]
+    algo = {"ppo": "grpo", "gspo": "gspo", "reinforce": "reinforce_pp", "value": "ppo", "chord": "chord",
+            "hpt": "hpt"}[case["loss"]]
     lo, hi = case.get("clip", (0.2, 0.2))
     overrides = [*layout, f"distributed.nproc_per_node={dist.get_world_size() if dist.is_initialized() else 1}",
                  "train.global_batch_size=8", f"train.micro_batch_size={case['micro']}", f"train.loss_agg={case['mode']}",
@@ -197,6 +252,12 @@ def case_config(case, layout) -> RLConfig:
         overrides.append(f"train.loss_agg_norm={NORM_LEN}")
     if algo == "ppo":
         overrides += ["critic.optim.name=sgd", f"critic.optim.lr={LR}", f"critic.value_clip={case.get('value_clip') or 'null'}"]
+    if algo == "chord":
+        warmup, decay, peak, valley = MIXED_MU
+        overrides += [f"algo.chord.mu_warmup={warmup}", f"algo.chord.mu_decay={decay}", f"algo.chord.mu_peak={peak}",
+                      f"algo.chord.mu_valley={valley}", "algo.chord.phi=true"]
+    if algo == "hpt":
+        overrides.append(f"algo.hpt.sft_coef={HPT_SFT_COEF}")
     if case["loss"] == "reinforce":
         overrides.append("algo.policy_loss=reinforce")
     else:
@@ -228,18 +289,22 @@ POLICY_CASES = [
     dict(loss="gspo", mode="seq-mean-token-mean", clip=(0.03, 0.05)),  # clips some sequences (ratios 0.86-1.13), not all
     dict(loss="reinforce", mode="seq-mean-token-sum"),
 ]
+# GRPO plus SFT on demonstrations in one step (exactrl/algorithms/sft_rl.py), token-mean per kind of sample
+MIXED = ("chord", "hpt")
+MIXED_CASES = [dict(loss=name, mode="token-mean") for name in MIXED]
 VALUE_CASES = [dict(loss="value", mode="token-mean", value_clip=0.2), dict(loss="value", mode="seq-mean-token-mean")]
 
 
 def cases(backend: str) -> list[dict]:
     every = POLICY_CASES + VALUE_CASES
     if backend == "fsdp2":
-        return [dict(c, micro=2, layout=["distributed.backend=fsdp2"]) for c in every] + \
+        return [dict(c, micro=2, layout=["distributed.backend=fsdp2"]) for c in every + MIXED_CASES] + \
                [dict(every[0], micro=m, layout=["distributed.backend=fsdp2"]) for m in (1, 4)]
     ds = lambda *kv: ["distributed.backend=deepspeed", *(f"deepspeed.{x}" for x in kv)]  # noqa: E731
     out = []
     for layout in (ds("zero_stage=2", "offload_optimizer=cpu"), ds("zero_stage=3")):
         out += [dict(c, micro=2, layout=layout) for c in every]
+    out += [dict(c, micro=2, layout=ds("zero_stage=2", "offload_optimizer=cpu")) for c in MIXED_CASES]
     for layout in (ds("zero_stage=0"), ds("zero_stage=1", "offload_optimizer=cpu"),
                    ds("zero_stage=3", "offload_optimizer=cpu", "offload_param=cpu")):
         out += [dict(c, micro=1, layout=layout) for c in (POLICY_CASES[0], VALUE_CASES[0])]
@@ -324,7 +389,8 @@ def main(backend: str, world: int, out_path: str) -> None:
     samples = make_rollout(tok)
     results = []
     for case in cases(backend):
-        rollout = sequence_advantages(samples) if case["loss"] == "gspo" else samples
+        rollout = sequence_advantages(samples) if case["loss"] == "gspo" else with_demonstrations(samples, tok) if \
+            case["loss"] in MIXED else samples
         got = exactrl_run(case, rollout, tok, case["layout"])
         if not dist.is_initialized() or dist.get_rank() == 0:
             cfg = case_config(case, case["layout"])

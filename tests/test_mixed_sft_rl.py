@@ -26,9 +26,9 @@ CLIP = 0.2
 
 
 def chord_config(*extra: str) -> RLConfig:
-    return load_config(RLConfig, None, ["algo.name=chord", "algo.group_size=2", "train.global_batch_size=4", "train.micro_batch_size=2",
-                                        "algo.chord.mu_warmup=4", "algo.chord.mu_decay=10", "algo.chord.mu_peak=0.8",
-                                        "algo.chord.mu_valley=0.1", *extra])
+    return load_config(RLConfig, None, ["algo.name=chord", "algo.group_size=2", "train.global_batch_size=4",
+                                        "train.micro_batch_size=2", "algo.chord.mu_warmup=4", "algo.chord.mu_decay=10",
+                                        "algo.chord.mu_peak=0.8", "algo.chord.mu_valley=0.1", *extra])
 
 
 def paper_mu(step: int, warmup=4, decay=10, peak=0.8, valley=0.1) -> float:
@@ -150,7 +150,7 @@ def test_hpt_loss_is_grpo_on_kept_questions_plus_sft_on_the_others(monkeypatch):
     loss, share = mixed_loss(objective, samples, logp, micro=3)
     loss.backward()
 
-    b, on, demo = masks(samples)
+    _, on, demo = masks(samples)
     rewards = torch.tensor([1.0, 1, 0, 1])
     adv = torch.zeros(len(samples), width, dtype=torch.float64)
     adv[:4] = (rewards - rewards.mean())[:, None]

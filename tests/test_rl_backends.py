@@ -1,6 +1,6 @@
-"""RL on every backend: each policy loss (and CHORD's and HPT's mixed steps) and the critic's value loss apply exactly the
-full-rollout update on FSDP2 and DeepSpeed (ZeRO 0-3, offload) at world size 1 and 2, with
-the canary on; and the rollout each rank assembles, and its advantages, are those of one
+"""RL on every backend: each policy loss (and CHORD's and HPT's mixed steps) and the critic's
+value loss apply exactly the full-rollout update on FSDP2 and DeepSpeed (ZeRO 0-3, offload) at
+world size 1 and 2, with the canary on; and the rollout each rank assembles, and its advantages, are those of one
 process (tests/dist/rl_equivalence.py, one process group per backend and world size); and
 sampling with sharded parameters keeps every rank stepping until the last rank's rows end.
 

@@ -52,8 +52,8 @@ def test_hpt_sends_exactly_the_unsolved_questions_to_sft(tmp_path, cache, data):
 
 def test_chord_with_mu_zero_is_grpo_on_the_same_rollouts(tmp_path, cache, data):
     """CHORD's steps hold the rollout's 16 responses and its 4 prompts' demonstrations; with mu = 0
-    the demonstrations weigh nothing and change neither the advantages nor the GRPO normaliser,
-    so the final weights are GRPO's on the same rollouts."""
+    the demonstrations weigh nothing and do not enter the GRPO term's normaliser, so the final
+    weights are GRPO's on the same rollouts (scoping the GRPO terms to all samples fails this)."""
     # rewards that differ within a group; SGD, because AdamW's first steps divide a gradient by its own size and
     # so magnify the rounding of sums taken over other micro-batches (CHORD's steps hold 4 more samples)
     varied = ["reward.fn=reward_fixtures:varied", "train.max_steps=2", "optim.name=sgd", "optim.lr=0.5"]

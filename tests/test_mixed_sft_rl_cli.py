@@ -10,6 +10,8 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from exactrl.config import RLConfig
 from test_cli_failures import exactrl
 
 COMMON = ["model.path=builtin", "data.eval=null", "reward.fn=reward_fixtures:prompt_parity", "algo.group_size=4",
@@ -80,3 +82,20 @@ def test_relift_trains_an_sft_step_each_time_the_buffer_fills(tmp_path, cache, d
         released += fills
         assert r["sft_buffer"] == pending and ("sft_loss" in r) == fills
     assert released > 0
+
+
+def test_relift_resumes_with_its_buffer(tmp_path, cache, data, monkeypatch):
+    """Stopped after step 2 and resumed, ReLIFT reaches bitwise the uninterrupted run's weights:
+    the buffered questions are part of the checkpoint (lost, the resumed run's SFT steps come late)."""
+    from exactrl.algorithms.rl import train_rl
+    from exactrl.config import load_config
+
+    monkeypatch.setenv("EXACTRL_CACHE", str(cache))
+    common = [*COMMON, f"data.train={data}", "algo.name=relift", "algo.relift.buffer_size=5", "train.max_steps=4"]
+    full = train_rl(load_config(RLConfig, None, [*common, "train.save_every=2", f"output_dir={tmp_path / 'full'}"]))
+    rows = [r for r in map(json.loads, open(full.run_dir / "metrics.jsonl")) if "loss" in r]
+    assert rows[1]["sft_buffer"] > 0 and any("sft_loss" in r for r in rows[2:])  # the buffer carries over step 2
+    resumed = train_rl(load_config(RLConfig, None, [*common, f"train.resume_from={full.run_dir / 'checkpoint-2'}",
+                                                    f"output_dir={tmp_path / 'resumed'}"]))
+    a, b = (load_file(r.final_model / "model.safetensors") for r in (full, resumed))
+    assert all(torch.equal(a[k], b[k]) for k in a)

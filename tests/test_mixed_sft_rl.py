@@ -13,7 +13,7 @@ import torch
 from exactrl.algorithms.registry import ALGORITHMS
 from exactrl.algorithms.rl import attach_advantages
 from exactrl.algorithms.sft_rl import SFT_OBJECTIVE, SFTBuffer, sft_step_plan
-from exactrl.config import RLConfig, SFTConfig, load_config
+from exactrl.config import ConfigError, RLConfig, SFTConfig, load_config
 from exactrl.data.batch import Sample, collate
 from exactrl.data.encode import Prompt
 from exactrl.distributed.engine import build_engine
@@ -289,3 +289,18 @@ def test_a_relift_sft_step_applies_its_normalisers_update(tokenizer, make_model,
     assert result.stats["canary"] == pytest.approx(1.0, abs=1e-6)
     assert all(torch.allclose(a, g, rtol=1e-5, atol=1e-7) for a, g in zip(applied, want))
     assert not all(torch.allclose(a, g, rtol=1e-3, atol=1e-5) for a, g in zip(applied, other))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["algo.hpt.gate=2"], "algo.hpt.gate=2 has no effect: algo.hpt.* is hpt's (algo.name=grpo); set algo.name=hpt"),
+    (["algo.name=hpt", "algo.relift.mean_of_means=true"], "algo.relift.mean_of_means=true has no effect"),
+    (["algo.name=chord", "algo.mini_batches=2"], "algo.name=chord trains each rollout's responses and its prompts' "
+                                                 "demonstrations in one optimizer step: set algo.ppo_epochs=1"),
+    (["algo.name=relift", "algo.relift.buffer_size=1", "distributed.nproc_per_node=2", "distributed.backend=fsdp2",
+      "train.global_batch_size=16", "train.micro_batch_size=4"],
+     "algo.relift.buffer_size=1 is smaller than the 2 ranks an SFT step spreads its demonstrations over"),
+])
+def test_settings_the_mixed_methods_cannot_honour_are_refused(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(RLConfig, None, overrides)
+    assert message in str(e.value)

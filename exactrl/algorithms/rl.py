@@ -222,7 +222,8 @@ def update(policy: Worker | None, critic: Critic | None, batch: list[Sample], pl
            objective: Objective) -> tuple[float, dict]:
     """One optimizer step of the policy (None: the critic's warm-up) then, with a critic, one of it,
     on the same mini-batch and plan. Returns the policy's loss and the step's stats."""
-    stats = {"responses": len(batch), "loss_tokens": plan.normalizer.num_tokens, "ratio_dev_first": None}
+    stats = {"responses": sum(s.source == "on_policy" for s in batch), "loss_tokens": plan.normalizer.num_tokens,
+             "ratio_dev_first": None}
     loss = 0.0
     if policy is not None:
         result = policy.train_step(batch, plan, objective)

@@ -343,6 +343,9 @@ class RLConfig(CommonConfig):
 def check_rl_layout(cfg: RLConfig, world: int) -> None:
     """A rollout's prompts (whole groups) spread evenly over ``world`` ranks."""
     prompts = cfg.train.global_batch_size * cfg.algo.mini_batches // cfg.algo.group_size
+    if cfg.algo.name == "relift" and cfg.algo.relift.buffer_size < world:
+        raise ValueError(f"algo.relift.buffer_size={cfg.algo.relift.buffer_size} is smaller than the {world} ranks an "
+                         "SFT step spreads its demonstrations over: each rank needs at least one")
     if prompts % world:
         raise ValueError(f"a rollout of {prompts} prompts (train.global_batch_size x algo.mini_batches / "
                          f"algo.group_size) does not spread evenly over {world} ranks; each rank samples whole groups "

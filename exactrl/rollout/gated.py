@@ -45,8 +45,9 @@ def gated(engine_gen, prompts, indices: list[int], rollout: int, rewards_cfg,
           cfg: RLConfig) -> tuple[list[Sample], dict]:
     """HPT (arXiv 2509.04419): a question whose group has at most algo.hpt.gate correct responses
     is learnt from its demonstration (its responses are dropped), the others by GRPO on their
-    groups, as Unify-Post-Training's "switch" strategy (mix_trainer.select_on_off_ada_balance).
-    ``sft_share``: the share of the rollout's questions sent to SFT."""
+    groups, as Unify-Post-Training's "switch" strategy (mix_trainer.select_on_off_ada_balance;
+    its second band, switch_gate_off, which drops a group without SFT, equals the gate in every
+    published script and is left out). ``sft_share``: the share of the rollout's questions sent to SFT."""
     samples, stats = collect_rollout(engine_gen, [prompts[i] for i in indices], rewards_cfg, cfg, rollout)
     g, kept, sft = cfg.algo.group_size, [], []
     for k, i in enumerate(indices):

@@ -72,7 +72,11 @@ class AdaptiveKL:
     horizon: int
 
     def update(self, samples: list[Sample]) -> float:
-        """The coefficient for this rollout; moves it for the next one. Returns the measured KL."""
+        """The coefficient for this rollout; moves it for the next one. Returns the measured KL
+        (of the policy's own responses: demonstrations a mixed-policy step adds are not sampled)."""
+        samples = [s for s in samples if s.source == "on_policy"]
+        if not samples:  # HPT sent every question to SFT: nothing sampled to measure
+            return 0.0
         kl = sum(float((s.old_logprobs - s.ref_logprobs)[len(s.prompt_ids) - 1 :].sum())
                  for s in samples) / len(samples)
         if self.target is not None:

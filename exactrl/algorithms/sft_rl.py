@@ -5,9 +5,9 @@ demonstrations, trained by SFT steps of their own between the GRPO steps.
 Every loss here is terms of the Objective (losses/objective.py): the GRPO terms on the on-policy
 samples, normalised over the step's on-policy tokens, and an NLL term on the demonstration
 samples, normalised over the step's demonstration tokens — each its own step-wide token mean
-(train.loss_agg chooses the GRPO term's; train.loss_agg=seq-mean-token-sum-norm is the padded-length
-normaliser the official codes use with loss_remove_token_mean). The official codes average
-per micro-batch instead (CHORD scales each micro-batch's means by its share of the step's
+(train.loss_agg chooses the GRPO term's; seq-mean-token-sum-norm, a constant length, is the mode
+nearest HPT's and ReLIFT's loss_remove_token_mean: token sums over the padded length). The
+official codes average per micro-batch instead (CHORD scales each micro-batch's means by its share of the step's
 samples; HPT and ReLIFT take each micro-batch's token mean): exactrl keeps the one rule of the
 maths (aggregation.py); ReLIFT's mean of micro-batch means is an option (algo.relift.mean_of_means)
 because the seed paper (arXiv 2604.23747) names it as one of the bugs it measures.

@@ -176,14 +176,15 @@ def demonstrations(lengths: list[int]) -> list[Sample]:
     return [Sample([1, 2], list(range(5, 5 + n)), source="demonstration") for n in lengths]
 
 
+@pytest.mark.parametrize("world,sizes", [(1, [2, 2, 1]), (2, [2, 1, 1, 1])])
 @pytest.mark.parametrize("mean_of_means", [False, True])
-def test_relift_sft_step_under_both_normalisers(mean_of_means):
-    """Five demonstrations of 1-7 tokens in micro-batches of at most 2 (sizes 2, 2, 1): the
-    default is the step's one token mean (grad -1/N per token); mean_of_means is the mean over
-    the micro-batches of each one's token mean (grad -1/(K N_k)), and the two differ."""
+def test_relift_sft_step_under_both_normalisers(mean_of_means, world, sizes):
+    """Five demonstrations of 1-7 tokens in micro-batches of at most 2 (over 2 ranks: 4 of them,
+    2 per rank): the default is the step's one token mean (grad -1/N per token); mean_of_means is
+    the mean over every rank's micro-batches of each one's token mean (grad -1/(K N_k)); they differ."""
     samples = demonstrations([1, 7, 2, 6, 3])
-    plan = sft_step_plan(samples, 2, 1, mean_of_means)
-    assert [len(mb) for mb in plan.micro_batches] == [2, 2, 1]
+    plan = sft_step_plan(samples, 2, world, mean_of_means)
+    assert [len(mb) for mb in plan.micro_batches] == sizes
     logp = (-torch.rand(5, 8, generator=torch.Generator().manual_seed(2), dtype=torch.float64)).requires_grad_()
     loss, share = mixed_loss(SFT_OBJECTIVE, samples, logp, plan=plan)
     loss.backward()

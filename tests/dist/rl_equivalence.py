@@ -33,6 +33,7 @@ from transformers import LlamaForTokenClassification
 
 from exactrl.algorithms.registry import ALGORITHMS
 from exactrl.algorithms.rl import attach_advantages, step_plan
+from exactrl.algorithms.sft_rl import SFT_OBJECTIVE, sft_step_plan
 from exactrl.data.batch import Sample
 from exactrl.rollout.collect import collect_rollout
 from exactrl.workers.worker import Worker
@@ -180,6 +181,18 @@ def reference_mixed_loss(model, samples, tok, case, step):
     return (1 - mu) * surrogate + mu * nll
 
 
+def reference_mean_of_means(model, samples, tok, case):
+    """ReLIFT's SFT step as its code computes it: each micro-batch's token-mean NLL, averaged over
+    the micro-batches of every rank (the plan's, so the same samples share a micro-batch)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    ids, attn = padded(samples, tok.pad_token_id)
+    logp_all = torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits[:, :-1], -1)
+    nll = [-logp_all[b, sl].gather(-1, ids[b, 1:][sl][:, None])[:, 0] for b, sl in enumerate(spans(samples))]
+    means = [torch.cat([nll[i] for i in mb]).mean() for mb in sft_step_plan(samples, case["micro"], world,
+                                                                           True).micro_batches]
+    return torch.stack(means).mean()
+
+
 def reference_policy_loss(model, samples, tok, case):
     ids, attn = padded(samples, tok.pad_token_id)
     logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
@@ -232,6 +245,8 @@ def reference(case, samples, tok, dtype) -> tuple[dict, dict]:
         opt.zero_grad()
         if case["loss"] in MIXED:
             reference_mixed_loss(model, samples, tok, case, step).backward()
+        elif case["loss"] == "relift_sft":
+            reference_mean_of_means(model, samples, tok, case).backward()
         else:
             (reference_value_loss if critic else reference_policy_loss)(model, samples, tok, case).backward()
         opt.step()
@@ -240,7 +255,7 @@ def reference(case, samples, tok, dtype) -> tuple[dict, dict]:
 
 def case_config(case, layout) -> RLConfig:
     algo = {"ppo": "grpo", "gspo": "gspo", "reinforce": "reinforce_pp", "value": "ppo", "chord": "chord",
-            "hpt": "hpt"}[case["loss"]]
+            "hpt": "hpt", "relift_sft": "relift"}[case["loss"]]
     lo, hi = case.get("clip", (0.2, 0.2))
     overrides = [*layout, f"distributed.nproc_per_node={dist.get_world_size() if dist.is_initialized() else 1}",
                  "train.global_batch_size=8", f"train.micro_batch_size={case['micro']}", f"train.loss_agg={case['mode']}",
@@ -258,6 +273,8 @@ def case_config(case, layout) -> RLConfig:
                       f"algo.chord.mu_valley={valley}", "algo.chord.phi=true"]
     if algo == "hpt":
         overrides.append(f"algo.hpt.sft_coef={HPT_SFT_COEF}")
+    if algo == "relift":
+        overrides.append("algo.relift.mean_of_means=true")
     if case["loss"] == "reinforce":
         overrides.append("algo.policy_loss=reinforce")
     else:
@@ -279,7 +296,11 @@ def exactrl_run(case, samples, tok, layout) -> dict:
                     temperature=cfg.rollout.temperature)
     objective = ALGORITHMS.lookup(cfg.algo.name).objective(cfg)
     for _ in range(2):
-        policy.train_step(samples, step_plan(samples, cfg, engine.world_size), objective)
+        if case["loss"] == "relift_sft":
+            policy.train_step(samples, sft_step_plan(samples, cfg.train.micro_batch_size, engine.world_size,
+                                                     cfg.algo.relift.mean_of_means), SFT_OBJECTIVE)
+        else:
+            policy.train_step(samples, step_plan(samples, cfg, engine.world_size), objective)
     return full_state(engine, model)
 
 
@@ -292,6 +313,8 @@ POLICY_CASES = [
 # GRPO plus SFT on demonstrations in one step (exactrl/algorithms/sft_rl.py), token-mean per kind of sample
 MIXED = ("chord", "hpt")
 MIXED_CASES = [dict(loss=name, mode="token-mean") for name in MIXED]
+# ReLIFT's SFT step with its code's mean of micro-batch means (algo.relift.mean_of_means)
+MIXED_CASES.append(dict(loss="relift_sft", mode="token-mean"))
 VALUE_CASES = [dict(loss="value", mode="token-mean", value_clip=0.2), dict(loss="value", mode="seq-mean-token-mean")]
 
 
@@ -390,7 +413,8 @@ def main(backend: str, world: int, out_path: str) -> None:
     results = []
     for case in cases(backend):
         rollout = sequence_advantages(samples) if case["loss"] == "gspo" else with_demonstrations(samples, tok) if \
-            case["loss"] in MIXED else samples
+            case["loss"] in MIXED else [Sample(s.prompt_ids, s.response_ids, source="demonstration") for s in samples] \
+            if case["loss"] == "relift_sft" else samples
         got = exactrl_run(case, rollout, tok, case["layout"])
         if not dist.is_initialized() or dist.get_rank() == 0:
             cfg = case_config(case, case["layout"])

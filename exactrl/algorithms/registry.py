@@ -34,8 +34,8 @@ class Algorithm:
     # learns from a demonstration of each prompt besides its own samples (the mixed-policy methods): every
     # training prompt must carry one (data/encode.py), and data.train=builtin is the built-in task's mixed file
     demonstrations: bool = False
-    # (the GRPO terms, cfg) -> the step's terms, when its steps hold demonstrations (sft_rl.py): the GRPO terms are
-    # then scoped to the on-policy samples and an SFT term added on the demonstrations
+    # (the GRPO terms, cfg) -> the step's terms, when its steps hold demonstrations for SFT (sft_rl.py): the GRPO
+    # terms are then scoped to the on-policy samples, an SFT term added on the demonstrations, which get no advantage
     mix: Callable | None = None
     # ReLIFT: SFT steps of their own on buffered demonstrations of unsolved questions (sft_rl.SFTBuffer)
     sft_buffer: bool = False

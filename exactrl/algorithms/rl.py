@@ -100,12 +100,13 @@ def attach_advantages(samples: list[Sample], cfg: RLConfig, kl_coef: float | Non
     else algo.kl_coef."""
     a, alg = cfg.algo, ALGORITHMS.lookup(cfg.algo.name)
     kl_coef = a.kl_coef if kl_coef is None else kl_coef
-    for s in samples:  # demonstrations added for SFT (rollout/gated.py): nothing scored them, no term reads one
-        if s.source != "on_policy":
-            s.advantages = s.returns = torch.zeros(s.num_targets)
-    samples = [s for s in samples if s.source == "on_policy"]
-    if not samples:  # HPT sent every question of the rollout to SFT
-        return
+    if alg.mix is not None:  # its demonstrations are for SFT (rollout/gated.py): nothing scored them, no term reads one
+        for s in samples:
+            if s.source != "on_policy":
+                s.advantages = s.returns = torch.zeros(s.num_targets)
+        samples = [s for s in samples if s.source == "on_policy"]
+        if not samples:  # HPT sent every question of the rollout to SFT
+            return
     mask = pad_right([[0] * (len(s.prompt_ids) - 1) + [1] * len(s.response_ids) for s in samples], 0).to(torch.float64)
 
     def pad(ts):

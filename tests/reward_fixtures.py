@@ -111,3 +111,12 @@ def parity(prompts, completions, answers):
 
 
 parity.needs_answer = False
+
+
+def prompt_parity(prompts, completions, answers):
+    """1 for every response to a prompt whose character codes sum to an even number, else 0: each
+    question's group is all right or all wrong, so what a mixed-policy method does with it is known."""
+    return [float(sum(map(ord, p)) % 2 == 0) for p in prompts]
+
+
+prompt_parity.needs_answer = False

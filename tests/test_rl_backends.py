@@ -1,8 +1,9 @@
-"""RL on every backend: each policy loss and the critic's value loss apply exactly the
-full-rollout update on FSDP2 and DeepSpeed (ZeRO 0-3, offload) at world size 1 and 2, with
-the canary on; and the rollout each rank assembles, and its advantages, are those of one
-process (tests/dist/rl_equivalence.py, one process group per backend and world size); and
-sampling with sharded parameters keeps every rank stepping until the last rank's rows end.
+"""RL on every backend: each policy loss (and CHORD's and HPT's mixed steps, ReLIFT's SFT step
+with its code's mean of micro-batch means) and the critic's value loss apply exactly the
+full-rollout update on FSDP2 and DeepSpeed (ZeRO 0-3, offload) at world size 1 and 2, with the
+canary on; and the rollout each rank assembles, and its advantages, are those of one process
+(tests/dist/rl_equivalence.py, one process group per backend and world size); and sampling with
+sharded parameters keeps every rank stepping until the last rank's rows end.
 
 The policy losses: PPO's clipped token ratio (GRPO, RLOO, REINFORCE++), with clip-higher, a
 k3 KL and an entropy bonus under Dr.GRPO's constant-length aggregation (DAPO/Dr.GRPO); GSPO's
@@ -22,7 +23,7 @@ import pytest
 from distributed_harness import LAYOUT_IDS, LAYOUTS, layout_results, over_bound
 
 SCRIPT = Path(__file__).parent / "dist" / "rl_equivalence.py"
-LOSSES = {"ppo", "gspo", "reinforce", "value", "luffy", "srft", "uft", "prefix_rft"}
+LOSSES = {"ppo", "gspo", "reinforce", "value", "luffy", "srft", "uft", "prefix_rft", "chord", "hpt", "relift_sft"}
 
 
 @pytest.fixture(scope="module", params=LAYOUTS, ids=LAYOUT_IDS)

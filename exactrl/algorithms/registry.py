@@ -7,15 +7,17 @@ exactrl/advantages or exactrl/losses when it brings one)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from exactrl.advantages.estimators import TOKEN_REWARDS
 from exactrl.algorithms.hint_methods import prefix_rft_advantages, prefix_rft_objective, uft_objective
 from exactrl.algorithms.luffy_srft import luffy_terms, srft_terms
+from exactrl.algorithms.sft_rl import chord_terms, hpt_terms
 from exactrl.config.loader import ConfigError
 from exactrl.losses.objective import EntropyTerm, KLTerm, Objective, PolicyTerm
 from exactrl.registry import Registry
 from exactrl.rollout.collect import collect_dynamic_rollout, plain_rollout
+from exactrl.rollout.gated import gated, with_demonstrations
 from exactrl.rollout.hinted import prefix_rft_rollout, uft_rollout
 from exactrl.rollout.mixed import mixed_rollout
 
@@ -36,13 +38,14 @@ class Algorithm:
     # learns from a demonstration of each prompt besides its own samples (the mixed-policy methods): every
     # training prompt must carry one (data/encode.py), and data.train=builtin is the built-in task's mixed file
     demonstrations: bool = False
-    # (cfg, aggregation) -> the method's own terms on the policy's samples and demonstrations (LUFFY, SRFT:
-    # algorithms/luffy_srft.py); None: the clipped surrogate of ``policy_loss``
-    policy_terms: Callable | None = None
     # the method's own objective made from the standard one: (objective, cfg) -> objective (None: the standard)
     reshape: Callable | None = None
     # replaces the estimator's advantages after it ran: (samples, rewards, cfg) -> None (None: keeps them)
     reshape_advantages: Callable | None = None
+    # its demonstrations are for SFT (chord, hpt: rollout/gated.py): no reward scored them, they get no advantage
+    sft_demonstrations: bool = False
+    # ReLIFT: SFT steps of their own on buffered demonstrations of unsolved questions (sft_rl.SFTBuffer)
+    sft_buffer: bool = False
 
     def objective(self, cfg) -> Objective:
         """The policy's loss as data: the clipped surrogate (against the batch's old log-probs;
@@ -53,9 +56,8 @@ class Algorithm:
         micro-batch's logits (a softmax over the vocabulary), so it is logged only on request (algo.log_entropy)."""
         a, t = cfg.algo, cfg.train
         agg = {"agg": t.loss_agg, "norm_len": t.loss_agg_norm or cfg.rollout.max_new_tokens}
-        terms = self.policy_terms(cfg, agg) if self.policy_terms else [
-            PolicyTerm(loss=a.policy_loss or self.policy_loss, clip_low=a.clip_eps, clip_high=a.clip_eps_high
-                       or a.clip_eps, dual_clip=a.dual_clip, **agg)]
+        terms = [PolicyTerm(loss=a.policy_loss or self.policy_loss, clip_low=a.clip_eps,
+                            clip_high=a.clip_eps_high or a.clip_eps, dual_clip=a.dual_clip, **agg)]
         if a.kl_coef > 0 and a.kl_in_reward and self.advantage not in TOKEN_REWARDS:
             raise ConfigError(f"algo.kl_in_reward=true: algo.name={self.name}'s estimator '{self.advantage}' does not "
                               "read per-token rewards, so the KL would land nowhere; set algo.kl_in_reward=false")
@@ -65,6 +67,22 @@ class Algorithm:
             terms.append(EntropyTerm(coef=a.entropy_coef, **agg))
         objective = Objective(tuple(terms), metrics=("entropy",) if a.log_entropy and a.entropy_coef == 0 else ())
         return self.reshape(objective, cfg) if self.reshape else objective
+
+
+def on_terms(make: Callable) -> Callable:
+    """A reshape from ``make(terms, cfg) -> terms``."""
+    return lambda base, cfg: replace(base, terms=tuple(make(list(base.terms), cfg)))
+
+
+def policy_replaced_by(make: Callable) -> Callable:
+    """A reshape putting ``make(cfg, aggregation)``'s terms in place of the standard policy term
+    (its aggregation; the KL and entropy terms stay)."""
+    def reshape(base: Objective, cfg) -> Objective:
+        terms = []
+        for t in base.terms:
+            terms += make(cfg, {"agg": t.agg, "norm_len": t.norm_len}) if t.kind == "policy" else [t]
+        return replace(base, terms=tuple(terms))
+    return reshape
 
 
 ALGORITHMS: Registry[Algorithm] = Registry("algo.name")
@@ -83,9 +101,16 @@ for algorithm in (
               config="dapo"),
     # mixed-policy: demonstrations inside the GRPO groups (rollout/mixed.py), the method's own terms
     Algorithm("luffy", "grpo", "ppo", "Yan et al. 2025, arXiv 2504.14945", rollout=mixed_rollout, config="luffy",
-              demonstrations=True, policy_terms=luffy_terms),
+              demonstrations=True, reshape=policy_replaced_by(luffy_terms)),
     Algorithm("srft", "grpo", "ppo", "Fu et al. 2025, arXiv 2506.19767", rollout=mixed_rollout, config="srft",
-              demonstrations=True, policy_terms=srft_terms),
+              demonstrations=True, reshape=policy_replaced_by(srft_terms)),
+    # mixed-policy: GRPO plus SFT on demonstrations (sft_rl.py)
+    Algorithm("chord", "grpo", "ppo", "Zhang et al. 2025, arXiv 2508.11408", rollout=with_demonstrations,
+              config="chord", demonstrations=True, reshape=on_terms(chord_terms), sft_demonstrations=True),
+    Algorithm("hpt", "grpo", "ppo", "Lv et al. 2025, arXiv 2509.04419", rollout=gated, config="hpt",
+              demonstrations=True, reshape=on_terms(hpt_terms), sft_demonstrations=True),
+    Algorithm("relift", "grpo", "ppo", "Ma et al. 2025, arXiv 2506.07527", config="relift", demonstrations=True,
+              sft_buffer=True),
     # a scheduled hint continued by the policy; GRPO on the continuation, NLL on the hint (its code's estimator: grpo)
     Algorithm("uft", "grpo", "ppo", "Liu et al. 2025, arXiv 2505.16984", rollout=uft_rollout, config="uft",
               demonstrations=True, reshape=uft_objective),

@@ -37,6 +37,7 @@ from exactrl.algorithms.common import check_data_size, check_world, seed_everyth
 from exactrl.algorithms.registry import ALGORITHMS
 from exactrl.algorithms.resume import prepare_resume
 from exactrl.algorithms.sft import resolve
+from exactrl.algorithms.sft_rl import SFTBuffer, relift_sft
 from exactrl.checks.on_policy import on_policy_check
 from exactrl.config.schema_rl import RLConfig
 from exactrl.data.batch import Sample
@@ -71,7 +72,11 @@ class AdaptiveKL:
     horizon: int
 
     def update(self, samples: list[Sample]) -> float:
-        """The coefficient for this rollout; moves it for the next one. Returns the measured KL."""
+        """The coefficient for this rollout; moves it for the next one. Returns the measured KL
+        (of the policy's own responses: demonstrations a mixed-policy step adds are not sampled)."""
+        samples = [s for s in samples if s.source == "on_policy"]
+        if not samples:  # HPT sent every question to SFT: nothing sampled to measure
+            return 0.0
         kl = sum(float((s.old_logprobs - s.ref_logprobs)[len(s.prompt_ids) - 1 :].sum())
                  for s in samples) / len(samples)
         if self.target is not None:
@@ -95,6 +100,13 @@ def attach_advantages(samples: list[Sample], cfg: RLConfig, kl_coef: float | Non
     else algo.kl_coef."""
     a, alg = cfg.algo, ALGORITHMS.lookup(cfg.algo.name)
     kl_coef = a.kl_coef if kl_coef is None else kl_coef
+    if alg.sft_demonstrations:  # demonstrations for SFT (rollout/gated.py): nothing scored them, no term reads one
+        for s in samples:
+            if s.source != "on_policy":
+                s.advantages = s.returns = torch.zeros(s.num_targets)
+        samples = [s for s in samples if s.source == "on_policy"]
+        if not samples:  # HPT sent every question of the rollout to SFT
+            return
     mask = pad_right([[0] * (len(s.prompt_ids) - 1) + [1] * len(s.response_ids) for s in samples], 0).to(torch.float64)
 
     def pad(ts):
@@ -166,7 +178,7 @@ def step_plan(batch: list[Sample], cfg: RLConfig, world_size: int) -> StepPlan:
 def first_pass_micro_batches(samples: list[Sample], cfg: RLConfig, engine) -> list[list[int]]:
     """This rank's micro-batches (indices into the rollout) of the first epoch, the one in
     which old log-probs are computed and the ratio must be exactly 1."""
-    g = cfg.train.global_batch_size
+    g = len(samples) // cfg.algo.mini_batches  # a step's samples: global_batch_size responses, and any demonstrations
     return [[start + i for i in mb] for start in range(0, len(samples), g)
             for mb in step_plan(samples[start : start + g], cfg, engine.world_size).for_rank(engine.rank).micro_batches]
 
@@ -186,7 +198,7 @@ def mini_batches(samples: list[Sample], cfg: RLConfig, engine, group_rng: random
     train.global_batch_size responses; ``first`` marks the update whose micro-batches the old
     log-probs were computed in. Later epochs reshuffle whole groups, never splitting one
     across optimizer steps."""
-    a, g = cfg.algo, cfg.train.global_batch_size
+    a, g = cfg.algo, len(samples) // cfg.algo.mini_batches  # as first_pass_micro_batches
     groups = [samples[i : i + a.group_size] for i in range(0, len(samples), a.group_size)]
     for epoch in range(a.ppo_epochs):
         if epoch > 0:
@@ -217,11 +229,13 @@ def update(policy: Worker | None, critic: Critic | None, batch: list[Sample], pl
            objective: Objective) -> tuple[float, dict]:
     """One optimizer step of the policy (None: the critic's warm-up) then, with a critic, one of it,
     on the same mini-batch and plan. Returns the policy's loss and the step's stats."""
-    stats = {"responses": len(batch), "loss_tokens": plan.normalizer.num_tokens, "ratio_dev_first": None}
+    stats = {"responses": sum(s.source == "on_policy" for s in batch), "loss_tokens": plan.normalizer.num_tokens,
+             "ratio_dev_first": None}
     loss = 0.0
     if policy is not None:
         result = policy.train_step(batch, plan, objective)
-        ratio_dev = result.metrics.pop("ratio_dev", None)  # None: no term of the objective takes a ratio (srft)
+        # None: no term took a ratio (srft), no on-policy sample (hpt)
+        ratio_dev = result.metrics.pop("ratio_dev", None)
         if objective.on_policy is not None:
             stats["ratio_dev_first"] = ratio_dev
         loss, stats = result.loss, stats | result.metrics | result.stats
@@ -284,12 +298,15 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     sampler = StepSampler(len(prompts), prompts_per_rollout, t.seed)
     group_rng = random.Random(f"{t.seed}-minibatches")
     kl_control = AdaptiveKL(a.kl_coef, a.kl_target, a.kl_horizon)
+    buffer = SFTBuffer(a.relift.buffer_size) if alg.sft_buffer else None
     first_rollout = 0
     if t.resume_from:
         position = resume(t.resume_from, {"policy": policy, "critic": critic} if critic else {"policy": policy})
         first_rollout = position["rollout"] + 1
         group_rng.setstate(position["group_rng"])
         kl_control.coef = position.get("kl_coef", kl_control.coef)
+        if buffer is not None:
+            buffer.pending = position["sft_buffer"]
     # After the resume: FSDP2 leaves a forward-only call's root parameters unsharded, which a
     # sharded optimizer state cannot be loaded against.
     check_generator(cfg, model, tok, ctx.run_dir, phase, sampled=True, synced=generator.synced)
@@ -319,10 +336,13 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
         train_policy = critic is None or rollout >= cfg.critic.warmup_rollouts
         for batch, plan, first in mini_batches(samples, cfg, engine, group_rng):
             # the first update must see ratio 1 on every rank, checked before it is applied
-            check = on_policy_check(cfg, rollout, against_generator=reused) if first and has_ratio else None
+            check = on_policy_check(cfg, rollout, against_generator=reused) if first and has_ratio and any(
+                s.source == "on_policy" for s in batch) else None
             loss, stats = update(policy if train_policy else None, critic, batch, plan, replace(
                 loss_now, on_policy=check))
             step += 1
+            if buffer is not None and step % steps_per_rollout == 0:  # after the rollout's last GRPO step (ReLIFT)
+                stats |= relift_sft(policy, buffer, samples, sampler.batch(rollout), prompts, cfg)
 
             # 5. log, evaluate, checkpoint
             if ctx.logs(step):
@@ -330,7 +350,7 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
                                  "gen_tokens_per_s": rstats["generated_tokens"] / gen_seconds})
             ctx.step_done(step, {"policy": policy, "critic": critic},
                           {"step": step, "rollout": rollout, "group_rng": group_rng.getstate(),
-                           "kl_coef": kl_control.coef},
+                           "kl_coef": kl_control.coef, "sft_buffer": buffer and buffer.pending},
                           {"reward": f"{rstats['reward_mean']:.3f}"})
     seconds = time.perf_counter() - t0
     final = ctx.finish({final_name: policy, f"{final_name}-critic": critic})

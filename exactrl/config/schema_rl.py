@@ -44,12 +44,15 @@ class RolloutConfig(Section):
         return self
 
 
-RL_ALGOS = ("ppo", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "luffy", "srft",
-            "uft", "prefix_rft")
+# The mixed-policy methods (issue 23): each learns from a demonstration of every prompt.
+MIXED_ALGOS = ("luffy", "srft", "chord", "hpt", "relift", "uft", "prefix_rft")
+RL_ALGOS = ("ppo", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", *MIXED_ALGOS)
 # Algorithms whose baseline is the other responses to the same prompt.
-GROUP_ALGOS = ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp_baseline", "gspo", "luffy", "srft", "uft", "prefix_rft")
+GROUP_ALGOS = ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp_baseline", "gspo", *MIXED_ALGOS)
 # Algorithms whose GRPO groups hold demonstrations beside the policy's samples (exactrl/rollout/mixed.py).
 DEMO_GROUP_ALGOS = ("luffy", "srft")
+# Mixed-policy methods whose steps hold the demonstrations of their own prompts: one optimizer step per rollout.
+ONE_STEP_ALGOS = ("chord", "hpt")
 
 
 class GAEConfig(Section):
@@ -149,6 +152,43 @@ class PrefixRFTConfig(Section):
         description="'group': Dr.GRPO's group-centred rewards, prefixed responses in the group (the paper's A.2); "
                     "'code': the official code's, the unprefixed responses centred on their own mean, a prefixed "
                     "response's continuation on 0 and its prefix tokens on that mean.")
+class ChordConfig(Section):
+    """CHORD (Zhang et al. 2025, arXiv 2508.11408): (1 - mu) x GRPO + mu x SFT in one step. Defaults: CHORD-mu as
+    Trinity-RFT's examples/mix_chord/mix_chord.yaml comments give it (warm-up 0, decay 200, peak 0.9, valley
+    0.05, phi off); CHORD-phi there is mu_peak=mu_valley=0.1, mu_decay=0, phi=true."""
+
+    mu_warmup: int = Field(0, ge=0, description="Optimizer steps over which mu rises linearly from 0 to mu_peak "
+                                                "(Trinity-RFT's mu_warmup_steps).")
+    mu_decay: int = Field(200, ge=0, description="Optimizer steps after the warm-up over which mu falls along a half "
+                                                 "cosine from mu_peak to mu_valley, then held (mu_decay_steps).")
+    mu_peak: float = Field(0.9, ge=0, le=1, description="mu at the end of the warm-up: the SFT share of the loss.")
+    mu_valley: float = Field(0.05, ge=0, le=1, description="mu after the decay.")
+    phi: bool = Field(False, description="CHORD-phi: weight each demonstration token's NLL by sg(p (1 - p)), p the "
+                                         "policy's probability of the token (Trinity-RFT's enable_phi_function).")
+
+
+class HPTConfig(Section):
+    """HPT (Lv et al. 2025, arXiv 2509.04419): per question, SFT on its demonstration when few of its responses are
+    correct, GRPO on its responses otherwise. Defaults: TsinghuaC3I/Unify-Post-Training exp_scripts/train.sh."""
+
+    gate: int = Field(0, ge=0, description="A question whose group has at most this many correct responses (first "
+                                           "reward >= 1) is learnt by SFT on its demonstration instead of GRPO "
+                                           "(SWITCH_GATE: 0 for Qwen2.5-Math-7B, 2 in train_llama.sh).")
+    sft_coef: float = Field(1.0, gt=0, description="Weight of the SFT term (SFT_LOSS_COEF; 0.3 there for "
+                                                   "Qwen2.5-Math-1.5B).")
+
+
+class ReLIFTConfig(Section):
+    """ReLIFT (Ma et al. 2025, arXiv 2506.07527): GRPO, plus an SFT step on buffered demonstrations of the questions
+    no response solved. Defaults: TheRoadQaQ/ReLIFT examples/math-7b/train.sh."""
+
+    buffer_size: int = Field(128, gt=0, description="Demonstrations an SFT step trains on: once the buffer holds "
+                                                    "this many, the newest this-many make one optimizer step "
+                                                    "(sft_data_size = sft_mini_batch_size, one SFT epoch).")
+    mean_of_means: bool = Field(False, description="Normalise the SFT step as ReLIFT's code does: the mean over "
+                                                   "micro-batches (all ranks) of each micro-batch's token mean, "
+                                                   "which over-weights micro-batches with few tokens (the bug of "
+                                                   "arXiv 2604.23747). Off: the step's one token mean.")
 
 
 # Keys that moved, old -> new: older configs and checkpoints still load (with a notice).
@@ -265,6 +305,10 @@ class AlgoConfig(Section):
     prefix_rft: PrefixRFTConfig = Field(default_factory=PrefixRFTConfig,
                                         description="prefix_rft's scheduled prefix and entropy-based clipping "
                                                     "(Huang et al. 2025, arXiv 2507.01679).")
+    chord: ChordConfig = Field(default_factory=ChordConfig, description="chord's SFT weight schedule (arXiv "
+                                                                        "2508.11408).")
+    hpt: HPTConfig = Field(default_factory=HPTConfig, description="hpt's per-question switch (arXiv 2509.04419).")
+    relift: ReLIFTConfig = Field(default_factory=ReLIFTConfig, description="relift's SFT buffer (arXiv 2506.07527).")
     gen_ratio_tol: float = Field(1e-2, gt=0,
                                  description="Allowed |ratio - 1| for the on-policy check when a rollout feeding one "
                                              "update is checked against the generator's log-probs (KV-cached "
@@ -379,6 +423,10 @@ class RLConfig(CommonConfig):
             raise ValueError(f"algo.{a.name}.demonstrations={getattr(a, a.name).demonstrations} leaves no response for "
                              f"the policy to sample in a group of algo.group_size={a.group_size}; the group holds "
                              "both: raise algo.group_size or lower the demonstrations")
+        if a.name in ONE_STEP_ALGOS and a.ppo_epochs * a.mini_batches != 1:
+            raise ValueError(f"algo.name={a.name} trains each rollout's responses and its prompts' demonstrations in "
+                             f"one optimizer step: set algo.ppo_epochs=1 and algo.mini_batches=1 (given "
+                             f"{a.ppo_epochs} and {a.mini_batches})")
         return self
 
     @model_validator(mode="after")
@@ -395,6 +443,9 @@ class RLConfig(CommonConfig):
 def check_rl_layout(cfg: RLConfig, world: int) -> None:
     """A rollout's prompts (whole groups) spread evenly over ``world`` ranks."""
     prompts = cfg.train.global_batch_size * cfg.algo.mini_batches // cfg.algo.group_size
+    if cfg.algo.name == "relift" and cfg.algo.relift.buffer_size < world:
+        raise ValueError(f"algo.relift.buffer_size={cfg.algo.relift.buffer_size} is smaller than the {world} ranks an "
+                         "SFT step spreads its demonstrations over: each rank needs at least one")
     if prompts % world:
         raise ValueError(f"a rollout of {prompts} prompts (train.global_batch_size x algo.mini_batches / "
                          f"algo.group_size) does not spread evenly over {world} ranks; each rank samples whole groups "

@@ -11,7 +11,8 @@ from exactrl.config.schema import CommonConfig, OptimConfig
 
 # Which algorithms use which settings (algorithms/registry.py declares the same; tests check they agree).
 CRITIC_ALGOS = ("ppo",)  # train a critic (critic.*) and estimate advantages with GAE (algo.gae.*)
-STD_ALGOS = ("grpo", "gspo", "dapo", "luffy", "srft", "uft")  # the grpo estimator: group-centred rewards / group std
+# the grpo estimator: group-centred rewards / group std
+STD_ALGOS = ("grpo", "gspo", "dapo", "luffy", "srft", "chord", "hpt", "relift", "uft")
 DISCOUNT_ALGOS = ("ppo", "reinforce_pp", "reinforce_pp_baseline")  # returns to go, discounted by algo.gamma
 
 
@@ -60,6 +61,8 @@ USED_WHEN = [
              "set algo.uft.nll_coef > 0"),
     UsedWhen("algo.prefix_rft.clip_prefix", lambda c: c.algo.policy_loss != "reinforce", "algo.policy_loss=reinforce "
              "does not clip", "use another algo.policy_loss"),
+    *(UsedWhen(f"algo.{name}.", lambda c, n=name: c.algo.name == n, f"algo.{name}.* is {name}'s (algo.name="
+               "{c.algo.name})", f"set algo.name={name}") for name in ("chord", "hpt", "relift")),
     UsedWhen("algo.std_normalize", lambda c: c.algo.name in STD_ALGOS, "algo.name={c.algo.name} does not divide by the "
              "group std (only " + ", ".join(STD_ALGOS) + " do)", "use one of those"),
     UsedWhen("algo.gamma", lambda c: c.algo.name in DISCOUNT_ALGOS, "algo.name={c.algo.name} does not discount returns "

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import sys
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ from transformers import LlamaForTokenClassification
 
 from exactrl.algorithms.registry import ALGORITHMS
 from exactrl.algorithms.rl import attach_advantages, step_plan
+from exactrl.algorithms.sft_rl import SFT_OBJECTIVE, sft_step_plan
 from exactrl.data.batch import Sample
 from exactrl.rollout.collect import collect_rollout
 from exactrl.workers.worker import Worker
@@ -119,7 +121,7 @@ def sequence_advantages(samples: list[Sample]) -> list[Sample]:
     return out
 
 
-def mixed(samples: list[Sample]) -> list[Sample]:
+def in_groups(samples: list[Sample]) -> list[Sample]:
     """The rollout with each group's last response a demonstration (LUFFY's and SRFT's groups):
     micro-batches of 2 then hold 0 or 1 demonstration, and its tokens a varying share."""
     out = [copy.copy(s) for s in samples]
@@ -128,7 +130,7 @@ def mixed(samples: list[Sample]) -> list[Sample]:
     return out
 
 
-def reference_mixed_loss(model, samples, tok, case):
+def reference_group_demo_loss(model, samples, tok, case):
     """LUFFY (arXiv 2504.14945, its objective): the clipped ratio on the policy's tokens, p / (p + 0.1) on the
     demonstrations', one token-mean over both. SRFT (arXiv 2506.19767): on demonstrations
     0.5 sg(e^-H) NLL - min(p A, clip(p) A), on the policy's responses 0.1 sg(e^H) NLL if the reward is 1
@@ -170,6 +172,32 @@ def top_entropy(entropy: torch.Tensor, prefix: torch.Tensor, keep: float) -> tor
     idx = prefix.nonzero().flatten().tolist()
     chosen = sorted(idx, key=lambda t: -float(entropy[t]))[: len(idx) - int(len(idx) * (1 - keep))]
     return torch.tensor([t in chosen for t in range(len(prefix))])
+def with_demonstrations(samples: list[Sample], tok) -> list[Sample]:
+    """The rollout followed by three demonstrations of uneven length (CHORD's and HPT's steps):
+    a step of 11 samples whose micro-batches hold different shares of the two kinds of token."""
+    g = torch.Generator().manual_seed(12)
+    demos = []
+    for i, n in enumerate((9, 2, 5)):
+        demo = ScoredSample(tok(f"{i}*{i + 3}=")["input_ids"], torch.randint(7, 20, (n,), generator=g).tolist(),
+                            source="demonstration")
+        for key in ("advantages", "old_logprobs", "ref_logprobs", "old_values", "returns"):
+            setattr(demo, key, torch.zeros(demo.num_targets))  # read by no term of a demonstration
+        demos.append(demo)
+    return samples + demos
+
+
+def chord_mu(step: int) -> float:
+    """CHORD's mu (arXiv 2508.11408) for MIXED_MU: linear warm-up from 0, then cosine to the valley."""
+    warmup, decay, peak, valley = MIXED_MU
+    if step < warmup:
+        return peak * step / warmup
+    if step >= warmup + decay:
+        return valley
+    return valley + (peak - valley) * 0.5 * (1 + math.cos(math.pi * (step - warmup) / decay))
+
+
+MIXED_MU = (1, 2, 0.6, 0.2)  # warm-up, decay, peak, valley: mu is 0 at the first step, 0.6 at the second
+HPT_SFT_COEF = 0.3
 
 
 def aggregate_by_definition(per_token: list[torch.Tensor], mode: str) -> torch.Tensor:
@@ -180,6 +208,40 @@ def aggregate_by_definition(per_token: list[torch.Tensor], mode: str) -> torch.T
     if mode == "seq-mean-token-sum":
         return torch.stack([t.sum() for t in per_token]).mean()
     return torch.stack([t.sum() for t in per_token]).sum() / (len(per_token) * NORM_LEN)
+
+
+def reference_sft_mix_loss(model, samples, tok, case, step):
+    """CHORD: (1 - mu) x clipped surrogate over the on-policy tokens' mean + mu x sg(p (1 - p)) NLL over
+    the demonstration tokens' mean; HPT: the surrogate's mean + HPT_SFT_COEF x the NLL's mean."""
+    ids, attn = padded(samples, tok.pad_token_id)
+    logp_all = torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits[:, :-1], -1)
+    lo, hi = case.get("clip", (0.2, 0.2))
+    policy, demo = [], []
+    for b, (s, sl) in enumerate(zip(samples, spans(samples))):
+        lp = logp_all[b, sl].gather(-1, ids[b, 1:][sl][:, None])[:, 0]
+        if s.source == "demonstration":
+            p = lp.detach().exp()
+            demo.append(-lp * (p * (1 - p) if case["loss"] == "chord" else 1.0))
+        else:
+            ratio, adv = torch.exp(lp - s.old_logprobs[sl]), s.advantages[sl]
+            policy.append(-torch.minimum(ratio * adv, ratio.clamp(1 - lo, 1 + hi) * adv))
+    surrogate, nll = torch.cat(policy).mean(), torch.cat(demo).mean()
+    if case["loss"] == "hpt":
+        return surrogate + HPT_SFT_COEF * nll
+    mu = chord_mu(step)
+    return (1 - mu) * surrogate + mu * nll
+
+
+def reference_mean_of_means(model, samples, tok, case):
+    """ReLIFT's SFT step as its code computes it: each micro-batch's token-mean NLL, averaged over
+    the micro-batches of every rank (the plan's, so the same samples share a micro-batch)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    ids, attn = padded(samples, tok.pad_token_id)
+    logp_all = torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits[:, :-1], -1)
+    nll = [-logp_all[b, sl].gather(-1, ids[b, 1:][sl][:, None])[:, 0] for b, sl in enumerate(spans(samples))]
+    means = [torch.cat([nll[i] for i in mb]).mean() for mb in sft_step_plan(samples, case["micro"], world,
+                                                                           True).micro_batches]
+    return torch.stack(means).mean()
 
 
 def reference_policy_loss(model, samples, tok, case):
@@ -241,16 +303,23 @@ def reference(case, samples, tok, dtype) -> tuple[dict, dict]:
     fresh = (lambda: fresh_critic(tok, dtype)) if critic else (lambda: fresh_policy(tok, dtype=dtype))  # noqa: E731
     model = fresh()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    for _ in range(2):
+    for step in range(2):
         opt.zero_grad()
-        loss = reference_value_loss if critic else reference_mixed_loss if case["loss"] in MIXED else reference_policy_loss
-        loss(model, samples, tok, case).backward()
+        if case["loss"] in SFT_MIX:
+            reference_sft_mix_loss(model, samples, tok, case, step).backward()
+        elif case["loss"] in GROUP_DEMO:
+            reference_group_demo_loss(model, samples, tok, case).backward()
+        elif case["loss"] == "relift_sft":
+            reference_mean_of_means(model, samples, tok, case).backward()
+        else:
+            (reference_value_loss if critic else reference_policy_loss)(model, samples, tok, case).backward()
         opt.step()
     return {k: v.detach() for k, v in model.state_dict().items()}, fresh().state_dict()
 
 
 def case_config(case, layout) -> RLConfig:
-    algo = {"ppo": "grpo", "gspo": "gspo", "reinforce": "reinforce_pp", "value": "ppo"}.get(case["loss"], case["loss"])
+    algo = {"ppo": "grpo", "gspo": "gspo", "reinforce": "reinforce_pp", "value": "ppo",
+            "relift_sft": "relift"}.get(case["loss"], case["loss"])
     lo, hi = case.get("clip", (0.2, 0.2))
     overrides = [*layout, f"distributed.nproc_per_node={dist.get_world_size() if dist.is_initialized() else 1}",
                  "train.global_batch_size=8", f"train.micro_batch_size={case['micro']}", f"train.loss_agg={case['mode']}",
@@ -268,6 +337,14 @@ def case_config(case, layout) -> RLConfig:
         overrides.append(f"algo.uft.nll_coef={case['nll']}")
     if algo == "prefix_rft":
         overrides.append(f"algo.prefix_rft.keep={case['keep']}")
+    if algo == "chord":
+        warmup, decay, peak, valley = MIXED_MU
+        overrides += [f"algo.chord.mu_warmup={warmup}", f"algo.chord.mu_decay={decay}", f"algo.chord.mu_peak={peak}",
+                      f"algo.chord.mu_valley={valley}", "algo.chord.phi=true"]
+    if algo == "hpt":
+        overrides.append(f"algo.hpt.sft_coef={HPT_SFT_COEF}")
+    if algo == "relift":
+        overrides.append("algo.relift.mean_of_means=true")
     if case["loss"] == "reinforce":
         overrides.append("algo.policy_loss=reinforce")
     else:
@@ -289,7 +366,11 @@ def exactrl_run(case, samples, tok, layout) -> dict:
                     temperature=cfg.rollout.temperature)
     objective = ALGORITHMS.lookup(cfg.algo.name).objective(cfg)
     for _ in range(2):
-        policy.train_step(samples, step_plan(samples, cfg, engine.world_size), objective)
+        if case["loss"] == "relift_sft":
+            policy.train_step(samples, sft_step_plan(samples, cfg.train.micro_batch_size, engine.world_size,
+                                                     cfg.algo.relift.mean_of_means), SFT_OBJECTIVE)
+        else:
+            policy.train_step(samples, step_plan(samples, cfg, engine.world_size), objective)
     return full_state(engine, model)
 
 
@@ -301,21 +382,27 @@ POLICY_CASES = [
     dict(loss="uft", mode="token-mean", nll=0.5),  # on hinted(): prefix and policy tokens in one sequence
     dict(loss="prefix_rft", mode="seq-mean-token-sum-norm", keep=0.4),
 ]
-MIXED = ("luffy", "srft")
+GROUP_DEMO = ("luffy", "srft")
 # demonstrations in the groups, each method's own terms (exactrl/algorithms/luffy_srft.py)
-MIXED_CASES = [dict(loss="luffy", mode="token-mean"), dict(loss="srft", mode="token-mean")]
+GROUP_DEMO_CASES = [dict(loss="luffy", mode="token-mean"), dict(loss="srft", mode="token-mean")]
+# GRPO plus SFT on demonstrations in one step (exactrl/algorithms/sft_rl.py), token-mean per kind of sample
+SFT_MIX = ("chord", "hpt")
+SFT_MIX_CASES = [dict(loss=name, mode="token-mean") for name in SFT_MIX]
+# ReLIFT's SFT step with its code's mean of micro-batch means (algo.relift.mean_of_means)
+SFT_MIX_CASES.append(dict(loss="relift_sft", mode="token-mean"))
 VALUE_CASES = [dict(loss="value", mode="token-mean", value_clip=0.2), dict(loss="value", mode="seq-mean-token-mean")]
 
 
 def cases(backend: str) -> list[dict]:
-    every = POLICY_CASES + VALUE_CASES + MIXED_CASES
+    every = POLICY_CASES + VALUE_CASES + GROUP_DEMO_CASES
     if backend == "fsdp2":
-        return [dict(c, micro=2, layout=["distributed.backend=fsdp2"]) for c in every] + \
+        return [dict(c, micro=2, layout=["distributed.backend=fsdp2"]) for c in every + SFT_MIX_CASES] + \
                [dict(every[0], micro=m, layout=["distributed.backend=fsdp2"]) for m in (1, 4)]
     ds = lambda *kv: ["distributed.backend=deepspeed", *(f"deepspeed.{x}" for x in kv)]  # noqa: E731
     out = []
     for layout in (ds("zero_stage=2", "offload_optimizer=cpu"), ds("zero_stage=3")):
         out += [dict(c, micro=2, layout=layout) for c in every]
+    out += [dict(c, micro=2, layout=ds("zero_stage=2", "offload_optimizer=cpu")) for c in SFT_MIX_CASES]
     for layout in (ds("zero_stage=0"), ds("zero_stage=1", "offload_optimizer=cpu"),
                    ds("zero_stage=3", "offload_optimizer=cpu", "offload_param=cpu")):
         out += [dict(c, micro=1, layout=layout) for c in (POLICY_CASES[0], VALUE_CASES[0])]
@@ -400,8 +487,13 @@ def main(backend: str, world: int, out_path: str) -> None:
     samples = make_rollout(tok)
     results = []
     for case in cases(backend):
-        rollout = {"gspo": sequence_advantages, "luffy": mixed, "srft": mixed, "uft": hinted,
-                   "prefix_rft": hinted}.get(case["loss"], list)(samples)
+        if case["loss"] in SFT_MIX:
+            rollout = with_demonstrations(samples, tok)
+        elif case["loss"] == "relift_sft":
+            rollout = [Sample(s.prompt_ids, s.response_ids, source="demonstration") for s in samples]
+        else:
+            rollout = {"gspo": sequence_advantages, "luffy": in_groups, "srft": in_groups, "uft": hinted,
+                       "prefix_rft": hinted}.get(case["loss"], list)(samples)
         got = exactrl_run(case, rollout, tok, case["layout"])
         if not dist.is_initialized() or dist.get_rank() == 0:
             cfg = case_config(case, case["layout"])

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from exactrl.audit.commands import audit_app
-from exactrl.config import ConfigError, DemoConfig, RLConfig, SFTConfig, load_config
+from exactrl.config import ConfigError, DemoConfig, PipelineConfig, RLConfig, SFTConfig, load_config
 from exactrl.config.loader import valid_keys
 from exactrl.config.schema_commands import EvalCommandConfig
 
@@ -28,7 +28,7 @@ ConfigOpt = typer.Option(None, "--config", "-c",
 OverridesArg = typer.Argument(None, help="Dotted overrides, e.g. optim.lr=3e-4 train.micro_batch_size=4")
 DemoOverridesArg = typer.Argument(None, help="Dotted overrides, e.g. task.n_sft=5000 sft.train.max_steps=200 "
                                               "rl.optim.lr=1e-4")
-COMMANDS = {"sft": SFTConfig, "rl": RLConfig, "demo": DemoConfig, "eval": EvalCommandConfig}
+COMMANDS = {"sft": SFTConfig, "rl": RLConfig, "pipeline": PipelineConfig, "demo": DemoConfig, "eval": EvalCommandConfig}
 
 
 def _quiet_libraries() -> None:
@@ -264,6 +264,20 @@ def demo(config: Path | None = ConfigOpt, overrides: list[str] | None = DemoOver
     from exactrl.pipelines.demo import run_demo
 
     _run("demo", config, overrides, lambda cfg: run_demo(cfg, _stdout_console()))
+
+
+@app.command()
+def pipeline(config: Path | None = ConfigOpt, overrides: list[str] | None = DemoOverridesArg):
+    """SFT, then RL (any algo.name) from the SFT model: accuracy before and after each phase, FLOPs, one summary.
+
+    \b
+    e.g. exactrl pipeline --config examples/pipeline_tiny.yaml
+         exactrl pipeline --config my.yaml truncate.rollouts=50 truncate.lr=5e-6   (truncated SFT-then-RL)
+         exactrl pipeline --config my.yaml output_dir=runs/p resume=true           (continue it)
+    """
+    from exactrl.pipelines.pipeline import run_pipeline
+
+    _run("pipeline", config, overrides, lambda cfg: run_pipeline(cfg, _stdout_console()))
 
 
 @app.command("eval")

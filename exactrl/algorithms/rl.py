@@ -38,6 +38,7 @@ from exactrl.algorithms.registry import ALGORITHMS
 from exactrl.algorithms.resume import prepare_resume
 from exactrl.algorithms.sft import resolve
 from exactrl.checks.on_policy import on_policy_check
+from exactrl.compute import FlopsCounter, count_parameters
 from exactrl.config.schema_rl import RLConfig
 from exactrl.data.batch import Sample
 from exactrl.data.batching import StepSampler, pad_right
@@ -86,6 +87,7 @@ class RLResult:
     steps: int
     seconds: float
     generated_tokens: int
+    compute: dict  # exactrl/compute.py: FLOPs of the whole phase (a resumed one included)
 
 
 def attach_advantages(samples: list[Sample], cfg: RLConfig, kl_coef: float | None = None) -> None:
@@ -267,12 +269,13 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     sampler = StepSampler(len(prompts), prompts_per_rollout, t.seed)
     group_rng = random.Random(f"{t.seed}-minibatches")
     kl_control = AdaptiveKL(a.kl_coef, a.kl_target, a.kl_horizon)
-    first_rollout = 0
+    first_rollout, flops = 0, FlopsCounter(count_parameters(model))
     if t.resume_from:
         position = resume(t.resume_from, {"policy": policy, "critic": critic} if critic else {"policy": policy})
         first_rollout = position["rollout"] + 1
         group_rng.setstate(position["group_rng"])
         kl_control.coef = position.get("kl_coef", kl_control.coef)
+        flops.load(position)
     # After the resume: FSDP2 leaves a forward-only call's root parameters unsharded, which a
     # sharded optimizer state cannot be loaded against.
     check_generator(cfg, model, tok, ctx.run_dir, phase, sampled=True, synced=generator.synced)
@@ -286,6 +289,8 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
         samples, rstats = alg.rollout(generator, prompts, sampler.batch(rollout), rollout, reward_fns, cfg)
         gen_seconds = time.perf_counter() - tg
         gen_tokens += rstats["generated_tokens"]
+        # dynamic sampling (refill rounds) generated more responses than it kept: those count as generated too
+        flops.generated(samples, rstats["generated_tokens"] if "refill_rounds" in rstats else None)
 
         # 2. per-token fields fixed for the rollout, computed in the first update's micro-batches
         reused = attach_fields(samples, cfg, policy, reference, critic)
@@ -306,16 +311,19 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
             loss, stats = update(policy if train_policy else None, critic, batch, plan, replace(
                 loss_now, on_policy=check))
             step += 1
+            if train_policy:
+                flops.trained(batch)
 
             # 5. log, evaluate, checkpoint
             if ctx.logs(step):
                 ctx.write(step, {"rollout": rollout, "loss": loss, **stats, **rstats,
-                                 "gen_tokens_per_s": rstats["generated_tokens"] / gen_seconds})
+                                 "gen_tokens_per_s": rstats["generated_tokens"] / gen_seconds, **flops.record(),
+                                 "wall_seconds": time.perf_counter() - t0})
             ctx.step_done(step, {"policy": policy, "critic": critic},
                           {"step": step, "rollout": rollout, "group_rng": group_rng.getstate(),
-                           "kl_coef": kl_control.coef},
+                           "kl_coef": kl_control.coef, **flops.state()},
                           {"reward": f"{rstats['reward_mean']:.3f}"})
     seconds = time.perf_counter() - t0
     final = ctx.finish({final_name: policy, f"{final_name}-critic": critic})
     reward_fns.close()
-    return RLResult(ctx.run_dir, final, steps, seconds, gen_tokens)
+    return RLResult(ctx.run_dir, final, steps, seconds, gen_tokens, flops.record())

@@ -326,10 +326,27 @@ app.add_typer(audit_app, name="audit")
 
 
 @app.command("config")
-def show_config(command: str = typer.Argument(..., help="sft, rl, demo or eval")):
-    """Print every key of a command's config with its default and meaning."""
+def show_config(command: Annotated[str, typer.Argument(help="sft, rl, pipeline, demo or eval; or check")],
+                file: Annotated[Path | None, typer.Argument(help="check: the config file")] = None,
+                overrides: list[str] | None = OverridesArg,
+                as_command: Annotated[str | None, typer.Option("--command", help="check: the file's command "
+                                                                                 "(default: detected)")] = None,
+                params: Annotated[float | None, typer.Option(help="check: N (default: a local model's)")] = None,
+                tokens_per_sample: Annotated[float | None, typer.Option(help="check: D per trained sequence "
+                                                                             "(default: local data's)")] = None,
+                rollout_tokens: Annotated[float | None, typer.Option(help="check: D per RL rollout")] = None,
+                data_rows: Annotated[int | None, typer.Option(help="check: rows of absent data")] = None):
+    """Print every key of a command's config with its default and meaning; or, as `exactrl config check FILE`,
+    validate a config without running it and print its plan (steps, samples, tokens per step, FLOPs)."""
+    if command == "check":
+        from exactrl.pipelines.plan import Options, run_check
+
+        _quiet_libraries()
+        raise typer.Exit(run_check(file, as_command, overrides or [], Options(params, tokens_per_sample,
+                                                                              rollout_tokens, data_rows), COMMANDS))
     if command not in COMMANDS:
-        console.print(f"[bold red]error:[/bold red] unknown command '{command}'; choose {', '.join(COMMANDS)}")
+        console.print(f"[bold red]error:[/bold red] unknown command '{command}'; choose {', '.join(COMMANDS)} "
+                      "(or check FILE)")
         raise typer.Exit(2)
     for line in describe(COMMANDS[command]):
         print(line)

@@ -131,6 +131,7 @@ def _run(kind: str, config: Path | None, overrides: list[str] | None, fn) -> Non
     from exactrl.distributed.engine import NonFiniteError
     from exactrl.distributed.launch import shutdown, under_launcher
     from exactrl.models.loading import ModelLoadError
+    from exactrl.pipelines.pipeline import PhaseError
     from exactrl.rewards import RewardError
     from exactrl.rollout.collect import RolloutError
     from exactrl.rollout.generator import WeightSyncError
@@ -153,6 +154,8 @@ def _run(kind: str, config: Path | None, overrides: list[str] | None, fn) -> Non
         raise _fail("error", "error", str(e), 2) from None
     except (PackingCheckError, GenerationCheckError, DeterminismError, OnPolicyCheckError, WeightSyncError) as e:
         raise _fail("check", "stopped by a self-check", str(e), 3) from None
+    except PhaseError as e:  # a pipeline's phase that ran as a command of its own: its end is the pipeline's
+        raise _fail("error", "error", str(e), e.code) from None
     except EvaluationError as e:  # the model is saved; the run still failed
         raise _fail("error", "error", str(e), 1) from None
     except CanaryError as e:  # the step was not applied; checkpoints written so far are intact

@@ -24,8 +24,9 @@ def test_readme_documents_every_config_key():
 
 @pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.yaml")), ids=lambda p: p.name)
 def test_examples_are_valid_configs(path):
-    cls = RLConfig if "algo" in path.read_text() else SFTConfig
-    load_config(cls, path)
+    from exactrl.pipelines.plan import detect_command
+
+    load_config({"sft": SFTConfig, "rl": RLConfig, "pipeline": PipelineConfig}[detect_command(path)], path)
 
 
 def test_every_algorithm_has_an_example_config_that_loads():

@@ -166,11 +166,6 @@ class PipelineConfig(Section):
         if self.rl.model.path != ModelConfig().path:
             raise ValueError(f"rl.model.path={self.rl.model.path}: the RL phase starts from the SFT phase's model; "
                              "set sft.model.path (the model SFT starts from) instead")
-        for phase in ("sft", "rl"):
-            if getattr(self, phase).distributed.nproc_per_node > 1:
-                raise ValueError(f"{phase}.distributed.nproc_per_node={getattr(self, phase).distributed.nproc_per_node}"
-                                 ": the pipeline runs its phases in this one process; run a multi-process phase "
-                                 f"with `exactrl {phase}` (then rl with model.path set to the SFT run's final/)")
         if self.truncate.lr is not None and not self.truncate.rollouts:
             raise ValueError(f"truncate.lr={self.truncate.lr} needs truncate.rollouts (the truncated phase's "
                              "length); set it, e.g. truncate.rollouts=50, or remove truncate.lr")

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -24,6 +26,7 @@ from rich.table import Table
 from exactrl.algorithms.rl import train_rl
 from exactrl.algorithms.sft import resolve, train_sft
 from exactrl.audit.manifest import write_manifest
+from exactrl.compute import FlopsCounter
 from exactrl.config.loader import dump_config
 from exactrl.config.schema_commands import PipelineConfig
 from exactrl.data.encode import load_prompts
@@ -35,6 +38,15 @@ from exactrl.rewards import Rewards
 from exactrl.run.evaluation import Accuracy, eval_data, eval_reward_spec, evaluate_accuracy
 from exactrl.run_dir import create_run_dir
 from exactrl.tasks.builtin import BuiltinSpec
+
+
+class PhaseError(RuntimeError):
+    """A phase run as a command of its own failed; it has said why. ``code``: its exit code, the pipeline's."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
 
 RESULT = "result.json"  # a finished phase's outcome; its presence is what "finished" means
 STAGES = {"before": "starting model", "after_sft": "after SFT", "after_rl": "after RL"}
@@ -53,32 +65,52 @@ def measure(cfg: PipelineConfig, model_path: Path | str, prompts, seed: int) -> 
     return greedy, sampled
 
 
-def run_phase(run_dir: Path, name: str, cfg, train, tokens: str, resume: bool, console: Console) -> dict:
+def run_phase(run_dir: Path, name: str, cfg, train, resume: bool, console: Console) -> dict:
     """One phase in ``run_dir/name``: its result.json when an earlier launch finished it; else train it,
-    continuing from its newest complete checkpoint under ``resume``. ``tokens``: the result's field its
-    throughput counts (SFT: tokens trained on; RL: response tokens generated, the rollout's cost)."""
+    continuing from its newest complete checkpoint under ``resume``. A phase of several processes
+    (distributed.nproc_per_node > 1) runs as its own command, which relaunches itself under torchrun."""
     where = run_dir / name
     if (where / RESULT).exists():
         console.print(f"{name}: finished in an earlier launch, kept ({where})", highlight=False)
         return json.loads((where / RESULT).read_text())
-    where.mkdir(exist_ok=True)
     cfg.output_dir = str(where)
-    done = complete_checkpoints(where) if resume else []
-    if done:
-        # its config.yaml stays the one the checkpoint was written under: the resume checks against it
-        cfg.train.resume_from = str(done[-1])
-        console.print(f"{name}: continuing from {done[-1].name}", highlight=False)
+    if cfg.distributed.nproc_per_node > 1:
+        result = _launched(name, cfg, run_dir)
     else:
-        dump_config(cfg, where / "config.yaml")
-    if (where / "metrics.jsonl").exists():  # the records after this one redo the steps after the checkpoint
-        MetricsLog(where / "metrics.jsonl").write({"event": "continued", "resume_from": cfg.train.resume_from})
-    out = train(cfg, where)
-    result = {"final_model": str(out.final_model), "steps": out.steps, "seconds": out.seconds,
-              "tokens_per_s": getattr(out, tokens) / out.seconds if out.seconds else 0.0, "compute": out.compute}
+        where.mkdir(exist_ok=True)
+        done = complete_checkpoints(where) if resume else []
+        if done:
+            # its config.yaml stays the one the checkpoint was written under: the resume checks against it
+            cfg.train.resume_from = str(done[-1])
+            console.print(f"{name}: continuing from {done[-1].name}", highlight=False)
+        else:
+            dump_config(cfg, where / "config.yaml")
+        if (where / "metrics.jsonl").exists():  # the records after this one redo the steps after the checkpoint
+            MetricsLog(where / "metrics.jsonl").write({"event": "continued", "resume_from": cfg.train.resume_from})
+        out = train(cfg, where)
+        result = {"final_model": str(out.final_model), "steps": out.steps, "seconds": out.seconds,
+                  "compute": out.compute}
     tmp = where / f".{RESULT}.tmp"
     tmp.write_text(json.dumps(result, indent=2))
     os.replace(tmp, where / RESULT)
     return result
+
+
+def _launched(name: str, cfg, run_dir: Path) -> dict:
+    """The phase as `exactrl <name>` in a child process, continuing its own output_dir (train.resume_from=latest
+    starts from step 0 when it holds no checkpoint). Its wall time includes the start-up of its processes."""
+    cfg.train.resume_from = "latest"
+    path = run_dir / f".{name}-config.yaml"
+    dump_config(cfg, path)
+    t0 = time.perf_counter()
+    code = subprocess.run([sys.executable, "-m", "exactrl.cli", name, "--config", str(path)]).returncode
+    if code:
+        raise PhaseError(f"the {name} phase ended with exit code {code} (its reason is above; its run is in "
+                         f"{cfg.output_dir}); fix it, then continue the pipeline with resume=true", code)
+    records = [r for r in read_metrics(Path(cfg.output_dir) / "metrics.jsonl") if "flops" in r]
+    last = records[-1]
+    return {"final_model": str(Path(cfg.output_dir) / "final"), "steps": last["step"],
+            "seconds": time.perf_counter() - t0, "compute": {k: last[k] for k in FlopsCounter(0).record()}}
 
 
 def run_pipeline(cfg: PipelineConfig, console: Console | None = None, spec: BuiltinSpec = BuiltinSpec(),
@@ -111,12 +143,11 @@ def run_pipeline(cfg: PipelineConfig, console: Console | None = None, spec: Buil
 
     measured("before", model_path)
     sft = run_phase(run_dir, "sft", cfg.sft.model_copy(deep=True),
-                    lambda c, d: train_sft(c, d, spec, phase="sft"), "trained_tokens", cfg.resume, console)
+                    lambda c, d: train_sft(c, d, spec, phase="sft"), cfg.resume, console)
     measured("after_sft", sft["final_model"])
     rl_cfg = cfg.rl_phase()
     rl_cfg.model.path = sft["final_model"]
-    rl = run_phase(run_dir, "rl", rl_cfg, lambda c, d: train_rl(c, d, spec, phase="rl"), "generated_tokens",
-                   cfg.resume, console)
+    rl = run_phase(run_dir, "rl", rl_cfg, lambda c, d: train_rl(c, d, spec, phase="rl"), cfg.resume, console)
     measured("after_rl", rl["final_model"])
     log.close()
 
@@ -147,7 +178,9 @@ def summary_table(acc: dict, phases: dict, n: int) -> Table:
     t = Table(title=f"Held-out accuracy on {n} problems (95% CI)" if n else "No eval set: phases only")
     for col in ("stage", "greedy accuracy", "sampled pass@1", "phase wall time", "phase throughput", "phase FLOPs"):
         t.add_column(col)
-    rate = {"after_sft": ("sft", "trained"), "after_rl": ("rl", "generated")}
+    # SFT's throughput in tokens trained on, RL's in tokens its generator processed (prompts and responses)
+    rate = {"after_sft": ("sft", "trained", "flops_trained_tokens"),
+            "after_rl": ("rl", "generated", "flops_generated_tokens")}
     for name in ("before", "after_sft", "after_rl"):
         g, s = acc.get(name, ("-", "-"))
         ph = rate.get(name)
@@ -155,7 +188,7 @@ def summary_table(acc: dict, phases: dict, n: int) -> Table:
         if ph:
             p = phases[ph[0]]
             wall, flops = f"{p['seconds']:.0f} s", f"{p['compute']['flops']:.3g}"
-            tput = f"{p['tokens_per_s']:.0f} {ph[1]} tok/s"
+            tput = f"{p['compute'][ph[2]] / p['seconds']:.0f} {ph[1]} tok/s" if p["seconds"] else "-"
         t.add_row(name.replace("_", " "), str(g), str(s), wall, tput, flops)
     return t
 

@@ -46,7 +46,7 @@ def test_the_truncated_recipe_plans_the_papers_flops():
 
 
 def test_the_full_recipe_is_ten_times_the_truncated_rl():
-    sft, rl = _plan("qwen2.5-math-7b_sft_then_rl.yaml")
+    _, rl = _plan("qwen2.5-math-7b_sft_then_rl.yaml")
     _, short = _plan("qwen2.5-math-7b_sft_then_rl_truncated.yaml")
     assert (rl.rollouts, rl.steps) == (500, 1000) and rl.flops == 10 * short.flops
     cfg = load_config(PipelineConfig, PAPER / "qwen2.5-math-7b_sft_then_rl_truncated.yaml").rl_phase()

@@ -78,3 +78,28 @@ def test_config_check_refuses_what_a_run_would_in_one_line(tmp_path):
     out = CliRunner().invoke(app, ["config", "check", str(tmp_path / "absent.yaml")], terminal_width=200)
     assert out.exit_code == 2 and "does not exist" in out.output
     assert set(COMMANDS) == {"sft", "rl", "pipeline", "demo", "eval"}
+
+
+def test_config_check_plans_from_local_data_and_model(tmp_path, monkeypatch):
+    """A demo config (detected by its task section) on a small built-in task: the steps from its rows
+    and train.epochs, N counted from the local model, D measured on the local data."""
+    from transformers import AutoModelForCausalLM
+
+    from exactrl.pipelines.plan import check_config, detect_command
+    from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin
+
+    monkeypatch.setenv("EXACTRL_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "demo.yaml"
+    path.write_text("task: {n_sft: 64, n_rl: 16, n_eval: 8}\n"
+                    "sft: {train: {max_steps: 0, epochs: 2, global_batch_size: 16, micro_batch_size: 8}}\n"
+                    "rl: {train: {max_steps: 0, epochs: 1, global_batch_size: 16, micro_batch_size: 8}, "
+                    "algo: {group_size: 8}}\n")
+    assert detect_command(path) == "demo"
+    cfg = load_config(COMMANDS["demo"], path)
+    sft, rl = plan(cfg, "demo", Options())
+    assert (sft.steps, rl.rollouts, rl.prompts_per_rollout) == (2 * 64 // 16, 16 // 2, 2)
+    model = AutoModelForCausalLM.from_pretrained(ensure_builtin(BuiltinSpec(n_sft=64, n_rl=16, n_eval=8)).model)
+    assert sft.n_params == rl.n_params == sum(p.numel() for p in model.parameters())
+    assert sft.flops == sft_flops(sft.n_params, 8 * 16, sft.tokens_per_sample) and rl.flops > 0
+    lines = check_config(path, None, [], Options(), COMMANDS)
+    assert lines[0].endswith("a valid `exactrl demo` config") and lines[-1].startswith("total FLOPs: ")

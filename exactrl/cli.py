@@ -28,6 +28,8 @@ ConfigOpt = typer.Option(None, "--config", "-c",
 OverridesArg = typer.Argument(None, help="Dotted overrides, e.g. optim.lr=3e-4 train.micro_batch_size=4")
 DemoOverridesArg = typer.Argument(None, help="Dotted overrides, e.g. task.n_sft=5000 sft.train.max_steps=200 "
                                               "rl.optim.lr=1e-4")
+PipelineOverridesArg = typer.Argument(None, help="Dotted overrides, e.g. sft.train.epochs=3 rl.optim.lr=1e-6 "
+                                                  "truncate.rollouts=50")
 COMMANDS = {"sft": SFTConfig, "rl": RLConfig, "pipeline": PipelineConfig, "demo": DemoConfig, "eval": EvalCommandConfig}
 
 
@@ -270,7 +272,7 @@ def demo(config: Path | None = ConfigOpt, overrides: list[str] | None = DemoOver
 
 
 @app.command()
-def pipeline(config: Path | None = ConfigOpt, overrides: list[str] | None = DemoOverridesArg):
+def pipeline(config: Path | None = ConfigOpt, overrides: list[str] | None = PipelineOverridesArg):
     """SFT, then RL (any algo.name) from the SFT model: accuracy before and after each phase, FLOPs, one summary.
 
     \b

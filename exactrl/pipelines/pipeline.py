@@ -30,6 +30,7 @@ from exactrl.compute import FlopsCounter
 from exactrl.config.loader import dump_config
 from exactrl.config.schema_commands import PipelineConfig
 from exactrl.data.encode import load_prompts
+from exactrl.device import use_device
 from exactrl.distributed.checkpoint import complete_checkpoints
 from exactrl.metrics import MetricsLog, read_metrics
 from exactrl.models.loading import load_causal_lm, load_tokenizer
@@ -53,8 +54,12 @@ STAGES = {"before": "starting model", "after_sft": "after SFT", "after_rl": "aft
 
 
 def measure(cfg: PipelineConfig, model_path: Path | str, prompts, seed: int) -> tuple[Accuracy, Accuracy]:
-    """Greedy accuracy and sampled pass@1 (the RL phase's sampling) of a model on the held-out prompts."""
-    tok, model = load_tokenizer(model_path), load_causal_lm(model_path, trainable=False)
+    """Greedy accuracy and sampled pass@1 (the RL phase's sampling) of a model on the held-out prompts, on the
+    device the SFT phase trains on."""
+    trust = cfg.sft.model.trust_remote_code
+    tok = load_tokenizer(model_path, trust, cfg.rl.data.chat_template)
+    model = load_causal_lm(model_path, trainable=False, device=use_device(cfg.sft.distributed.device),
+                           trust_remote_code=trust)
     ev, r = cfg.rl.eval, cfg.rl.rollout
     common = dict(batch_size=ev.batch_size, max_new_tokens=ev.max_new_tokens, stop=tuple(r.stop),
                   timeout=cfg.rl.reward.timeout)
@@ -127,8 +132,11 @@ def run_pipeline(cfg: PipelineConfig, console: Console | None = None, spec: Buil
              "rl_train": resolve(cfg.rl.data.train, "rl_train", spec),
              "eval": resolve(eval_data(cfg.rl), "eval", spec)}
     build_s = time.perf_counter() - t0
-    write_manifest(run_dir, cfg.rl.train.seed, files, {"task": spec.key()})
-    prompts = (load_prompts(files["eval"], load_tokenizer(model_path), cfg.rl.data)[0] if files["eval"] else None)
+    builtin = any(str(x).startswith("builtin") for x in (cfg.sft.model.path, cfg.sft.data.train, cfg.rl.data.train,
+                                                          eval_data(cfg.rl)))
+    write_manifest(run_dir, cfg.rl.train.seed, files, {"task": spec.key()} if builtin else None)
+    tok = load_tokenizer(model_path, cfg.sft.model.trust_remote_code, cfg.rl.data.chat_template)
+    prompts = load_prompts(files["eval"], tok, cfg.rl.data)[0] if files["eval"] else None
 
     log = MetricsLog(run_dir / "metrics.jsonl")
     acc = {r["stage"]: (Accuracy(**r["greedy"]), Accuracy(**r["sampled"]))

@@ -23,6 +23,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from exactrl.algorithms.registry import ALGORITHMS
 from exactrl.algorithms.rl import train_rl
 from exactrl.algorithms.sft import resolve, train_sft
 from exactrl.audit.manifest import write_manifest
@@ -51,6 +52,11 @@ class PhaseError(RuntimeError):
 
 RESULT = "result.json"  # a finished phase's outcome; its presence is what "finished" means
 STAGES = {"before": "starting model", "after_sft": "after SFT", "after_rl": "after RL"}
+
+
+def rl_data_kind(cfg) -> str:
+    """The built-in file 'builtin' names for the RL phase: with demonstrations when its algorithm learns from them."""
+    return "mixed_train" if ALGORITHMS.lookup(cfg.algo.name).demonstrations else "rl_train"
 
 
 def measure(cfg: PipelineConfig, model_path: Path | str, prompts, seed: int) -> tuple[Accuracy, Accuracy]:
@@ -129,7 +135,7 @@ def run_pipeline(cfg: PipelineConfig, console: Console | None = None, spec: Buil
     t0 = time.perf_counter()
     model_path = resolve(cfg.sft.model.path, "model", spec)  # the built-in task is built here when named
     files = {"sft_train": resolve(cfg.sft.data.train, "sft_train", spec),
-             "rl_train": resolve(cfg.rl.data.train, "rl_train", spec),
+             "rl_train": resolve(cfg.rl.data.train, rl_data_kind(cfg.rl), spec),
              "eval": resolve(eval_data(cfg.rl), "eval", spec)}
     build_s = time.perf_counter() - t0
     builtin = any(str(x).startswith("builtin") for x in (cfg.sft.model.path, cfg.sft.data.train, cfg.rl.data.train,

@@ -119,15 +119,19 @@ def plan_sft(cfg, spec, opts: Options, model_path: str | None = None) -> PhasePl
 
 
 def plan_rl(cfg, spec, opts: Options, model_path: str | None = None) -> PhasePlan:
+    """Every RL sample is planned as a rollout (8ND): how many of a group a mixed-policy method fills with
+    demonstrations (6ND) is its own to declare (a note says so)."""
+    from exactrl.algorithms.registry import ALGORITHMS
     from exactrl.data.encode import load_prompts
     from exactrl.data.files import read_rows
+    from exactrl.pipelines.pipeline import rl_data_kind
 
     a, t = cfg.algo, cfg.train
     per_rollout = a.ppo_epochs * a.mini_batches
     p = PhasePlan("rl", samples_per_step=t.global_batch_size, group_size=a.group_size,
                   prompts_per_rollout=t.global_batch_size * a.mini_batches // a.group_size)
     model_dir = _local(model_path or cfg.model.path, spec, "model", p.notes, "model")
-    data = _local(cfg.data.train, spec, "rl_train", p.notes, "data.train")
+    data = _local(cfg.data.train, spec, rl_data_kind(cfg), p.notes, "data.train")
     rows = len(read_rows(data)) if data else opts.data_rows
     if t.max_steps:
         p.rollouts = t.max_steps // per_rollout
@@ -144,6 +148,9 @@ def plan_rl(cfg, spec, opts: Options, model_path: str | None = None) -> PhasePla
         p.notes.append(f"tokens per rollout at most {p.tokens_per_sample:.1f} (mean prompt + "
                        f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}): the FLOPs are an upper bound")
     p.n_params = _n_params(model_dir, opts, p.notes, cfg)
+    if ALGORITHMS.lookup(a.name).demonstrations:
+        p.notes.append(f"algo.name={a.name} trains on demonstrations: planned as rollouts (8ND), an upper bound "
+                       "(a demonstration costs 6ND)")
     if None not in (p.rollouts, p.tokens_per_sample, p.n_params):
         p.flops = rl_flops(p.n_params, p.rollouts, p.prompts_per_rollout, a.group_size, p.tokens_per_sample,
                            training_passes=a.ppo_epochs)

@@ -114,7 +114,18 @@ def _launched(name: str, cfg, run_dir: Path) -> dict:
     path = run_dir / f".{name}-config.yaml"
     dump_config(cfg, path)
     t0 = time.perf_counter()
-    code = subprocess.run([sys.executable, "-m", "exactrl.cli", name, "--config", str(path)]).returncode
+    child = subprocess.Popen([sys.executable, "-m", "exactrl.cli", name, "--config", str(path)])
+    try:
+        code = child.wait()
+    except BaseException:
+        # SIGINT reached the child too (one process group); SIGTERM may have reached only this process: pass it on,
+        # and let the child record its end (its checkpoints kept) before this process records its own
+        try:
+            child.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            child.terminate()
+            child.wait()
+        raise
     if code:
         raise PhaseError(f"the {name} phase ended with exit code {code} (its reason is above; its run is in "
                          f"{cfg.output_dir}); fix it, then continue the pipeline with resume=true", code)

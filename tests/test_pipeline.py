@@ -91,3 +91,26 @@ def test_truncate_sets_the_rl_phases_length_and_learning_rate():
 def test_what_the_pipeline_cannot_honour_is_refused_by_name(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
         load_config(PipelineConfig, None, [override])
+
+
+@pytest.mark.slow
+def test_a_phase_of_two_processes_runs_as_its_own_command(tmp_path, cache):
+    """rl.distributed.nproc_per_node=2: the RL phase runs as `exactrl rl` under torchrun (FSDP2, gloo); the
+    pipeline reads its final model and FLOPs from its run directory."""
+    import os
+    import subprocess
+    import sys
+
+    evals = tmp_path / "eval.jsonl"
+    rows = [{"prompt": f"{a}+{a}=", "answer": f"{2 * a:04d}"} for a in range(100, 104)]
+    evals.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "p"
+    args = [*TINY, f"output_dir={out}", f"rl.data.eval={evals}", "rl.eval.reward_fn=exactrl.tasks.arithmetic:reward",
+            "rl.distributed.backend=fsdp2", "rl.distributed.nproc_per_node=2", "rl.train.save_every=0"]
+    proc = subprocess.run([sys.executable, "-m", "exactrl.cli", "pipeline", *args], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    last = [r for r in read_metrics(out / "rl" / "metrics.jsonl") if "flops" in r][-1]
+    assert summary["flops"]["rl"] == last["flops"] > 0 and (out / "rl" / "final" / "config.json").is_file()
+    assert summary["accuracy"]["after_rl"]["n"] == 4

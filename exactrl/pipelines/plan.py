@@ -86,10 +86,13 @@ def _n_params(model_dir: str | None, opts: Options, notes: list[str], cfg) -> fl
     return count_parameters(model)
 
 
-def _tokenizer(model_dir: str | None, cfg):
+def _tokenizer(model_dir: str | None, cfg, notes: list[str]):
     from exactrl.models.loading import load_tokenizer
 
-    return load_tokenizer(model_dir, cfg.model.trust_remote_code, cfg.data.chat_template) if model_dir else None
+    if model_dir is None:
+        notes.append("tokens per sample unknown without the model's tokenizer: give --tokens-per-sample")
+        return None
+    return load_tokenizer(model_dir, cfg.model.trust_remote_code, cfg.data.chat_template)
 
 
 def plan_sft(cfg, spec, opts: Options, model_path: str | None = None) -> PhasePlan:
@@ -107,7 +110,7 @@ def plan_sft(cfg, spec, opts: Options, model_path: str | None = None) -> PhasePl
     else:
         p.notes.append(f"steps unknown: train.epochs={cfg.train.epochs} of data not here; give --data-rows")
     p.tokens_per_sample = opts.tokens_per_sample
-    tok = _tokenizer(model_dir, cfg) if data and p.tokens_per_sample is None else None
+    tok = _tokenizer(model_dir, cfg, p.notes) if data and p.tokens_per_sample is None else None
     if tok is not None:
         examples, _ = load_sft(data, tok, cfg.data)
         p.tokens_per_sample = sum(len(e.input_ids) for e in examples) / len(examples)
@@ -141,7 +144,7 @@ def plan_rl(cfg, spec, opts: Options, model_path: str | None = None) -> PhasePla
         p.notes.append(f"rollouts unknown: train.epochs={t.epochs} of data not here; give --data-rows")
     p.steps = None if p.rollouts is None else p.rollouts * per_rollout
     p.tokens_per_sample = opts.rollout_tokens or opts.tokens_per_sample
-    tok = _tokenizer(model_dir, cfg) if data and p.tokens_per_sample is None else None
+    tok = _tokenizer(model_dir, cfg, p.notes) if data and p.tokens_per_sample is None else None
     if tok is not None:  # a rollout's length is the policy's to decide: bound it by the response limit
         prompts, _ = load_prompts(data, tok, cfg.data)
         p.tokens_per_sample = sum(len(q.input_ids) for q in prompts) / len(prompts) + cfg.rollout.max_new_tokens

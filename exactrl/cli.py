@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from exactrl.audit.commands import audit_app
-from exactrl.config import ConfigError, DemoConfig, RLConfig, SFTConfig, load_config
+from exactrl.config import ConfigError, DemoConfig, PipelineConfig, RLConfig, SFTConfig, load_config
 from exactrl.config.loader import valid_keys
 from exactrl.config.schema_commands import EvalCommandConfig
 
@@ -28,7 +28,9 @@ ConfigOpt = typer.Option(None, "--config", "-c",
 OverridesArg = typer.Argument(None, help="Dotted overrides, e.g. optim.lr=3e-4 train.micro_batch_size=4")
 DemoOverridesArg = typer.Argument(None, help="Dotted overrides, e.g. task.n_sft=5000 sft.train.max_steps=200 "
                                               "rl.optim.lr=1e-4")
-COMMANDS = {"sft": SFTConfig, "rl": RLConfig, "demo": DemoConfig, "eval": EvalCommandConfig}
+PipelineOverridesArg = typer.Argument(None, help="Dotted overrides, e.g. sft.train.epochs=3 rl.optim.lr=1e-6 "
+                                                  "truncate.rollouts=50")
+COMMANDS = {"sft": SFTConfig, "rl": RLConfig, "pipeline": PipelineConfig, "demo": DemoConfig, "eval": EvalCommandConfig}
 
 
 def _quiet_libraries() -> None:
@@ -131,6 +133,7 @@ def _run(kind: str, config: Path | None, overrides: list[str] | None, fn) -> Non
     from exactrl.distributed.engine import NonFiniteError
     from exactrl.distributed.launch import shutdown, under_launcher
     from exactrl.models.loading import ModelLoadError
+    from exactrl.pipelines.pipeline import PhaseError
     from exactrl.rewards import RewardError
     from exactrl.rollout.collect import RolloutError
     from exactrl.rollout.generator import WeightSyncError
@@ -153,6 +156,8 @@ def _run(kind: str, config: Path | None, overrides: list[str] | None, fn) -> Non
         raise _fail("error", "error", str(e), 2) from None
     except (PackingCheckError, GenerationCheckError, DeterminismError, OnPolicyCheckError, WeightSyncError) as e:
         raise _fail("check", "stopped by a self-check", str(e), 3) from None
+    except PhaseError as e:  # a pipeline's phase that ran as a command of its own: its end is the pipeline's
+        raise _fail("error", "error", str(e), e.code) from None
     except EvaluationError as e:  # the model is saved; the run still failed
         raise _fail("error", "error", str(e), 1) from None
     except CanaryError as e:  # the step was not applied; checkpoints written so far are intact
@@ -269,6 +274,20 @@ def demo(config: Path | None = ConfigOpt, overrides: list[str] | None = DemoOver
     _run("demo", config, overrides, lambda cfg: run_demo(cfg, _stdout_console()))
 
 
+@app.command()
+def pipeline(config: Path | None = ConfigOpt, overrides: list[str] | None = PipelineOverridesArg):
+    """SFT, then RL (any algo.name) from the SFT model: accuracy before and after each phase, FLOPs, one summary.
+
+    \b
+    e.g. exactrl pipeline --config examples/pipeline_tiny.yaml
+         exactrl pipeline --config my.yaml truncate.rollouts=50 truncate.lr=5e-6   (truncated SFT-then-RL)
+         exactrl pipeline --config my.yaml output_dir=runs/p resume=true           (continue it)
+    """
+    from exactrl.pipelines.pipeline import run_pipeline
+
+    _run("pipeline", config, overrides, lambda cfg: run_pipeline(cfg, _stdout_console()))
+
+
 @app.command("eval")
 def evaluate(config: Path | None = ConfigOpt, overrides: list[str] | None = OverridesArg):
     """Evaluate a model directory on an eval set with a reward: greedy accuracy [95% CI], pass@k, a report.
@@ -315,10 +334,27 @@ app.add_typer(audit_app, name="audit")
 
 
 @app.command("config")
-def show_config(command: str = typer.Argument(..., help="sft, rl, demo or eval")):
-    """Print every key of a command's config with its default and meaning."""
+def show_config(command: Annotated[str, typer.Argument(help="sft, rl, pipeline, demo or eval; or check")],
+                file: Annotated[Path | None, typer.Argument(help="check: the config file")] = None,
+                overrides: list[str] | None = OverridesArg,
+                as_command: Annotated[str | None, typer.Option("--command", help="check: the file's command "
+                                                                                 "(default: detected)")] = None,
+                params: Annotated[float | None, typer.Option(help="check: N (default: a local model's)")] = None,
+                tokens_per_sample: Annotated[float | None, typer.Option(help="check: D per trained sequence "
+                                                                             "(default: local data's)")] = None,
+                rollout_tokens: Annotated[float | None, typer.Option(help="check: D per RL rollout")] = None,
+                data_rows: Annotated[int | None, typer.Option(help="check: rows of absent data")] = None):
+    """Print every key of a command's config with its default and meaning; or, as `exactrl config check FILE`,
+    validate a config without running it and print its plan (steps, samples, tokens per step, FLOPs)."""
+    if command == "check":
+        from exactrl.pipelines.plan import Options, run_check
+
+        _quiet_libraries()
+        raise typer.Exit(run_check(file, as_command, overrides or [], Options(params, tokens_per_sample,
+                                                                              rollout_tokens, data_rows), COMMANDS))
     if command not in COMMANDS:
-        console.print(f"[bold red]error:[/bold red] unknown command '{command}'; choose {', '.join(COMMANDS)}")
+        console.print(f"[bold red]error:[/bold red] unknown command '{command}'; choose {', '.join(COMMANDS)} "
+                      "(or check FILE)")
         raise typer.Exit(2)
     for line in describe(COMMANDS[command]):
         print(line)

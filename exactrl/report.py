@@ -12,13 +12,15 @@ import matplotlib.pyplot as plt
 from exactrl.metrics import read_metrics
 
 
-def plot_run(run_dir: Path, milestones: list[tuple[str, float, tuple[float, float]]] | None = None) -> Path:
+def plot_run(run_dir: Path, milestones: list[tuple[str, float, tuple[float, float]]] | None = None,
+             records: list[dict] | None = None) -> Path:
     """SFT loss, RL reward and held-out greedy accuracy against the optimizer step.
 
     The accuracy panel runs SFT steps then RL steps on one axis; ``milestones`` (name,
     accuracy, 95% CI) are drawn with error bars at the start, the SFT/RL boundary and the end.
+    ``records``: the metrics to draw (default: the run directory's metrics.jsonl).
     """
-    records = read_metrics(run_dir / "metrics.jsonl")
+    records = read_metrics(run_dir / "metrics.jsonl") if records is None else records
     sft_steps = max((r["step"] for r in records if r.get("phase") == "sft"), default=0)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for phase, ax, key, label in (("sft", axes[0], "loss", "SFT loss"), ("rl", axes[

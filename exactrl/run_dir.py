@@ -143,7 +143,8 @@ def create_run_dir(template: str, command: str, cfg, continues: bool = False) ->
     note("run_dir", {"path": str(path.resolve())})
     set_status("running", command=command)
     if kept:  # the records after this one redo the steps after the checkpoint (or all, from none)
-        record_event({"event": "continued", "resume_from": cfg.train.resume_from})
+        # a pipeline (no train section) continues each phase from its own checkpoints
+        record_event({"event": "continued", "resume_from": getattr(getattr(cfg, "train", None), "resume_from", None)})
     tmp = path / ".config.yaml.tmp"  # a crash mid-write leaves no half config.yaml
     dump_config(cfg, tmp)
     os.replace(tmp, path / "config.yaml")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from exactrl.config import DemoConfig, RLConfig, SFTConfig, load_config
+from exactrl.config import DemoConfig, PipelineConfig, RLConfig, SFTConfig, load_config
 from exactrl.config.loader import valid_keys
 from exactrl.config.schema_commands import EvalCommandConfig
 
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_readme_documents_every_config_key():
     readme = (ROOT / "README.md").read_text()
     keys = set(valid_keys(SFTConfig)) | set(valid_keys(RLConfig))
-    keys |= {k for k in valid_keys(DemoConfig) if not k.startswith(("sft.", "rl."))}
+    keys |= {k for cls in (PipelineConfig, DemoConfig) for k in valid_keys(cls) if not k.startswith(("sft.", "rl."))}
     keys |= set(valid_keys(EvalCommandConfig))
     missing = sorted(k for k in keys if f"`{k}`" not in readme)
     assert not missing, f"README configuration reference lacks: {missing}"
@@ -24,8 +24,9 @@ def test_readme_documents_every_config_key():
 
 @pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.yaml")), ids=lambda p: p.name)
 def test_examples_are_valid_configs(path):
-    cls = RLConfig if "algo" in path.read_text() else SFTConfig
-    load_config(cls, path)
+    from exactrl.pipelines.plan import detect_command
+
+    load_config({"sft": SFTConfig, "rl": RLConfig, "pipeline": PipelineConfig}[detect_command(path)], path)
 
 
 def test_every_algorithm_has_an_example_config_that_loads():

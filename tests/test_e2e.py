@@ -111,8 +111,8 @@ def test_demo_smoke_writes_complete_run_directory(workdir):
         assert 0.0 <= acc["ci95"][0] <= acc["value"] <= acc["ci95"][1] <= 1.0
         assert acc["n"] == 40
     assert set(summary["seconds"]) >= {"sft", "rl", "total"}
-    for name in ("config.yaml", "manifest.json", "metrics.jsonl", "plot.png", "report.md", "sft_model/config.json",
-                 "rl_model/config.json"):
+    for name in ("config.yaml", "manifest.json", "metrics.jsonl", "plot.png", "report.md", "sft/final/config.json",
+                 "rl/final/config.json", "sft/metrics.jsonl", "rl/metrics.jsonl"):
         assert (out / name).exists(), name
     assert "after sft" in proc.stdout and "after rl" in proc.stdout
     assert "Setting accelerator" not in proc.stdout + proc.stderr  # DeepSpeed's probe line (issue 21)

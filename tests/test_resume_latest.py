@@ -71,8 +71,8 @@ def test_latest_with_a_time_stamped_output_dir_is_one_line(tmp_path, cache):
 
 
 def test_latest_in_the_demo_is_refused_by_name():
-    with pytest.raises(ConfigError,
-                       match="sft.train.resume_from=latest: the demo runs its phases in a new run directory"):
+    with pytest.raises(ConfigError, match="sft.train.resume_from=latest: the pipeline continues its phases itself; "
+                                          "set resume=true"):
         load_config(DemoConfig, None, ["sft.train.resume_from=latest"])
 
 

@@ -39,6 +39,7 @@ from exactrl.algorithms.resume import prepare_resume
 from exactrl.algorithms.sft import resolve
 from exactrl.algorithms.sft_rl import SFTBuffer, relift_sft
 from exactrl.checks.on_policy import on_policy_check
+from exactrl.compute import FlopsCounter, count_parameters
 from exactrl.config.schema_rl import RLConfig
 from exactrl.data.batch import Sample
 from exactrl.data.batching import StepSampler, pad_right
@@ -92,6 +93,7 @@ class RLResult:
     steps: int
     seconds: float
     generated_tokens: int
+    compute: dict  # exactrl/compute.py: FLOPs of the whole phase (a resumed one included)
 
 
 def attach_advantages(samples: list[Sample], cfg: RLConfig, kl_coef: float | None = None) -> None:
@@ -299,7 +301,7 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     group_rng = random.Random(f"{t.seed}-minibatches")
     kl_control = AdaptiveKL(a.kl_coef, a.kl_target, a.kl_horizon)
     buffer = SFTBuffer(a.relift.buffer_size) if alg.sft_buffer else None
-    first_rollout = 0
+    first_rollout, flops = 0, FlopsCounter(count_parameters(model))
     if t.resume_from:
         position = resume(t.resume_from, {"policy": policy, "critic": critic} if critic else {"policy": policy})
         first_rollout = position["rollout"] + 1
@@ -307,6 +309,7 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
         kl_control.coef = position.get("kl_coef", kl_control.coef)
         if buffer is not None:
             buffer.pending = position["sft_buffer"]
+        flops.load(position)
     # After the resume: FSDP2 leaves a forward-only call's root parameters unsharded, which a
     # sharded optimizer state cannot be loaded against.
     check_generator(cfg, model, tok, ctx.run_dir, phase, sampled=True, synced=generator.synced)
@@ -320,6 +323,8 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
         samples, rstats = alg.rollout(generator, prompts, sampler.batch(rollout), rollout, reward_fns, cfg)
         gen_seconds = time.perf_counter() - tg
         gen_tokens += rstats["generated_tokens"]
+        # dynamic sampling (refill rounds) generated more responses than it kept: those count as generated too
+        flops.generated(samples, rstats["generated_tokens"] if "refill_rounds" in rstats else None)
 
         # 2. per-token fields fixed for the rollout, computed in the first update's micro-batches
         reused = attach_fields(samples, cfg, policy, reference, critic)
@@ -341,18 +346,23 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
             loss, stats = update(policy if train_policy else None, critic, batch, plan, replace(
                 loss_now, on_policy=check))
             step += 1
+            if train_policy:
+                flops.trained(batch)
             if buffer is not None and step % steps_per_rollout == 0:  # after the rollout's last GRPO step (ReLIFT)
-                stats |= relift_sft(policy, buffer, samples, sampler.batch(rollout), prompts, cfg)
+                sft_stats, demos = relift_sft(policy, buffer, samples, sampler.batch(rollout), prompts, cfg)
+                stats |= sft_stats
+                flops.trained(demos)
 
             # 5. log, evaluate, checkpoint
             if ctx.logs(step):
                 ctx.write(step, {"rollout": rollout, "loss": loss, **stats, **rstats,
-                                 "gen_tokens_per_s": rstats["generated_tokens"] / gen_seconds})
+                                 "gen_tokens_per_s": rstats["generated_tokens"] / gen_seconds, **flops.record(),
+                                 "wall_seconds": time.perf_counter() - t0})
             ctx.step_done(step, {"policy": policy, "critic": critic},
                           {"step": step, "rollout": rollout, "group_rng": group_rng.getstate(),
-                           "kl_coef": kl_control.coef, "sft_buffer": buffer and buffer.pending},
+                           "kl_coef": kl_control.coef, "sft_buffer": buffer and buffer.pending, **flops.state()},
                           {"reward": f"{rstats['reward_mean']:.3f}"})
     seconds = time.perf_counter() - t0
     final = ctx.finish({final_name: policy, f"{final_name}-critic": critic})
     reward_fns.close()
-    return RLResult(ctx.run_dir, final, steps, seconds, gen_tokens)
+    return RLResult(ctx.run_dir, final, steps, seconds, gen_tokens, flops.record())

@@ -20,6 +20,7 @@ from filelock import FileLock
 
 from exactrl.algorithms.common import check_data_size, check_world, seed_everything, steps_for
 from exactrl.algorithms.resume import prepare_resume
+from exactrl.compute import FlopsCounter, count_parameters
 from exactrl.config.schema import SFTConfig
 from exactrl.config.schema_commands import DemoConfig
 from exactrl.data.batch import Sample
@@ -46,6 +47,7 @@ class SFTResult:
     steps: int
     seconds: float
     trained_tokens: int
+    compute: dict  # exactrl/compute.py: FLOPs of the whole phase (a resumed one included)
 
 
 def demonstration(e: SFTExample) -> Sample:
@@ -78,7 +80,9 @@ def train_sft(cfg: SFTConfig, run_dir: Path | None = None, spec: BuiltinSpec = B
     policy = Worker.build(cfg, "policy", model_path, run_dir=ctx.run_dir, phase=phase, longest=cfg.data.max_length,
                           pad_id=tok.pad_token_id, total_steps=steps, checkpoint=t.resume_from)
     model = policy.model
-    start = resume(t.resume_from, {"policy": policy})["step"] if t.resume_from else 0
+    position = resume(t.resume_from, {"policy": policy}) if t.resume_from else {"step": 0}
+    start, flops = position["step"], FlopsCounter(count_parameters(model))
+    flops.load(position)
     if eval_set is not None:  # evaluations decode greedily: checked before training, not after it (and after the
         # resume: FSDP2 leaves a forward-only call's root parameters unsharded, against which no state loads)
         check_generator(cfg, model, tok, ctx.run_dir, phase, sampled=False, synced=policy.engine.synced_decoding)
@@ -94,14 +98,16 @@ def train_sft(cfg: SFTConfig, run_dir: Path | None = None, spec: BuiltinSpec = B
         plan = plan_samples(batch, t.micro_batch_size, t.loss_agg, norm_len, policy.engine.world_size, sort=True)
         result = policy.train_step(batch, plan, objective)
         trained_tokens += sum(len(s.ids) for s in batch)
+        flops.trained(batch)
         if ctx.logs(step):
             ctx.write(step, {"loss": result.loss, "epoch": sampler.epoch_of(step),
                              "tokens_per_s": trained_tokens / (time.perf_counter() - t0),
-                             "loss_tokens": plan.normalizer.num_tokens, **result.stats})
-        ctx.step_done(step, {"policy": policy}, {"step": step}, {"loss": f"{result.loss:.4f}"})
+                             "loss_tokens": plan.normalizer.num_tokens, **result.stats, **flops.record(),
+                             "wall_seconds": time.perf_counter() - t0})
+        ctx.step_done(step, {"policy": policy}, {"step": step, **flops.state()}, {"loss": f"{result.loss:.4f}"})
     seconds = time.perf_counter() - t0
     final = ctx.finish({final_name: policy})
-    return SFTResult(ctx.run_dir, final, steps, seconds, trained_tokens)
+    return SFTResult(ctx.run_dir, final, steps, seconds, trained_tokens, flops.record())
 
 
 # The built-in names of model.path: 'builtin' (exactrl/tasks/builtin.py) and 'builtin-sft', the

@@ -117,14 +117,16 @@ def sft_step_plan(demos: list[Sample], micro_batch_size: int, world_size: int, m
 SFT_OBJECTIVE = Objective((NLLTerm(),))
 
 
-def relift_sft(policy, buffer: SFTBuffer, samples: list[Sample], indices: list[int], prompts, cfg) -> dict:
+def relift_sft(policy, buffer: SFTBuffer, samples: list[Sample], indices: list[int], prompts,
+               cfg) -> tuple[dict, list[Sample]]:
     """After a rollout's GRPO steps: buffer its unsolved questions, and once the buffer is full
     train one SFT step on the released demonstrations (with the GRPO steps' optimizer; ReLIFT's
-    code keeps a second one of the same learning rate). Returns the step's metrics."""
-    stats = {"sft_buffered": buffer.push(samples, indices, cfg.algo.group_size)}
+    code keeps a second one of the same learning rate). Returns the step's metrics and the
+    demonstrations it trained on (none until the buffer fills)."""
+    stats, demos = {"sft_buffered": buffer.push(samples, indices, cfg.algo.group_size)}, []
     released = buffer.release()
     if released is not None:
         demos = [demonstration_sample(prompts[i]) for i in released]
         plan = sft_step_plan(demos, cfg.train.micro_batch_size, policy.engine.world_size, cfg.algo.relift.mean_of_means)
         stats["sft_loss"] = policy.train_step(demos, plan, SFT_OBJECTIVE).loss
-    return stats | {"sft_buffer": len(buffer.pending)}
+    return stats | {"sft_buffer": len(buffer.pending)}, demos

@@ -1,5 +1,5 @@
-"""The typed configuration of the commands built on the trainers: exactrl eval and the demo
-(SFT then RL)."""
+"""The typed configuration of the commands built on the trainers: exactrl eval, the pipeline (SFT
+then RL) and the demo (the pipeline on the built-in task)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from exactrl.config.schema import DataConfig, EvalConfig, OptimConfig, Section, SFTConfig, TrainConfig
+from exactrl.config.schema import DataConfig, EvalConfig, ModelConfig, OptimConfig, Section, SFTConfig, TrainConfig
 from exactrl.config.schema_rl import AlgoConfig, RLConfig, RolloutConfig
 
 
@@ -114,6 +114,80 @@ class TaskConfig(Section):
     n_eval: int = Field(2000, gt=0, description="Held-out problems (disjoint from both).")
 
 
+class TruncateConfig(Section):
+    rollouts: int = Field(0, ge=0,
+                          description="Truncated SFT-then-RL: the RL phase runs this many rollouts (the papers' "
+                                      "'RL steps': one batch of prompts sampled, then algo.ppo_epochs x "
+                                      "algo.mini_batches optimizer steps each), replacing rl.train.max_steps / "
+                                      "rl.train.epochs; the seed paper's variant is 50 (arXiv 2604.23747, sec. "
+                                      "4.3). 0 = off: the rl section's own length.")
+    lr: float | None = Field(None, gt=0,
+                             description="The truncated RL phase's peak learning rate, replacing rl.optim.lr (the "
+                                         "seed paper's 50-step variant: 5e-6, against 1e-6 for 500 steps); unset = "
+                                         "rl.optim.lr. Needs truncate.rollouts.")
+
+
+class PipelineConfig(Section):
+    """`exactrl pipeline`: SFT, then RL (any algo.name) from the SFT model, with held-out accuracy before and
+    after each phase, their FLOPs and wall time in one summary."""
+
+    sft: SFTConfig = Field(default_factory=SFTConfig, description="The SFT phase, as `exactrl sft` takes it.")
+    rl: RLConfig = Field(default_factory=RLConfig,
+                         description="The RL phase, as `exactrl rl` takes it; its model is the SFT phase's.")
+    truncate: TruncateConfig = TruncateConfig()
+    resume: bool = Field(False,
+                         description="Continue the pipeline in output_dir (a fixed path, without {time}): a "
+                                     "finished phase is kept, never re-run; an interrupted one continues from its "
+                                     "newest complete checkpoint (set the phases' train.save_every), or starts "
+                                     "again without one.")
+    output_dir: str = Field("runs/{command}-{time}",
+                            description="Run directory: sft/ and rl/ hold each phase's run (checkpoints, "
+                                        "metrics.jsonl, final/); summary.json, report.md and plot.png sit beside "
+                                        "them; {command} and {time} are filled in.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _phases_own_resume(cls, data):
+        # Before the phases' own checks: the pipeline decides where each phase continues from.
+        for phase in ("sft", "rl"):
+            section = data.get(phase) if isinstance(data, dict) else None
+            train = section.get("train") if isinstance(section, dict) else None
+            if isinstance(train, dict) and train.get("resume_from") is not None:
+                raise ValueError(f"{phase}.train.resume_from={train['resume_from']}: the pipeline continues its "
+                                 "phases itself; set resume=true (with a fixed output_dir) to continue a pipeline, "
+                                 f"or continue a phase on its own with `exactrl {phase}`")
+        return data
+
+    @model_validator(mode="after")
+    def _phases_fit(self):
+        if self.sft.model.lora.rank or self.rl.model.lora.rank:
+            raise ValueError("sft.model.lora.rank / rl.model.lora.rank: the pipeline hands full models from phase "
+                             "to phase; train LoRA adapters with `exactrl sft` or `exactrl rl`")
+        if self.rl.model.path != ModelConfig().path:
+            raise ValueError(f"rl.model.path={self.rl.model.path}: the RL phase starts from the SFT phase's model; "
+                             "set sft.model.path (the model SFT starts from) instead")
+        if self.truncate.lr is not None and not self.truncate.rollouts:
+            raise ValueError(f"truncate.lr={self.truncate.lr} needs truncate.rollouts (the truncated phase's "
+                             "length); set it, e.g. truncate.rollouts=50, or remove truncate.lr")
+        if self.resume and "{time}" in self.output_dir:
+            raise ValueError(f"resume=true continues the pipeline in output_dir, but output_dir={self.output_dir!r} "
+                             "names a new directory each launch ({time}); set a fixed one such as "
+                             "output_dir=runs/my-pipeline")
+        return self
+
+    def rl_phase(self) -> RLConfig:
+        """The RL phase's config as it runs: truncate.* applied."""
+        t = self.truncate
+        if not t.rollouts:
+            return self.rl.model_copy(deep=True)
+        a = self.rl.algo
+        rl = self.rl.model_copy(deep=True)
+        rl.train.max_steps = t.rollouts * a.ppo_epochs * a.mini_batches
+        if t.lr is not None:
+            rl.optim.lr = t.lr
+        return rl
+
+
 def _demo_sft() -> SFTConfig:
     # 800 steps of 64: past the phase change where the tiny model learns to read the right
     # digits, so the worked style is nearly always right while the habit problems stay direct
@@ -137,31 +211,11 @@ def _demo_rl() -> RLConfig:
     )
 
 
-class DemoConfig(Section):
-    """`exactrl demo`: built-in task, tiny model, SFT then GRPO, accuracy before/after."""
+class DemoConfig(PipelineConfig):
+    """`exactrl demo`: the pipeline on the built-in task and tiny model, SFT then GRPO, accuracy before/after."""
 
     task: TaskConfig = TaskConfig()
     sft: SFTConfig = Field(default_factory=_demo_sft,
                            description="The SFT phase (model and data are the built-in task's).")
     rl: RLConfig = Field(default_factory=_demo_rl, description="The GRPO phase, from the SFT model.")
     output_dir: str = Field("runs/demo-{time}", description="Run directory; {time} is filled in.")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_latest(cls, data):
-        # Before the phases' own checks: the demo runs both in a run directory of its own.
-        for phase in ("sft", "rl"):
-            section = data.get(phase) if isinstance(data, dict) else None
-            train = section.get("train") if isinstance(section, dict) else None
-            if isinstance(train, dict) and train.get("resume_from") == "latest":
-                raise ValueError(f"{phase}.train.resume_from=latest: the demo runs its phases in a new run directory "
-                                 f"each time, so there is no run to continue; continue a run with `exactrl {phase}` "
-                                 "instead")
-        return data
-
-    @model_validator(mode="after")
-    def _full_models(self):
-        if self.sft.model.lora.rank or self.rl.model.lora.rank:
-            raise ValueError("sft.model.lora.rank / rl.model.lora.rank: the demo hands full models from phase to "
-                             "phase; train LoRA adapters with `exactrl sft` or `exactrl rl`")
-        return self

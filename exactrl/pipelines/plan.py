@@ -1,0 +1,227 @@
+"""`exactrl config check CONFIG`: validate a config of any command as a run would (the same one-line
+errors, exit 2) without running it, and print the run's plan: optimizer steps, samples and, where the
+data decides it, tokens per step, and the FLOPs estimate of exactrl/compute.py.
+
+Nothing is trained or loaded onto a device. A local data file is read (its rows counted; with a local
+tokenizer its mean tokens per sample measured); a local model's parameters are counted on the meta
+device. Paths that are not here (a recipe written for another machine) are reported as not found and
+the plan goes on with what the options give: --params (N), --tokens-per-sample (D), --rollout-tokens,
+--data-rows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from exactrl.compute import count_parameters, rl_flops, sft_flops
+from exactrl.config.loader import ConfigError, load_config
+
+# A section only one command's config has, checked in this order: the first found names the command.
+SIGNATURES = (("demo", "task"), ("pipeline", "sft"), ("pipeline", "rl"), ("pipeline", "truncate"),
+              ("eval", "pass_at_k"), ("rl", "algo"), ("rl", "rollout"), ("rl", "reward"), ("rl", "critic"))
+
+
+@dataclass
+class Options:
+    params: float | None = None  # N; unset: counted from a local model
+    tokens_per_sample: float | None = None  # D of a trained sequence; unset: measured from local data
+    rollout_tokens: float | None = None  # D of a generated one (default: tokens_per_sample)
+    data_rows: int | None = None  # the training data's size when its file is not here
+
+
+@dataclass
+class PhasePlan:
+    name: str
+    steps: int | None = None
+    samples_per_step: int = 0
+    rollouts: int | None = None
+    prompts_per_rollout: int = 0
+    group_size: int = 0
+    tokens_per_sample: float | None = None
+    n_params: float | None = None
+    flops: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def detect_command(path: Path) -> str:
+    """The command a config file is for, from its top-level sections (sft when none tells)."""
+    try:
+        data = yaml.safe_load(path.read_text()) if path.is_file() else None
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        data = None  # load_config reports it, with the line
+    keys = set(data) if isinstance(data, dict) else set()
+    return next((command for command, key in SIGNATURES if key in keys), "sft")
+
+
+def _local(path: str | None, spec, kind: str, notes: list[str], what: str) -> str | None:
+    from exactrl.tasks.builtin import resolve
+
+    if path in (None, "auto"):
+        return None
+    if path == "builtin-sft":  # the built-in model after SFT has the built-in model's architecture
+        path = "builtin"
+    resolved = resolve(path, kind, spec)
+    if not Path(resolved).exists():
+        notes.append(f"{what} '{path}': not found here")
+        return None
+    return resolved
+
+
+def _n_params(model_dir: str | None, opts: Options, notes: list[str], cfg) -> float | None:
+    if opts.params is not None:
+        return opts.params
+    if model_dir is None:
+        notes.append("N unknown: give --params")
+        return None
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.model.trust_remote_code)
+    return count_parameters(model)
+
+
+def _tokenizer(model_dir: str | None, cfg, notes: list[str]):
+    from exactrl.models.loading import load_tokenizer
+
+    if model_dir is None:
+        notes.append("tokens per sample unknown without the model's tokenizer: give --tokens-per-sample")
+        return None
+    return load_tokenizer(model_dir, cfg.model.trust_remote_code, cfg.data.chat_template)
+
+
+def plan_sft(cfg, spec, opts: Options, model_path: str | None = None) -> PhasePlan:
+    from exactrl.data.encode import load_sft
+    from exactrl.data.files import read_rows
+
+    p = PhasePlan("sft", samples_per_step=cfg.train.global_batch_size)
+    model_dir = _local(model_path or cfg.model.path, spec, "model", p.notes, "model")
+    data = _local(cfg.data.train, spec, "sft_train", p.notes, "data.train")
+    rows = len(read_rows(data)) if data else opts.data_rows
+    if cfg.train.max_steps:
+        p.steps = cfg.train.max_steps
+    elif rows is not None:
+        p.steps = max(1, math.ceil(cfg.train.epochs * rows / cfg.train.global_batch_size))
+    else:
+        p.notes.append(f"steps unknown: train.epochs={cfg.train.epochs} of data not here; give --data-rows")
+    p.tokens_per_sample = opts.tokens_per_sample
+    tok = _tokenizer(model_dir, cfg, p.notes) if data and p.tokens_per_sample is None else None
+    if tok is not None:
+        examples, _ = load_sft(data, tok, cfg.data)
+        p.tokens_per_sample = sum(len(e.input_ids) for e in examples) / len(examples)
+        p.notes.append(f"{p.tokens_per_sample:.1f} tokens per sample on average in {data}")
+    p.n_params = _n_params(model_dir, opts, p.notes, cfg)
+    if None not in (p.steps, p.tokens_per_sample, p.n_params):
+        p.flops = sft_flops(p.n_params, p.steps * p.samples_per_step, p.tokens_per_sample)
+    return p
+
+
+def plan_rl(cfg, spec, opts: Options, model_path: str | None = None) -> PhasePlan:
+    """Every RL sample is planned as a rollout (8ND): how many of a group a mixed-policy method fills with
+    demonstrations (6ND) is its own to declare (a note says so)."""
+    from exactrl.algorithms.registry import ALGORITHMS
+    from exactrl.data.encode import load_prompts
+    from exactrl.data.files import read_rows
+    from exactrl.pipelines.pipeline import rl_data_kind
+
+    a, t = cfg.algo, cfg.train
+    per_rollout = a.ppo_epochs * a.mini_batches
+    p = PhasePlan("rl", samples_per_step=t.global_batch_size, group_size=a.group_size,
+                  prompts_per_rollout=t.global_batch_size * a.mini_batches // a.group_size)
+    model_dir = _local(model_path or cfg.model.path, spec, "model", p.notes, "model")
+    data = _local(cfg.data.train, spec, rl_data_kind(cfg), p.notes, "data.train")
+    rows = len(read_rows(data)) if data else opts.data_rows
+    if t.max_steps:
+        p.rollouts = t.max_steps // per_rollout
+    elif rows is not None:
+        p.rollouts = max(1, math.ceil(t.epochs * rows / p.prompts_per_rollout))
+    else:
+        p.notes.append(f"rollouts unknown: train.epochs={t.epochs} of data not here; give --data-rows")
+    p.steps = None if p.rollouts is None else p.rollouts * per_rollout
+    p.tokens_per_sample = opts.rollout_tokens or opts.tokens_per_sample
+    tok = _tokenizer(model_dir, cfg, p.notes) if data and p.tokens_per_sample is None else None
+    if tok is not None:  # a rollout's length is the policy's to decide: bound it by the response limit
+        prompts, _ = load_prompts(data, tok, cfg.data)
+        p.tokens_per_sample = sum(len(q.input_ids) for q in prompts) / len(prompts) + cfg.rollout.max_new_tokens
+        p.notes.append(f"tokens per rollout at most {p.tokens_per_sample:.1f} (mean prompt + "
+                       f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}): the FLOPs are an upper bound")
+    p.n_params = _n_params(model_dir, opts, p.notes, cfg)
+    if ALGORITHMS.lookup(a.name).demonstrations:
+        p.notes.append(f"algo.name={a.name} trains on demonstrations: planned as rollouts (8ND), an upper bound "
+                       "(a demonstration costs 6ND)")
+    if None not in (p.rollouts, p.tokens_per_sample, p.n_params):
+        p.flops = rl_flops(p.n_params, p.rollouts, p.prompts_per_rollout, a.group_size, p.tokens_per_sample,
+                           training_passes=a.ppo_epochs)
+    return p
+
+
+def plan(cfg, command: str, opts: Options) -> list[PhasePlan]:
+    from exactrl.tasks.builtin import BuiltinSpec
+
+    if command == "eval":
+        return []
+    if command == "sft":
+        return [plan_sft(cfg, BuiltinSpec(), opts)]
+    if command == "rl":
+        return [plan_rl(cfg, BuiltinSpec(), opts)]
+    spec = BuiltinSpec(**cfg.task.model_dump()) if command == "demo" else BuiltinSpec()
+    # the RL phase starts from the SFT model: the SFT phase's model stands for it (same architecture)
+    return [plan_sft(cfg.sft, spec, opts), plan_rl(cfg.rl_phase(), spec, opts, model_path=cfg.sft.model.path)]
+
+
+def describe(phases: list[PhasePlan]) -> list[str]:
+    """The plan as printed lines."""
+    out = []
+    for p in phases:
+        steps = "?" if p.steps is None else str(p.steps)
+        head = f"{p.name}: {steps} optimizer steps of {p.samples_per_step} samples"
+        if p.name == "rl":
+            rollouts = "?" if p.rollouts is None else str(p.rollouts)
+            head += f" ({rollouts} rollouts of {p.prompts_per_rollout} prompts x {p.group_size} responses)"
+        tokens = ("unknown" if p.tokens_per_sample is None
+                  else f"{p.tokens_per_sample * p.samples_per_step:.4g} ({p.tokens_per_sample:.4g} per sample)")
+        n = "unknown" if p.n_params is None else f"{p.n_params:.4g}"
+        flops = "unknown" if p.flops is None else f"{p.flops:.3g}"
+        out += [head, f"  tokens per step: {tokens}; N = {n} parameters; FLOPs: {flops}"]
+        out += [f"  {note}" for note in p.notes]
+    known = [p.flops for p in phases]
+    if len(phases) > 1:
+        out.append(f"total FLOPs: {sum(known):.3g}" if None not in known else "total FLOPs: unknown")
+    return out
+
+
+def check_config(path: Path, command: str | None, overrides: list[str], opts: Options, commands: dict) -> list[str]:
+    """Load and validate ``path`` as ``command`` (detected when None; ``commands``: name -> config class)
+    would, then plan it: the lines to print. A problem raises what a run would raise (ConfigError,
+    DataError, ...)."""
+    command = command or detect_command(path)
+    if command not in commands:
+        raise ConfigError(f"--command {command}: choose one of {', '.join(commands)}")
+    cfg = load_config(commands[command], path, overrides)
+    return [f"{path}: a valid `exactrl {command}` config", *describe(plan(cfg, command, opts))]
+
+
+def run_check(path: Path | None, command: str | None, overrides: list[str], opts: Options, commands: dict) -> int:
+    """`exactrl config check`: the plan on stdout and exit code 0, or what a run would refuse in one line on
+    stderr and exit code 2."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    from exactrl.data.jsonl import DataError
+    from exactrl.models.loading import ModelLoadError
+
+    try:
+        if path is None:
+            raise ConfigError("exactrl config check needs a config file, e.g. exactrl config check "
+                              "examples/sft_tiny.yaml")
+        lines = check_config(path, command, overrides, opts, commands)
+    except (ConfigError, DataError, ModelLoadError, OSError) as e:
+        Console(stderr=True).print(f"[bold red]error:[/bold red] {escape(str(e))}", highlight=False, soft_wrap=True)
+        return 2
+    print("\n".join(lines))
+    return 0

@@ -10,14 +10,15 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-import yaml
 from rich.console import Console
 from rich.markup import escape
 
 from exactrl.audit.commands import audit_app
 from exactrl.config import ConfigError, DemoConfig, PipelineConfig, RLConfig, SFTConfig, load_config
-from exactrl.config.loader import valid_keys
+from exactrl.config.loader import describe_keys
 from exactrl.config.schema_commands import EvalCommandConfig
+from exactrl.config.schema_study import StudyConfig
+from exactrl.run_dir import replay_overrides
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="exactrl: LLM post-training where every optimizer step applies exactly the gradient asked for.")
@@ -30,7 +31,8 @@ DemoOverridesArg = typer.Argument(None, help="Dotted overrides, e.g. task.n_sft=
                                               "rl.optim.lr=1e-4")
 PipelineOverridesArg = typer.Argument(None, help="Dotted overrides, e.g. sft.train.epochs=3 rl.optim.lr=1e-6 "
                                                   "truncate.rollouts=50")
-COMMANDS = {"sft": SFTConfig, "rl": RLConfig, "pipeline": PipelineConfig, "demo": DemoConfig, "eval": EvalCommandConfig}
+COMMANDS = {"sft": SFTConfig, "rl": RLConfig, "pipeline": PipelineConfig, "demo": DemoConfig, "eval": EvalCommandConfig,
+            "study": StudyConfig}
 
 
 def _quiet_libraries() -> None:
@@ -118,9 +120,10 @@ def _relaunch(nproc: int) -> typer.Exit:
 def _run(kind: str, config: Path | None, overrides: list[str] | None, fn) -> None:
     """Exit codes: 0 success, 2 a problem in the config, data, model, checkpoint, output_dir or
     disk (or a dynamic-sampling rollout that cannot be filled), 1 the final evaluation failed
-    (the model is saved), 3 stopped by a verification check (the canary; the packing, generation
-    or determinism self-check; the on-policy ratio; a weight sync), 4 a non-finite loss,
-    gradient or weight, 130/143 SIGINT/SIGTERM.
+    (the model is saved) or a study's cell failed (the others are done), 3 stopped by a
+    verification check (the canary; the packing, generation or determinism self-check; the
+    on-policy ratio; a weight sync), 4 a non-finite loss, gradient or weight, 130/143
+    SIGINT/SIGTERM.
     Every run directory's status.json records the same end."""
     from exactrl.algorithms.common import preflight
     from exactrl.checks.canary import CanaryError
@@ -134,6 +137,7 @@ def _run(kind: str, config: Path | None, overrides: list[str] | None, fn) -> Non
     from exactrl.distributed.launch import shutdown, under_launcher
     from exactrl.models.loading import ModelLoadError
     from exactrl.pipelines.pipeline import PhaseError
+    from exactrl.pipelines.study import StudyIncomplete
     from exactrl.rewards import RewardError
     from exactrl.rollout.collect import RolloutError
     from exactrl.rollout.generator import WeightSyncError
@@ -143,7 +147,7 @@ def _run(kind: str, config: Path | None, overrides: list[str] | None, fn) -> Non
     global _signalled
     previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        cfg = load_config(COMMANDS[kind], config, _replay_overrides(config, overrides or []))
+        cfg = load_config(COMMANDS[kind], config, replay_overrides(config, overrides or [], console))
         nproc = getattr(getattr(cfg, "distributed", None), "nproc_per_node", 1)
         if nproc > 1 and not under_launcher():
             preflight(cfg, nproc)  # what every rank would refuse, refused once and before the start-up
@@ -158,7 +162,7 @@ def _run(kind: str, config: Path | None, overrides: list[str] | None, fn) -> Non
         raise _fail("check", "stopped by a self-check", str(e), 3) from None
     except PhaseError as e:  # a pipeline's phase that ran as a command of its own: its end is the pipeline's
         raise _fail("error", "error", str(e), e.code) from None
-    except EvaluationError as e:  # the model is saved; the run still failed
+    except (EvaluationError, StudyIncomplete) as e:  # the model (the other cells) saved; the run still failed
         raise _fail("error", "error", str(e), 1) from None
     except CanaryError as e:  # the step was not applied; checkpoints written so far are intact
         raise _fail("canary", "stopped by the canary", str(e), 3) from None
@@ -191,23 +195,6 @@ def _run(kind: str, config: Path | None, overrides: list[str] | None, fn) -> Non
             signal.signal(s, handler)
         _signalled = None
         forget_current()
-
-
-def _replay_overrides(config: Path | None, overrides: list[str]) -> list[str]:
-    """Replaying ``--config runs/X/config.yaml`` of a run with an explicit output_dir would
-    collide with that run: unless output_dir is given, the replay goes next to it."""
-    if config is None or config.name != "config.yaml" or any(o.startswith("output_dir=") for o in overrides):
-        return overrides
-    try:
-        saved = yaml.safe_load(config.read_text()) or {}
-    except (OSError, yaml.YAMLError, UnicodeDecodeError):
-        return overrides  # load_config reports it
-    out = saved.get("output_dir") if isinstance(saved, dict) else None
-    if not isinstance(out, str) or "{time}" in out or Path(out).resolve() != config.parent.resolve():
-        return overrides
-    console.print(f"replaying {config}: output_dir '{out}' holds that run, so this one writes to "
-                  f"'{out}-replay-{{time}}'", highlight=False, soft_wrap=True)
-    return [*overrides, f"output_dir={out}-replay-{{time}}"]
 
 
 def _say_final(path) -> None:
@@ -288,6 +275,25 @@ def pipeline(config: Path | None = ConfigOpt, overrides: list[str] | None = Pipe
     _run("pipeline", config, overrides, lambda cfg: run_pipeline(cfg, _stdout_console()))
 
 
+BugsOpt = typer.Option("--with-bugs", help="Also run the grid with the bugs.grids faults on and print both tables "
+                                          "side by side.")
+
+
+@app.command()
+def study(config: Path | None = ConfigOpt, overrides: list[str] | None = OverridesArg,
+          with_bugs: Annotated[bool, BugsOpt] = False):
+    """The seed paper's comparison: methods x seeds at equal data, accuracy [95% CI], FLOPs, wall time, report.md.
+
+    \b
+    e.g. exactrl study                                  (the default grid on the built-in task)
+         exactrl study seeds=[0,1,2] --with-bugs
+         exactrl study output_dir=runs/study-X          (continue: finished cells are not re-run)
+    """
+    from exactrl.pipelines.study import run_study
+
+    _run("study", config, overrides, lambda cfg: run_study(cfg, _stdout_console(), with_bugs))
+
+
 @app.command("eval")
 def evaluate(config: Path | None = ConfigOpt, overrides: list[str] | None = OverridesArg):
     """Evaluate a model directory on an eval set with a reward: greedy accuracy [95% CI], pass@k, a report.
@@ -356,24 +362,8 @@ def show_config(command: Annotated[str, typer.Argument(help="sft, rl, pipeline, 
         console.print(f"[bold red]error:[/bold red] unknown command '{command}'; choose {', '.join(COMMANDS)} "
                       "(or check FILE)")
         raise typer.Exit(2)
-    for line in describe(COMMANDS[command]):
+    for line in describe_keys(COMMANDS[command]):
         print(line)
-
-
-def describe(cls) -> list[str]:
-    """``key = default  # description`` for every dotted key of ``cls``."""
-    defaults = cls().model_dump(mode="json")
-    out = []
-    for key in valid_keys(cls):
-        node, field_cls = defaults, cls
-        for part in key.split("."):
-            node = node[part]
-        *sections, leaf = key.split(".")
-        for part in sections:
-            field_cls = field_cls.model_fields[part].annotation
-        desc = field_cls.model_fields[leaf].description or ""
-        out.append(f"{key} = {node!r}  # {desc}")
-    return out
 
 
 def main() -> None:

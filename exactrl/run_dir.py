@@ -24,6 +24,8 @@ import socket
 import time
 from pathlib import Path
 
+import yaml
+
 from exactrl.config.loader import ConfigError, dump_config
 
 STATUS = "status.json"
@@ -71,7 +73,10 @@ def _ended(status: dict) -> bool:
 
 
 def _continuable(path: Path, status: dict | None) -> bool:
-    return status is not None and _ended(status) and not (path / "final").exists()
+    """An ended run without final/, or a finished study (it writes none: more cells can join it)."""
+    if status is None or (path / "final").exists():
+        return False
+    return _ended(status) or (status.get("state") == "success" and status.get("command") == "study")
 
 
 def _refusal(path: Path, status: dict | None) -> str:
@@ -143,7 +148,7 @@ def create_run_dir(template: str, command: str, cfg, continues: bool = False) ->
     note("run_dir", {"path": str(path.resolve())})
     set_status("running", command=command)
     if kept:  # the records after this one redo the steps after the checkpoint (or all, from none)
-        # a pipeline (no train section) continues each phase from its own checkpoints
+        # a pipeline or a study (no train section) continues each phase or cell on its own
         record_event({"event": "continued", "resume_from": getattr(getattr(cfg, "train", None), "resume_from", None)})
     tmp = path / ".config.yaml.tmp"  # a crash mid-write leaves no half config.yaml
     dump_config(cfg, tmp)
@@ -229,3 +234,20 @@ def adopt(path: Path) -> None:
     global _current
     if (read_status(path) or {}).get("state") != "success":
         _current = path
+
+
+def replay_overrides(config: Path | None, overrides: list[str], console) -> list[str]:
+    """Replaying ``--config runs/X/config.yaml`` of a run with an explicit output_dir would
+    collide with that run: unless output_dir is given, the replay goes next to it."""
+    if config is None or config.name != "config.yaml" or any(o.startswith("output_dir=") for o in overrides):
+        return overrides
+    try:
+        saved = yaml.safe_load(config.read_text()) or {}
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        return overrides  # load_config reports it
+    out = saved.get("output_dir") if isinstance(saved, dict) else None
+    if not isinstance(out, str) or "{time}" in out or Path(out).resolve() != config.parent.resolve():
+        return overrides
+    console.print(f"replaying {config}: output_dir '{out}' holds that run, so this one writes to "
+                  f"'{out}-replay-{{time}}'", highlight=False, soft_wrap=True)
+    return [*overrides, f"output_dir={out}-replay-{{time}}"]

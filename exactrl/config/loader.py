@@ -91,7 +91,7 @@ def _check_keys(cls: type[BaseModel], data: dict, prefix: str, source: str, all_
             _check_keys(sub, value, f"{dotted}.", source, all_keys)
         elif sub is not None and value is not None:
             raise ConfigError(f"{source}: '{dotted}' is a section (keys: {', '.join(valid_keys(sub))}), got {value!r}")
-        elif sub is None and isinstance(value, dict):
+        elif sub is None and isinstance(value, dict) and get_origin(field.annotation) is not dict:
             raise ConfigError(f"{source}: '{dotted}' is a value, not a section (given {value!r})")
 
 
@@ -164,7 +164,17 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
     _check_keys(cls, data, "", str(path) if path else "config", keys)
     # Start from the command's own defaults (a demo's sft section has the demo's defaults,
     # not SFTConfig's), then the file, then the overrides in order.
-    merged = _merge(cls().model_dump(), data)
+    return _overridden(cls, _merge(cls().model_dump(), data), overrides, origins, keys)
+
+
+def with_overrides(cfg: T, overrides: list[str] | tuple[str, ...]) -> T:
+    """``cfg`` with ``key.path=value`` overrides applied in order, checked as load_config checks
+    them (a study's per-cell settings on top of its sections)."""
+    cls = type(cfg)
+    return _overridden(cls, cfg.model_dump(), overrides, {}, valid_keys(cls))
+
+
+def _overridden(cls: type[T], merged: dict, overrides, origins: dict[str, str], keys: list[str]) -> T:
     for text in overrides:
         if not _encodable(text):  # bytes that are not UTF-8 reach Python as lone surrogates
             raise ConfigError(f"override {text!r} is not valid UTF-8 text; fix the command line")
@@ -333,3 +343,19 @@ def check_used(cfg: BaseModel, defaults: BaseModel, keys: list[str] | None = Non
 def dump_config(cfg: BaseModel, path: str | Path) -> None:
     """Write the resolved config so ``--config path`` replays the run."""
     Path(path).write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+
+
+def describe_keys(cls) -> list[str]:
+    """``key = default  # description`` for every dotted key of ``cls``."""
+    defaults = cls().model_dump(mode="json")
+    out = []
+    for key in valid_keys(cls):
+        node, field_cls = defaults, cls
+        for part in key.split("."):
+            node = node[part]
+        *sections, leaf = key.split(".")
+        for part in sections:
+            field_cls = field_cls.model_fields[part].annotation
+        desc = field_cls.model_fields[leaf].description or ""
+        out.append(f"{key} = {node!r}  # {desc}")
+    return out

@@ -1,0 +1,103 @@
+"""The typed configuration of `exactrl study`: a grid of methods x seeds on one task at equal
+data, each cell trained and evaluated the same way (exactrl/pipelines/study.py)."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from exactrl.config.schema import DataConfig, OptimConfig, Section, SFTConfig, TrainConfig
+from exactrl.config.schema_commands import TaskConfig
+from exactrl.config.schema_rl import RL_ALGOS, AlgoConfig, RLConfig, RolloutConfig
+
+# The methods a study compares besides the mixed-policy algorithms of the registry: SFT alone,
+# SFT then RL (rl.algo.name, GRPO by default) and its truncated variant (truncated.*).
+SFT_BASED = ("sft", "sft_rl", "sft_rl_truncated")
+# The seed paper's grid (arXiv 2604.23747, table 2): its three SFT-based rows and the five
+# mixed-policy methods it compares; chord and uft join by config.
+PAPER_GRID = (*SFT_BASED, "luffy", "relift", "srft", "prefix_rft", "hpt")
+
+
+def _study_sft() -> SFTConfig:
+    # The demo's SFT phase (schema_commands._demo_sft) in micro-batches of 16: four per step, so
+    # a fault that drops middle micro-batches has some to drop; the exact gradient does not
+    # depend on the split. No evaluation inside the phase: the study evaluates every cell alike.
+    return SFTConfig(
+        data=DataConfig(eval=None),
+        train=TrainConfig(global_batch_size=64, micro_batch_size=16, max_steps=800, log_every=10),
+        optim=OptimConfig(lr=3e-3, warmup_steps=20, scheduler="cosine"),
+    )
+
+
+def _study_rl() -> RLConfig:
+    # The demo's GRPO phase in micro-batches of 32 (four per step), on the SFT problems.
+    return RLConfig(
+        data=DataConfig(eval=None),
+        train=TrainConfig(global_batch_size=128, micro_batch_size=32, max_steps=40, log_every=1),
+        optim=OptimConfig(lr=1e-4, warmup_steps=5, scheduler="constant"),
+        rollout=RolloutConfig(temperature=1.0, max_new_tokens=48),
+        algo=AlgoConfig(group_size=8),
+    )
+
+
+class TruncatedConfig(Section):
+    max_steps: int = Field(10, gt=0,
+                           description="RL steps of the truncated SFT-then-RL cell (the seed paper: 50 of the full "
+                                       "run's 500).")
+    lr: float = Field(2e-4, gt=0,
+                      description="Its learning rate (the seed paper: 5e-6 against the full run's 1e-6).")
+
+
+class BugsConfig(Section):
+    grids: dict[str, list[str]] = Field(
+        default_factory=lambda: {"dropped-micro-batches": ["fault.dropped_micro_batches=true", "audit.canary=warn"],
+                                 "mean-of-means": ["fault.mean_of_means=true"]},
+        description="--with-bugs: each entry a grid run again with these overrides on every phase of its "
+                    "methods (the fault.* options; audit.canary=warn lets a run the canary stops go on, and the "
+                    "study counts the steps it flagged).")
+    methods: list[str] = Field(list(SFT_BASED),
+                               description="The methods run with the faults (the seed paper's bugs were in the "
+                                           "SFT-then-RL stack; the mixed-policy methods ran on their own code); the "
+                                           "others keep their clean cells.")
+
+
+class StudyConfig(Section):
+    """`exactrl study`: methods x seeds at equal data, held-out accuracy with 95% intervals, FLOPs, wall time."""
+
+    task: TaskConfig = TaskConfig()
+    methods: list[str] = Field(list(PAPER_GRID),
+                               description="The grid's methods: sft, sft_rl, sft_rl_truncated, or an RL algo.name "
+                                           "trained from the task's initial model (" + ", ".join(RL_ALGOS) + "): "
+                                           "grpo is RL alone, a mixed-policy method learns from the demonstrations "
+                                           "too.")
+    seeds: list[int] = Field([0], description="Training seeds (train.seed of every phase); the task stays the same.")
+    sft: SFTConfig = Field(default_factory=_study_sft,
+                           description="The SFT phase of the SFT-based methods (model and data: the task's).")
+    rl: RLConfig = Field(default_factory=_study_rl,
+                         description="The RL phase of sft_rl (rl.algo.name, GRPO by default), from the SFT model, on "
+                                     "the SFT problems (equal data).")
+    truncated: TruncatedConfig = TruncatedConfig()
+    mixed: RLConfig = Field(default_factory=_study_rl,
+                            description="The settings the RL methods trained from the task's initial model share (RL "
+                                        "alone, the mixed-policy methods), on the SFT problems and their "
+                                        "demonstrations; algo.name is the cell's.")
+    method_overrides: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="Per-method key=value overrides of its RL phase, e.g. {luffy: [algo.luffy.demonstrations=2]}.")
+    eval_size: int = Field(1000, gt=0, description="Held-out problems every cell is evaluated on (greedy).")
+    bugs: BugsConfig = BugsConfig()
+    output_dir: str = Field("runs/study-{time}",
+                            description="Study directory (one directory per cell; a rerun with the same directory "
+                                        "continues, never re-running a finished cell); {time} is filled in.")
+
+    @model_validator(mode="after")
+    def _known_methods(self):
+        known = (*SFT_BASED, *RL_ALGOS)
+        for where, names in (("methods", self.methods), ("bugs.methods", self.bugs.methods),
+                             ("method_overrides", list(self.method_overrides))):
+            unknown = [m for m in names if m not in known]
+            if unknown:
+                raise ValueError(f"{where}: {', '.join(unknown)} is not a method; the methods are "
+                                 f"{', '.join(known)}")
+        if len(set(self.methods)) != len(self.methods) or len(set(self.seeds)) != len(self.seeds):
+            raise ValueError("methods and seeds each name every entry once")
+        return self

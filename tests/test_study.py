@@ -156,3 +156,27 @@ def test_the_rows_rank_ties_together_and_take_differences_against_sft_then_rl(tm
     rows = {r["method"]: r for r in grid_rows(cfg, "clean", results)}
     assert [rows[m]["rank"] for m in ("sft_rl", "sft", "grpo")] == [1, 2, 3]
     assert rows["sft"]["vs_reference"][0] == pytest.approx(-0.2) and rows["sft_rl"]["vs_reference"][0] != 0
+
+
+def test_config_check_plans_a_study_per_method(tmp_path):
+    """`exactrl config check` knows a study config by its sections and plans one seed's phases: the
+    shared SFT phase, then each method's RL phase (the truncated one with its own steps)."""
+    from typer.testing import CliRunner
+
+    from exactrl.cli import app
+
+    path = tmp_path / "study.yaml"
+    path.write_text("methods: [sft, sft_rl, sft_rl_truncated, grpo]\nseeds: [0, 1]\ntruncated: {max_steps: 3}\n"
+                    "task: {n_sft: 64, n_rl: 16, n_eval: 8}\n")
+    out = CliRunner().invoke(app, ["config", "check", str(path), "--params", "1e6", "--tokens-per-sample", "50"],
+                             terminal_width=200)
+    assert out.exit_code == 0, out.output
+    lines = out.output.splitlines()
+    assert lines[0].endswith("a valid `exactrl study` config")
+    heads = [line for line in lines if not line.startswith(" ")][1:]
+    assert heads[:4] == ["sft: 800 optimizer steps of 64 samples",
+                         "sft_rl: rl: 40 optimizer steps of 128 samples (40 rollouts of 16 prompts x 8 responses)",
+                         "sft_rl_truncated: rl: 3 optimizer steps of 128 samples (3 rollouts of 16 prompts x 8 "
+                         "responses)",
+                         "grpo: rl: 40 optimizer steps of 128 samples (40 rollouts of 16 prompts x 8 responses)"]
+    assert "x 2 for the whole study" in out.output

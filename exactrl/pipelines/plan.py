@@ -21,8 +21,9 @@ from exactrl.compute import count_parameters, rl_flops, sft_flops
 from exactrl.config.loader import ConfigError, load_config
 
 # A section only one command's config has, checked in this order: the first found names the command.
-SIGNATURES = (("demo", "task"), ("pipeline", "sft"), ("pipeline", "rl"), ("pipeline", "truncate"),
-              ("eval", "pass_at_k"), ("rl", "algo"), ("rl", "rollout"), ("rl", "reward"), ("rl", "critic"))
+SIGNATURES = (("study", "methods"), ("study", "seeds"), ("study", "mixed"), ("study", "bugs"), ("demo", "task"),
+              ("pipeline", "sft"), ("pipeline", "rl"), ("pipeline", "truncate"), ("eval", "pass_at_k"), ("rl", "algo"),
+              ("rl", "rollout"), ("rl", "reward"), ("rl", "critic"))
 
 
 @dataclass
@@ -169,9 +170,35 @@ def plan(cfg, command: str, opts: Options) -> list[PhasePlan]:
         return [plan_sft(cfg, BuiltinSpec(), opts)]
     if command == "rl":
         return [plan_rl(cfg, BuiltinSpec(), opts)]
+    if command == "study":
+        return plan_study(cfg, opts)
     spec = BuiltinSpec(**cfg.task.model_dump()) if command == "demo" else BuiltinSpec()
     # the RL phase starts from the SFT model: the SFT phase's model stands for it (same architecture)
     return [plan_sft(cfg.sft, spec, opts), plan_rl(cfg.rl_phase(), spec, opts, model_path=cfg.sft.model.path)]
+
+
+def plan_study(cfg, opts: Options) -> list[PhasePlan]:
+    """One seed's phases of a study's grid: the SFT phase the SFT-based methods share, then each
+    method's RL phase (exactrl/pipelines/study.py); the grid runs them once per seed."""
+    from exactrl.config.loader import with_overrides
+    from exactrl.config.schema_study import SFT_BASED
+    from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin
+
+    spec = BuiltinSpec(**cfg.task.model_dump())
+    mixed = str(ensure_builtin(spec).mixed_train)
+    phases = [plan_sft(cfg.sft, spec, opts)] if any(m in SFT_BASED for m in cfg.methods) else []
+    for m in (m for m in cfg.methods if m != "sft"):
+        settings = [f"data.train={mixed}", *cfg.method_overrides.get(m, [])]
+        if m == "sft_rl_truncated":
+            settings += [f"train.max_steps={cfg.truncated.max_steps}", f"optim.lr={cfg.truncated.lr}"]
+        rl = with_overrides(cfg.rl if m in SFT_BASED else cfg.mixed, settings if m in SFT_BASED else [
+            f"algo.name={m}", *settings])
+        phase = plan_rl(rl, spec, opts, model_path=cfg.sft.model.path)
+        phase.name = f"{m}: rl"
+        phases.append(phase)
+    if phases:
+        phases[-1].notes.append(f"the grid runs these phases once per seed: x {len(cfg.seeds)} for the whole study")
+    return phases
 
 
 def describe(phases: list[PhasePlan]) -> list[str]:
@@ -180,7 +207,7 @@ def describe(phases: list[PhasePlan]) -> list[str]:
     for p in phases:
         steps = "?" if p.steps is None else str(p.steps)
         head = f"{p.name}: {steps} optimizer steps of {p.samples_per_step} samples"
-        if p.name == "rl":
+        if p.name.endswith("rl"):
             rollouts = "?" if p.rollouts is None else str(p.rollouts)
             head += f" ({rollouts} rollouts of {p.prompts_per_rollout} prompts x {p.group_size} responses)"
         tokens = ("unknown" if p.tokens_per_sample is None

@@ -11,11 +11,12 @@ from typer.testing import CliRunner
 
 from exactrl.cli import COMMANDS, app
 from exactrl.compute import rl_flops, sft_flops
-from exactrl.config import PipelineConfig, load_config
+from exactrl.config import PipelineConfig, RLConfig, load_config
 from exactrl.pipelines.plan import Options, plan
 
 PAPER = Path(__file__).resolve().parents[1] / "examples" / "paper"
 RECIPES = sorted(PAPER.glob("*.yaml"))
+SFT_THEN_RL = [p for p in RECIPES if "luffy" not in p.name]
 OPTIONS = Options(params=7e9, tokens_per_sample=4200, data_rows=46_000)
 
 
@@ -24,8 +25,9 @@ def test_each_recipe_passes_config_check(path):
     out = CliRunner().invoke(app, ["config", "check", str(path), "--params", "7e9", "--tokens-per-sample", "4200",
                                    "--data-rows", "46000"], terminal_width=200)
     assert out.exit_code == 0, out.output
-    assert "a valid `exactrl pipeline` config" in out.output and "not found here" in out.output
-    assert "FLOPs: unknown" not in out.output and "total FLOPs: " in out.output
+    command = "rl" if "luffy" in path.name else "pipeline"  # LUFFY is one stage, from the base model
+    assert f"a valid `exactrl {command}` config" in out.output and "not found here" in out.output
+    assert "FLOPs: unknown" not in out.output and ("total FLOPs: " in out.output or command == "rl")
 
 
 def _plan(name: str):
@@ -45,6 +47,29 @@ def test_the_truncated_recipe_plans_the_papers_flops():
     assert f"{float(f'{sft.flops:.2e}') + float(f'{rl.flops:.2e}'):.2e}" == "3.64e+19"  # see examples/paper/README.md
 
 
+def test_the_luffy_recipe_plans_the_papers_flops():
+    """LUFFY as its script runs it: 500 RL steps of 128 prompts x (7 rollouts of 2,200 tokens at 8ND + 1
+    demonstration of 4,200 at 6ND), the seed paper's 6.65e19 (Appendix B; tests/test_compute.py)."""
+    out = CliRunner().invoke(app, ["config", "check", str(PAPER / "qwen2.5-math-7b_luffy.yaml"), "--params", "7e9",
+                                   "--tokens-per-sample", "4200", "--rollout-tokens", "2200", "--data-rows", "46000"],
+                             terminal_width=200)
+    assert out.exit_code == 0, out.output
+    assert "500 rollouts of 128 prompts x 8 responses" in out.output and "FLOPs: 6.65e+19" in out.output
+    assert "7 rollouts (8ND, D = 2200.0) and 1 demonstration(s) (6ND, D = 4200.0) per prompt" in out.output
+    expected = rl_flops(7e9, 500, 128, 7, 2200, demonstrations_per_prompt=1, demonstration_tokens=4200)
+    assert f"{expected:.2e}" == "6.65e+19"
+
+
+def test_the_luffy_recipe_holds_its_scripts_hyperparameters():
+    cfg = load_config(RLConfig, PAPER / "qwen2.5-math-7b_luffy.yaml")
+    a, t = cfg.algo, cfg.train
+    assert (a.name, a.group_size, a.luffy.demonstrations, a.luffy.gamma, a.luffy.clip, a.std_normalize) == (
+        "luffy", 8, 1, 0.1, False, False)
+    assert t.global_batch_size * a.mini_batches // a.group_size == 128 and t.max_steps // a.mini_batches == 500
+    assert (cfg.optim.lr, t.loss_agg, t.loss_agg_norm, cfg.rollout.max_new_tokens) == (
+        1e-6, "seq-mean-token-sum-norm", 8192, 8192)
+
+
 def test_the_full_recipe_is_ten_times_the_truncated_rl():
     _, rl = _plan("qwen2.5-math-7b_sft_then_rl.yaml")
     _, short = _plan("qwen2.5-math-7b_sft_then_rl_truncated.yaml")
@@ -54,7 +79,7 @@ def test_the_full_recipe_is_ten_times_the_truncated_rl():
 
 
 def test_the_recipes_hold_the_papers_hyperparameters():
-    for path in RECIPES:
+    for path in SFT_THEN_RL:
         cfg = load_config(PipelineConfig, path)
         s, r = cfg.sft, cfg.rl
         assert (s.train.global_batch_size, s.train.epochs, s.optim.lr, s.optim.scheduler, s.optim.min_lr_ratio) == (

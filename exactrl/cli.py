@@ -231,8 +231,8 @@ def sft(config: Path | None = ConfigOpt, overrides: list[str] | None = Overrides
     _run("sft", config, overrides, lambda cfg: _say_final(train_sft(cfg).final_model))
 
 
-@app.command(short_help="RL from verifiable rewards: ppo, grpo, dr_grpo, dapo, rloo, reinforce_pp(_baseline), gspo, "
-                      "luffy, srft.")
+@app.command(short_help="RL from verifiable rewards: ppo, grpo, dr_grpo, dapo, rloo, reinforce_pp(_baseline), gspo; "
+                      "mixed-policy luffy, srft, chord, hpt, relift, uft, prefix_rft.")
 def rl(config: Path | None = ConfigOpt, overrides: list[str] | None = OverridesArg):
     """RL from verifiable rewards. algo.name (README "RL algorithms"):
 

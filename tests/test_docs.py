@@ -9,6 +9,7 @@ import pytest
 from exactrl.config import DemoConfig, PipelineConfig, RLConfig, SFTConfig, load_config
 from exactrl.config.loader import valid_keys
 from exactrl.config.schema_commands import EvalCommandConfig
+from exactrl.config.schema_study import StudyConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,6 +19,7 @@ def test_readme_documents_every_config_key():
     keys = set(valid_keys(SFTConfig)) | set(valid_keys(RLConfig))
     keys |= {k for cls in (PipelineConfig, DemoConfig) for k in valid_keys(cls) if not k.startswith(("sft.", "rl."))}
     keys |= set(valid_keys(EvalCommandConfig))
+    keys |= {k for k in valid_keys(StudyConfig) if not k.startswith(("sft.", "rl.", "mixed.", "task."))}
     missing = sorted(k for k in keys if f"`{k}`" not in readme)
     assert not missing, f"README configuration reference lacks: {missing}"
 

@@ -120,6 +120,18 @@ def test_two_terms_with_their_own_normalisers_give_the_exact_mixed_gradient(toke
         assert torch.allclose(before - p.detach(), q.grad, rtol=1e-5, atol=1e-7)
 
 
+def assert_applies_the_reference(make_model, tokenizer, samples, plan, objective, ref, loss) -> None:
+    """One SGD step (lr 1) of the worker under ``plan`` applies exactly ``ref``'s gradient of ``loss``
+    (already backpropagated), reports that loss, and its canary reads 1."""
+    model = make_model(3)
+    p0 = [p.detach().clone() for p in model.parameters()]
+    result = sgd_worker(model, tokenizer).train_step(samples, plan, objective)
+    assert result.stats["canary"] == pytest.approx(1.0, abs=1e-6)
+    assert result.loss == pytest.approx(loss.item(), rel=1e-6)
+    for p, q, before in zip(model.parameters(), ref.parameters(), p0):
+        assert torch.allclose(before - p.detach(), q.grad, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("micro", [1, 3, 8])
 def test_token_weighted_terms_give_the_exact_weighted_gradient(tokenizer, make_model, micro):
     """SRFT's sg(e^{-H}) and CHORD's phi = p(1 - p) weights, each on its own samples: the applied
@@ -144,14 +156,8 @@ def test_token_weighted_terms_give_the_exact_weighted_gradient(tokenizer, make_m
     demo, pol = mask[0::2], mask[1::2]
     loss = (-logp * w_demo)[0::2].mul(demo).sum() / demo.sum() + 0.5 * (-logp * w_pol)[1::2].mul(pol).sum() / pol.sum()
     loss.backward()
-    model = make_model(3)
-    p0 = [p.detach().clone() for p in model.parameters()]
-    plan = plan_samples(samples, micro, "token-mean", sort=True)
-    result = sgd_worker(model, tokenizer).train_step(samples, plan, objective)
-    assert result.stats["canary"] == pytest.approx(1.0, abs=1e-6)
-    assert result.loss == pytest.approx(loss.item(), rel=1e-6)
-    for p, q, before in zip(model.parameters(), ref.parameters(), p0):
-        assert torch.allclose(before - p.detach(), q.grad, rtol=1e-5, atol=1e-7)
+    assert_applies_the_reference(make_model, tokenizer, samples, plan_samples(samples, micro, "token-mean", sort=True),
+                                 objective, ref, loss)
     with pytest.raises(ValueError, match="weight is one of exp_neg_entropy, p_one_minus_p"):
         NLLTerm(weight="entropy")
 
@@ -240,14 +246,8 @@ def test_terms_scoped_by_token_origin_give_the_exact_prefix_guided_gradient(toke
     ref = make_model(3)
     loss = prefix_guided_reference(ref, samples, written, tokenizer.pad_token_id)
     loss.backward()
-    model = make_model(3)
-    p0 = [p.detach().clone() for p in model.parameters()]
-    plan = plan_samples(samples, micro, "token-mean", sort=True)
-    result = sgd_worker(model, tokenizer).train_step(samples, plan, PREFIX_GUIDED)
-    assert result.stats["canary"] == pytest.approx(1.0, abs=1e-6)
-    assert result.loss == pytest.approx(loss.item(), rel=1e-6)
-    for p, q, before in zip(model.parameters(), ref.parameters(), p0):
-        assert torch.allclose(before - p.detach(), q.grad, rtol=1e-5, atol=1e-7)
+    assert_applies_the_reference(make_model, tokenizer, samples, plan_samples(samples, micro, "token-mean", sort=True),
+                                 PREFIX_GUIDED, ref, loss)
 
 
 def test_origin_scoped_normalisers_hold_across_ranks(tokenizer, make_model):

@@ -61,6 +61,7 @@ from exactrl.audit.evidence import (
     true,
     whole,
 )
+from exactrl.audit.faults import injected_faults
 from exactrl.audit.judging import derive, judge
 from exactrl.audit.readers import parse_flags, read_accelerate_config, read_deepspeed_config, read_launcher
 from exactrl.audit.rules import RULES, Verdict
@@ -117,7 +118,8 @@ def audit_run(path: Path) -> RunAudit:
         reader.read(file)
     reader.finish()
     facts, problems = derive(reader.c, reader.complete_lists)
-    return RunAudit(str(path), facts, problems, [judge(rule, facts, problems) for rule in RULES.values()])
+    verdicts, injected = injected_faults(path, [judge(rule, facts, problems) for rule in RULES.values()])
+    return RunAudit(str(path), facts, injected + problems, verdicts)
 
 
 def run_files(root: Path) -> list[Path]:

@@ -44,6 +44,7 @@ class Canary:
             raise ValueError(f"canary policy must be error or warn (off: build no canary), got {policy!r}")
         self.policy, self.tol, self.describe = policy, tol, describe
         self.module = CanaryModule()
+        self.fired = 0  # steps it flagged (policy warn), logged as a running total: a study reports it
 
     @property
     def param(self) -> torch.nn.Parameter:
@@ -76,5 +77,8 @@ class Canary:
                    "duplicated ones; see README 'Was my run affected?'")
             if self.policy == "error":
                 raise CanaryError(msg)
-            log.warning(msg)
+            self.fired += 1
+            if self.fired == 1:  # once: a broken backend fails every step; the count goes on in metrics
+                log.warning(msg + " (audit.canary=warn: the run goes on; later failures are counted in the metrics "
+                            "as canary_fired)")
         return value

@@ -18,6 +18,7 @@ from exactrl.algorithms.common import seed_everything
 from exactrl.algorithms.rl import train_rl
 from exactrl.algorithms.sft import train_sft
 from exactrl.audit.manifest import write_manifest
+from exactrl.config.faults import banner, injected
 from exactrl.config.schema_commands import DemoConfig
 from exactrl.data.encode import encode_prompts
 from exactrl.data.jsonl import read_jsonl
@@ -52,9 +53,10 @@ def run_demo(cfg: DemoConfig, console: Console | None = None) -> dict:
     t0 = time.perf_counter()
     paths = ensure_builtin(spec)
     build_s = time.perf_counter() - t0
+    faults = {**injected(cfg.sft.fault), **injected(cfg.rl.fault)}  # known bugs reproduced on purpose
     write_manifest(run_dir, cfg.task.seed, {"sft_train": paths.sft_train, "rl_train": paths.rl_train,
                                             "eval": paths.eval},
-                   {"task": spec.key()})
+                   {"task": spec.key(), **({"faults_injected": faults} if faults else {})})
     console.print(f"[bold]exactrl demo[/bold] -> {run_dir}")
     console.print(f"built-in task: {cfg.task.digits}-digit addition, {cfg.task.n_sft} SFT demonstrations, "
                   f"{cfg.task.n_rl} RL prompts, {cfg.task.n_eval} held-out problems (ready in {build_s:.1f} s, cached "
@@ -77,7 +79,8 @@ def run_demo(cfg: DemoConfig, console: Console | None = None) -> dict:
     acc["after_rl"] = _measure(cfg, rl.final_model, prompts)
 
     for name, (g, s) in acc.items():
-        log.write({"phase": "eval", "stage": name, "greedy": g.as_dict(), "sampled": s.as_dict()})
+        log.write({"phase": "eval", "stage": name, **({"faults_injected": list(faults)} if faults else {}),
+                   "greedy": g.as_dict(), "sampled": s.as_dict()})
     log.close()
     summary = {
         "accuracy": {k: g.as_dict() for k, (g, _) in acc.items()},
@@ -87,6 +90,7 @@ def run_demo(cfg: DemoConfig, console: Console | None = None) -> dict:
                     "total": time.perf_counter() - t_start},
         "phases": phases,
         "eval_problems": len(prompts),
+        **({"faults_injected": faults} if faults else {}),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     plot_run(run_dir, [(k, g.value, g.ci95) for k, (g, _) in acc.items()])
@@ -116,6 +120,7 @@ def _write_report(run_dir: Path, cfg: DemoConfig, summary: dict, table: Table) -
     a = summary["accuracy"]
     lines = [
         "# exactrl demo report", "",
+        *([f"**{banner(summary['faults_injected'], 'this run')}**", ""] if "faults_injected" in summary else []),
         f"Task: {cfg.task.digits}-digit addition (built-in), {summary['eval_problems']} held-out problems.", "",
         "```", console.export_text().rstrip(), "```", "",
         f"SFT lifted greedy accuracy from {100 * a['before']['value']:.1f}% to {100 * a['after_sft']['value']:.1f}%; "

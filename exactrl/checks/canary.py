@@ -5,8 +5,10 @@ where ``share_i`` is that micro-batch's fraction of the step's total loss weight
 step's one normaliser (exactrl.losses.canary_share). Counted once each, the shares add up to
 exactly 1, so at the point where the optimizer reads gradients the canary's gradient must be
 1. A dropped micro-batch (DeepSpeed ZeRO-2 CPU offload with K >= 3, PR #6550 -> #7967), a
-duplicated one, a per-micro-batch normaliser ("mean of means") or a backend averaging the
-engine did not account for all move it away from 1.
+duplicated one, per-micro-batch normalisers whose shares do not add up to 1 (means summed
+over micro-batches) or a backend averaging the engine did not account for all move it away
+from 1. The mean of micro-batch means (OpenRLHF <= 0.10.2, fault.mean_of_means) does not:
+every micro-batch still arrives once with its share 1/M; it is another loss, not a lost gradient.
 
 The canary never touches the model: it is not in the model's graph, not in the gradient norm
 or clipping, not in checkpoints, and its gradient is zeroed after every check.

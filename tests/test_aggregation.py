@@ -140,7 +140,20 @@ def test_plan_step_covers_each_sample_once_and_counts_the_whole_step():
     assert plan_step(tokens, 3, "token-mean").micro_batches == ((0, 1, 2), (3, 4, 5))
 
 
-@pytest.mark.parametrize("n,mbs", [(0, 1), (6, 4), (5, 2)])
-def test_plan_step_rejects_uneven_split(n, mbs):
+@pytest.mark.parametrize("n,mbs,world,unit,sizes", [
+    (6, 4, 1, 1, (3, 3)), (5, 2, 1, 1, (2, 2, 1)), (6, 2, 2, 1, (2, 2, 1, 1)), (9, 4, 2, 1, (3, 2, 2, 2)),
+    (10, 4, 1, 2, (4, 4, 2)), (8, 2, 1, 1, (2, 2, 2, 2))])
+def test_plan_step_splits_a_batch_that_does_not_fill_its_micro_batches(n, mbs, world, unit, sizes):
+    """A mixed-policy step holds as many samples as its demonstrations make: the fewest
+    micro-batches of at most micro_batch_size, the same number on every rank, units whole."""
+    plan = plan_step([1] * n, mbs, "token-mean", world_size=world, unit=unit)
+    assert tuple(len(mb) for mb in plan.micro_batches) == sizes
+    assert sorted(i for mb in plan.micro_batches for i in mb) == list(range(n))
+    assert all(mb[0] % unit == 0 for mb in plan.micro_batches)
+    assert len({len(plan.for_rank(r).micro_batches) for r in range(world)}) == 1
+
+
+@pytest.mark.parametrize("n,mbs,world", [(0, 1, 1), (1, 1, 2), (3, 4, 4)])
+def test_plan_step_refuses_a_batch_too_small_for_every_rank(n, mbs, world):
     with pytest.raises(ValueError, match="does not split"):
-        plan_step([1] * n, mbs, "token-mean")
+        plan_step([1] * n, mbs, "token-mean", world_size=world)

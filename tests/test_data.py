@@ -253,3 +253,73 @@ def test_size_bound_never_refuses_a_row_that_fits(tokenizer):
     text = longest * 10
     assert len(tokenizer(text, add_special_tokens=False)["input_ids"]) <= 10
     encode_prompts([Row("d.jsonl:1", {"prompt": text})], tokenizer, 64)
+
+
+# ---------------------------------------------------------------- demonstrations (mixed-policy methods)
+
+
+def test_a_demonstration_is_tokenised_as_sft_learns_its_completion(tmp_path, tokenizer):
+    """A prompt's demonstration is the token sequence SFT would learn from the same row: the
+    completion's targets of the {prompt, completion} row, or a messages row's last assistant turn."""
+    row = {"prompt": "12+3=", "answer": 15, "demonstration": "#### 15"}
+    p = write_lines(tmp_path, [json.dumps(row)])
+    prompt = encode_prompts(read_jsonl(p), tokenizer, max_length=32)[0]
+    sft = encode_sft([Row("x:1", {"prompt": "12+3=", "completion": "#### 15"})], tokenizer, max_length=32)[0]
+    first = sft.loss_mask.index(1)
+    assert prompt.input_ids == sft.input_ids[:first] and prompt.demonstration == sft.input_ids[first:]
+    assert prompt.answer == "15"
+    messages = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "#### 2"}]
+    p = write_lines(tmp_path, [json.dumps({"messages": messages, "answer": "2"})])
+    prompt = encode_prompts(read_jsonl(p), tokenizer, max_length=64)[0]
+    sft = encode_sft([Row("x:1", {"messages": messages})], tokenizer, max_length=64)[0]
+    first = sft.loss_mask.index(1)
+    assert prompt.text == "<|user|>1+1=<|assistant|>"
+    assert prompt.input_ids == sft.input_ids[:first] and prompt.demonstration == sft.input_ids[first:]
+    plain = encode_prompts([Row("x:1", {"prompt": "1+1=", "answer": 2})], tokenizer, max_length=32)[0]
+    assert plain.demonstration is None
+
+
+@pytest.mark.parametrize("row, fragment", [
+    ({"prompt": "1+1=", "demonstration": 2}, "'demonstration' must be a string"),
+    ({"prompt": "1+1=", "demonstration": "  "}, "'demonstration' is blank"),
+    ({"messages": [{"role": "user", "content": "1+1="}]}, "ends with the assistant's demonstration"),
+    ({"messages": [{"role": "assistant", "content": "#### 2"}]}, "after at least one turn of prompt"),
+    ({"messages": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": ""}]},
+     "the demonstration, is empty"),
+    ({"prompt": "1+1=", "messages": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]},
+     "'prompt' or 'messages', not both"),
+    ({"prompt": "1+1=", "demonstration": "9" * 40}, "prompt and demonstration of 45 tokens exceed"),
+])
+def test_a_malformed_demonstration_row_is_refused_with_its_line(tmp_path, tokenizer, row, fragment):
+    p = write_lines(tmp_path, [json.dumps({"prompt": "1+1=", "answer": 2, "demonstration": "#### 2"}),
+                               json.dumps(row)])
+    with pytest.raises(DataError, match=re.escape(fragment)) as info:
+        encode_prompts(read_jsonl(p), tokenizer, max_length=32)
+    assert_located(info.value, p, 2)
+
+
+def test_a_mixed_method_refuses_a_prompt_without_a_demonstration(tmp_path, tokenizer):
+    from exactrl.algorithms.rl import require_demonstrations
+
+    p = write_lines(tmp_path, [json.dumps({"prompt": "1+1=", "answer": 2, "demonstration": "#### 2"}),
+                               json.dumps({"prompt": "2+2=", "answer": 4})])
+    prompts = encode_prompts(read_jsonl(p), tokenizer, max_length=32)
+    with pytest.raises(DataError, match="algo.name=luffy learns from a demonstration") as info:
+        require_demonstrations(prompts, "luffy")
+    assert_located(info.value, p, 2)
+    require_demonstrations(prompts[:1], "luffy")
+
+
+def test_the_builtin_mixed_file_holds_the_sft_problems_with_their_demonstrations(tmp_path):
+    """Equal data: the mixed-policy methods see exactly the prompts and demonstrations SFT sees."""
+    from exactrl.tasks.arithmetic import is_correct
+    from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin
+
+    paths = ensure_builtin(BuiltinSpec(n_sft=50, n_rl=20, n_eval=10), cache=tmp_path)
+    sft = [r.data for r in read_jsonl(paths.sft_train)]
+    mixed = [r.data for r in read_jsonl(paths.mixed_train)]
+    assert [(r["prompt"], r["demonstration"]) for r in mixed] == [(r["prompt"], r["completion"]) for r in sft]
+    assert all(is_correct(r["demonstration"], r["answer"]) for r in mixed)
+    paths.mixed_train.unlink()  # a cache built before the mixed file existed gets it, the same
+    assert [r.data for r in read_jsonl(ensure_builtin(BuiltinSpec(n_sft=50, n_rl=20, n_eval=10),
+                                                      cache=tmp_path).mixed_train)] == mixed

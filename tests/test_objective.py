@@ -16,7 +16,7 @@ from exactrl.data.encode import encode_sft
 from exactrl.data.jsonl import Row
 from exactrl.distributed.engine import SampleAccountingError, build_engine
 from exactrl.distributed.step_plan import plan_samples, plan_step
-from exactrl.losses.objective import Linear, Metrics, NLLTerm, Objective, PolicyTerm
+from exactrl.losses.objective import Cosine, Linear, Metrics, NLLTerm, Objective, PolicyTerm
 from exactrl.workers.worker import Worker
 
 COMPLETIONS = ["1", "2+2+0=04 #### 04", "#### 77", "9+9+0=18 1+1+1=03 #### 318", "x", "12345678901234567890", "ab",
@@ -50,6 +50,19 @@ def test_a_kl_in_the_reward_must_land_somewhere():
 def test_a_scheduled_coefficient_is_resolved_per_step():
     objective = Objective((NLLTerm(coef=Linear(1.0, 0.0, 10)),))
     assert [objective.at(s).terms[0].coef for s in (0, 5, 10, 20)] == [1.0, 0.5, 0.0, 0.0]
+
+
+def test_a_cosine_schedule_warms_up_then_follows_a_half_cosine_to_its_valley():
+    """CHORD's mu: linear 0 -> peak over the warm-up, then peak -> valley along a half cosine."""
+    mu = Cosine(warmup=4, peak=0.9, valley=0.1, steps=12)
+    cosine = torch.cos(torch.pi * torch.arange(8, dtype=torch.float64) / 8)
+    expect = [0.9 * s / 4 for s in range(4)] + (0.1 + 0.4 * (1 + cosine)).tolist() + [0.1, 0.1]
+    assert [mu.at(s) for s in range(14)] == pytest.approx(expect, abs=1e-12)
+    assert (mu.at(4), mu.at(8), mu.at(12)) == pytest.approx((0.9, 0.5, 0.1))
+    complement = Objective((NLLTerm(coef=Cosine(4, 0.1, 0.9, 12, start=1.0)),))
+    assert [complement.at(s).terms[0].coef for s in range(14)] == pytest.approx([1 - x for x in expect], abs=1e-12)
+    with pytest.raises(ValueError, match="warms up within its steps"):
+        Cosine(warmup=5, peak=1, valley=0, steps=4)
 
 
 def test_the_plan_covers_every_rank_and_never_splits_a_unit():
@@ -105,6 +118,42 @@ def test_two_terms_with_their_own_normalisers_give_the_exact_mixed_gradient(toke
         loss.item(), rel=1e-6)
     for p, q, before in zip(model.parameters(), ref.parameters(), p0):
         assert torch.allclose(before - p.detach(), q.grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("micro", [1, 3, 8])
+def test_token_weighted_terms_give_the_exact_weighted_gradient(tokenizer, make_model, micro):
+    """SRFT's sg(e^{-H}) and CHORD's phi = p(1 - p) weights, each on its own samples: the applied
+    update is the one-pass gradient of sum(w * nll) / tokens with w held constant (stop-gradient),
+    over micro-batches of uneven size (8 samples in micro-batches of at most 3 are 3, 3, 2)."""
+    samples = [demonstration(e) for e in examples(tokenizer)]
+    for s in samples[1::2]:
+        s.source = "on_policy"
+    objective = Objective((NLLTerm(weight="exp_neg_entropy", sources=("demonstration",)),
+                           NLLTerm(coef=0.5, weight="p_one_minus_p", sources=("on_policy",))))
+    assert objective.fields() == ("logprobs", "entropy")
+    ref = make_model(3)
+    width = max(len(s.ids) for s in samples)
+    ids = torch.tensor([s.ids + [tokenizer.pad_token_id] * (width - len(s.ids)) for s in samples])
+    attn = torch.tensor([[1] * len(s.ids) + [0] * (width - len(s.ids)) for s in samples])
+    mask = torch.tensor([list(s.loss_mask) + [0] * (width - 1 - len(s.loss_mask)) for s in samples]).float()
+    logp_all = torch.log_softmax(ref(input_ids=ids, attention_mask=attn).logits[:, :-1], -1)
+    logp = logp_all.gather(-1, ids[:, 1:, None])[..., 0]
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    w_demo = torch.exp(-entropy).detach()
+    w_pol = (logp.exp() * (1 - logp.exp())).detach()
+    demo, pol = mask[0::2], mask[1::2]
+    loss = (-logp * w_demo)[0::2].mul(demo).sum() / demo.sum() + 0.5 * (-logp * w_pol)[1::2].mul(pol).sum() / pol.sum()
+    loss.backward()
+    model = make_model(3)
+    p0 = [p.detach().clone() for p in model.parameters()]
+    plan = plan_samples(samples, micro, "token-mean", sort=True)
+    result = sgd_worker(model, tokenizer).train_step(samples, plan, objective)
+    assert result.stats["canary"] == pytest.approx(1.0, abs=1e-6)
+    assert result.loss == pytest.approx(loss.item(), rel=1e-6)
+    for p, q, before in zip(model.parameters(), ref.parameters(), p0):
+        assert torch.allclose(before - p.detach(), q.grad, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="weight is one of exp_neg_entropy, p_one_minus_p"):
+        NLLTerm(weight="entropy")
 
 
 def test_the_accounting_counts_what_the_losses_saw(tokenizer, make_model, monkeypatch):

@@ -80,6 +80,18 @@ def test_chat_sft_trains_exactly_the_assistant_turns(tok):
         assert trained == "".join(m["content"] + END for m in chat if m["role"] == "assistant")
 
 
+def test_a_chat_demonstration_is_the_last_turn_sft_learns(tok):
+    """A mixed-policy method's prompt and demonstration from a messages row: the prompt is the
+    chat before the last turn with the generation prompt (the whole chat tokenised in one call,
+    cut where that turn starts), the demonstration exactly the last assistant turn's targets."""
+    for chat in CHATS:
+        prompt = encode_prompts(rows([{"messages": chat, "answer": "x"}]), tok, max_length=256)[0]
+        ids, mask = reference_targets(tok, chat)
+        last = max(i for i, m in enumerate(mask) if m and not mask[i - 1])  # where the last turn's targets start
+        assert prompt.input_ids == ids[:last] and prompt.demonstration == ids[last:]
+        assert tok.decode(prompt.demonstration) == chat[-1]["content"] + END
+
+
 def test_chat_sft_loss_equals_hugging_face_labels_loss(tok, model):
     """exactrl's step loss (token-mean over the step's assistant tokens, packed forward) equals
     the loss Hugging Face computes itself from ``labels`` (-100 outside the by-hand assistant

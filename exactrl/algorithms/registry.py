@@ -29,6 +29,9 @@ class Algorithm:
     group_baseline: bool = True  # compares responses to the same prompt (schema.py's GROUP_ALGOS: algo.group_size >= 2)
     # its own sub-section of algo (algo.gae, algo.dapo); set under another algorithm it is refused (config/used.py)
     config: str | None = None
+    # learns from a demonstration of each prompt besides its own samples (the mixed-policy methods): every
+    # training prompt must carry one (data/encode.py), and data.train=builtin is the built-in task's mixed file
+    demonstrations: bool = False
 
     def objective(self, cfg) -> Objective:
         """The policy's loss as data: the clipped surrogate (against the batch's old log-probs;

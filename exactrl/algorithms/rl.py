@@ -41,7 +41,8 @@ from exactrl.checks.on_policy import on_policy_check
 from exactrl.config.schema_rl import RLConfig
 from exactrl.data.batch import Sample
 from exactrl.data.batching import StepSampler, pad_right
-from exactrl.data.encode import load_prompts
+from exactrl.data.encode import Prompt, load_prompts
+from exactrl.data.jsonl import DataError
 from exactrl.distributed.checkpoint import resume
 from exactrl.distributed.launch import is_main, rank
 from exactrl.distributed.step_plan import StepPlan, plan_samples
@@ -116,6 +117,15 @@ def attach_advantages(samples: list[Sample], cfg: RLConfig, kl_coef: float | Non
     for s, row, ret in zip(samples, adv, returns):
         n = len(s.prompt_ids) + len(s.response_ids) - 1
         s.advantages, s.returns = row[:n].float(), ret[:n].float()
+
+
+def require_demonstrations(prompts: list[Prompt], name: str) -> None:
+    """A mixed-policy method learns from each prompt's demonstration: refuse a row without one."""
+    missing = [p.source for p in prompts if p.demonstration is None]
+    if missing:
+        raise DataError(f"{missing[0]}: algo.name={name} learns from a demonstration of every prompt, and this row "
+                        f"has none ({len(missing)} of {len(prompts)} rows lack one): give each row a "
+                        "'demonstration' (or chat 'messages' ending with the assistant's)")
 
 
 def fragile_settings(cfg: RLConfig) -> list[str]:
@@ -229,11 +239,14 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     # the policy's loss as data; refuses a KL that would land nowhere before anything loads
     objective = alg.objective(cfg)
     model_path = model_path or resolve(cfg.model.path, "model", spec)
-    train_path, eval_path = resolve(cfg.data.train, "rl_train", spec), resolve(eval_data(cfg), "eval", spec)
+    train_kind = "mixed_train" if alg.demonstrations else "rl_train"
+    train_path, eval_path = resolve(cfg.data.train, train_kind, spec), resolve(eval_data(cfg), "eval", spec)
     tok = load_tokenizer(model_path, cfg.model.trust_remote_code, cfg.data.chat_template)
     prompts, note = load_prompts(train_path, tok, cfg.data)
     if note and is_main():
         print(note)
+    if alg.demonstrations:
+        require_demonstrations(prompts, a.name)
     # One reward process for the whole run (exactrl/rewards/worker.py), evaluation included.
     reward_fns = load_rewards(cfg.reward.specs(), cfg.reward.weights, cfg.reward.timeout, cfg.reward.retries,
                               cfg.eval.reward_fn)

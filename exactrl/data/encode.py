@@ -2,7 +2,10 @@
 
 SFT rows: ``{"prompt", "completion"}`` (plain text, completion ends with EOS) or
 ``{"messages": [{"role", "content"}, ...]}`` (the tokenizer's chat template; the loss covers
-assistant turns only). RL rows: ``{"prompt": str | messages, "answer": optional}``.
+assistant turns only). RL rows: ``{"prompt": str | messages, "answer": optional}``, and for
+the mixed-policy methods a demonstration of the answer with each: ``{"prompt", "answer",
+"demonstration": str}`` or ``{"messages": [..., {"role": "assistant", ...}], "answer"}`` (the last
+message is the demonstration, the turns before it the prompt).
 Prompt and completion are tokenised separately, exactly as RL sees them (prompt alone, then
 generated tokens), so SFT and RL agree on token boundaries.
 
@@ -49,6 +52,9 @@ class Prompt:
     text: str
     answer: str | None
     source: str
+    # a worked answer to learn from (mixed-policy methods), tokenised like an SFT completion:
+    # no special tokens, then EOS; None: the row has none
+    demonstration: list[int] | None = None
 
 
 def _ids(tokenizer, text: str, first: bool) -> list[int]:
@@ -129,7 +135,7 @@ def _char_limit(tokenizer, max_length: int) -> int:
 
 def _check_size(row: Row, limit: int, max_length: int) -> None:
     data = row.data
-    texts = [data.get("prompt"), data.get("completion")]
+    texts = [data.get("prompt"), data.get("completion"), data.get("demonstration")]
     for m in (data.get("messages"), data.get("prompt")):
         if isinstance(m, list):
             texts += [x.get("content") for x in m if isinstance(x, dict)]
@@ -186,13 +192,41 @@ def encode_sft(rows: list[Row], tokenizer, max_length: int, max_prompt_length: i
     return _keep(rows, encode, over_length, dropped)
 
 
+def _demonstration(row: Row, tokenizer) -> tuple[object, list[int] | None]:
+    """The row's prompt (text or messages) and its demonstration's ids, if it has one: a
+    ``demonstration`` string, or a ``messages`` row's last turn, the assistant's."""
+    data = row.data
+    if "messages" in data:
+        if "prompt" in data:
+            raise DataError(f"{row.source}: a row has 'prompt' or 'messages', not both")
+        messages = _check_messages(row, data["messages"])
+        if len(messages) < 2 or messages[-1]["role"] != "assistant":
+            raise DataError(f"{row.source}: a 'messages' row of prompts ends with the assistant's demonstration, "
+                            "after at least one turn of prompt")
+        if not messages[-1]["content"].strip():
+            raise DataError(f"{row.source}: the last message, the demonstration, is empty")
+        # what SFT learns of that turn: the template's rendering of it, end-of-turn markers included
+        head = _render(tokenizer, messages[:-1], row, add_generation_prompt=True)
+        whole = _render(tokenizer, messages, row)
+        if not whole.startswith(head):
+            raise DataError(f"{row.source}: the chat template does not render the last turn as an extension of the "
+                            "turns before it")
+        return messages[:-1], _ids(tokenizer, whole[len(head) :], first=False)
+    if "demonstration" not in data:
+        return data.get("prompt"), None
+    text = require_str(row, "demonstration")
+    if not text.strip():
+        raise DataError(f"{row.source}: 'demonstration' is blank: a demonstration needs its text")
+    return data.get("prompt"), _ids(tokenizer, text, first=False) + [tokenizer.eos_token_id]
+
+
 def encode_prompts(rows: list[Row], tokenizer, max_length: int, max_prompt_length: int | None = None,
                    over_length: str = "error", dropped: list[str] | None = None) -> list[Prompt]:
     limit = _char_limit(tokenizer, max_length)
 
     def encode(row: Row) -> Prompt:
         _check_size(row, limit, max_length)
-        raw = row.data.get("prompt")
+        raw, demonstration = _demonstration(row, tokenizer)
         if isinstance(raw, list):
             text = _render(tokenizer, _check_messages(row, raw), row, add_generation_prompt=True)
         else:
@@ -207,7 +241,10 @@ def encode_prompts(rows: list[Row], tokenizer, max_length: int, max_prompt_lengt
         if max_prompt_length is not None and len(ids) > max_prompt_length:
             raise OverLength(f"{row.source}: prompt of {len(ids)} tokens exceeds data.max_prompt_length="
                              f"{max_prompt_length}; {FIX}")
-        return Prompt(ids, text, None if answer is None else str(answer), row.source)
+        if demonstration is not None and len(ids) + len(demonstration) > max_length:
+            raise OverLength(f"{row.source}: prompt and demonstration of {len(ids) + len(demonstration)} tokens "
+                             f"exceed data.max_length={max_length}; {FIX}")
+        return Prompt(ids, text, None if answer is None else str(answer), row.source, demonstration)
 
     return _keep(rows, encode, over_length, dropped)
 

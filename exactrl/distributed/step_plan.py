@@ -84,18 +84,25 @@ def plan_step(loss_tokens: Sequence[int], micro_batch_size: int, mode: str, norm
     micro-batch's loss is its exact share of the step loss whatever the split. Given the
     samples' padded ``lengths``, units of similar length share micro-batches (less padding to
     compute); the step's gradient is a sum over samples, so the grouping does not change it.
+    A batch that does not fill micro-batches of ``micro_batch_size`` on every rank (a step of a
+    mixed-policy method, whose demonstrations vary in number) is split into the fewest
+    micro-batches of at most that size, the same number on every rank, their sizes as even as
+    the units allow.
     """
     n = len(loss_tokens)
-    if n == 0 or n % (micro_batch_size * world_size):
-        raise ValueError(f"a global batch of {n} samples does not split into micro-batches of {micro_batch_size} "
-                         f"on {world_size} rank(s)")
     if n % unit or micro_batch_size % unit:
         raise ValueError(f"units of {unit} samples do not fit a batch of {n} in micro-batches of {micro_batch_size}")
     units = [tuple(range(i, i + unit)) for i in range(0, n, unit)]
+    count = -(-len(units) // (micro_batch_size // unit))  # the fewest micro-batches...
+    count = -(-count // world_size) * world_size  # ...the same number on every rank
+    if not units or count > len(units):
+        raise ValueError(f"a global batch of {n} samples does not split into micro-batches of {micro_batch_size} "
+                         f"on {world_size} rank(s): every micro-batch needs a sample")
     if lengths is not None:
         units.sort(key=lambda u: max(lengths[i] for i in u))
-    order = [i for u in units for i in u]
-    micro = tuple(tuple(order[i : i + micro_batch_size]) for i in range(0, n, micro_batch_size))
+    size, extra = divmod(len(units), count)
+    bounds = [c * size + min(c, extra) for c in range(count + 1)]
+    micro = tuple(tuple(i for u in units[bounds[c] : bounds[c + 1]] for i in u) for c in range(count))
     sources = list(sources) if sources is not None else ["on_policy"] * n
     if origins is None:
         origins = [{SOURCE_ORIGIN[s]: t} if t else {} for s, t in zip(sources, loss_tokens)]

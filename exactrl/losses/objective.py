@@ -3,8 +3,9 @@
 turns it, from one forward per micro-batch, into the micro-batch's exact share of the step loss.
 
 A term names the per-token loss it computes (policy surrogate, KL to a reference, entropy
-bonus, NLL, value), its coefficient (a constant, a ``Linear`` schedule over optimizer steps, or
-a value the loop sets per rollout with ``with_term``, as the adaptive KL does), the samples it
+bonus, NLL, value), its coefficient (a constant, a ``Linear`` or ``Cosine`` schedule over
+optimizer steps, or a value the loop sets per rollout with ``with_term``, as the adaptive KL
+does), an optional per-token weight (token_losses.TOKEN_WEIGHTS, stop-gradient), the samples it
 applies to (``sources``), the tokens of theirs it applies to (``origins``: who wrote them, as a
 sample declares, data/batch.py) and its aggregation. Terms that share samples, tokens and
 aggregation share a normaliser: their token losses are summed (in declaration order) and
@@ -20,6 +21,7 @@ Metrics stay tensors (sums and counts, or maxima) until the step ends.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -27,7 +29,7 @@ import torch
 from exactrl.data.batch import ORIGINS
 from exactrl.losses.aggregation import aggregate, canary_share, micro_batch_normalizer
 from exactrl.losses.policy import PolicyInput, get_policy_loss, value_loss
-from exactrl.losses.token_losses import kl_penalty
+from exactrl.losses.token_losses import TOKEN_WEIGHTS, kl_penalty
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,34 @@ class Linear:
         return self.end if step >= self.steps else self.start + (self.end - self.start) * step / self.steps
 
 
+@dataclass(frozen=True)
+class Cosine:
+    """A coefficient warmed up linearly from ``start`` to ``peak`` over ``warmup`` optimizer steps,
+    then moved along a half cosine from ``peak`` to ``valley`` at step ``steps``, then held
+    (CHORD's mu, arXiv 2508.11408). Its complement 1 - mu is the Cosine of the complements."""
+
+    warmup: int
+    peak: float
+    valley: float
+    steps: int
+    start: float = 0.0
+
+    def __post_init__(self):
+        if not 0 <= self.warmup <= self.steps:
+            raise ValueError(f"a cosine schedule warms up within its steps: warmup={self.warmup}, steps={self.steps}")
+
+    def at(self, step: int) -> float:
+        if step < self.warmup:
+            return self.start + (self.peak - self.start) * step / self.warmup
+        if step >= self.steps:
+            return self.valley
+        done = (step - self.warmup) / (self.steps - self.warmup)
+        return self.valley + (self.peak - self.valley) * 0.5 * (1 + math.cos(math.pi * done))
+
+
+SCHEDULES = (Linear, Cosine)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Term:
     """One term of the loss. It applies to the samples of ``sources`` and, of those, to the loss
@@ -50,7 +80,8 @@ class Term:
     policy continues in one sequence); None: every sample, every loss token. Its normaliser counts
     exactly those tokens over the step, and a sequence counts if it has at least one of them."""
 
-    coef: float | Linear = 1.0
+    coef: float | Linear | Cosine = 1.0
+    weight: str | None = None  # a per-token weight of token_losses.TOKEN_WEIGHTS multiplying the token loss
     sources: tuple[str, ...] | None = None
     origins: tuple[str, ...] | None = None
     agg: str = "token-mean"  # an aggregation mode of aggregation.py
@@ -63,6 +94,13 @@ class Term:
         if unknown or self.origins == ():
             raise ValueError(f"a {self.kind or 'loss'} term's origins are some of {', '.join(ORIGINS)} (or None: all), "
                              f"not {self.origins}")
+        if self.weight is not None and self.weight not in TOKEN_WEIGHTS:
+            raise ValueError(f"a {self.kind or 'loss'} term's weight is one of {', '.join(TOKEN_WEIGHTS)} (or None), "
+                             f"not '{self.weight}'")
+
+    def needs(self) -> tuple[str, ...]:
+        """The per-token fields this term reads: its loss's and its weight's."""
+        return (*self.fields, *(TOKEN_WEIGHTS[self.weight][0] if self.weight else ()))
 
     def token_loss(self, f: dict, b: dict, mask: torch.Tensor, m: Metrics) -> torch.Tensor:
         raise NotImplementedError
@@ -163,11 +201,11 @@ class Objective:
 
     def fields(self) -> tuple[str, ...]:
         """The per-token fields one forward must produce, in a fixed order."""
-        return tuple(dict.fromkeys([*(f for t in self.terms for f in t.fields), *self.metrics]))
+        return tuple(dict.fromkeys([*(f for t in self.terms for f in t.needs()), *self.metrics]))
 
     def at(self, step: int) -> Objective:
         """The objective with every scheduled coefficient resolved at optimizer step ``step``."""
-        return replace(self, terms=tuple(replace(t, coef=t.coef.at(step)) if isinstance(t.coef, Linear) else t
+        return replace(self, terms=tuple(replace(t, coef=t.coef.at(step)) if isinstance(t.coef, SCHEDULES) else t
                                          for t in self.terms))
 
     def with_term(self, kind: str, **changes) -> Objective:
@@ -249,6 +287,8 @@ def micro_batch_loss(objective: Objective, f: dict[str, torch.Tensor], b: dict[s
         tok = None
         for t in terms:
             part = t.token_loss(f, b, rows, m)
+            if t.weight is not None:
+                part = part * TOKEN_WEIGHTS[t.weight][1](f)
             tok = t.coef * part if tok is None else tok + t.coef * part
         part = aggregate(tok, rows, norm)
         loss = part if loss is None else loss + part

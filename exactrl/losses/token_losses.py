@@ -76,3 +76,19 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     if estimator == "k3":
         return torch.exp(log_ratio) - 1.0 - log_ratio
     raise ValueError(f"unknown KL estimator '{estimator}'; choose k1, k2 or k3")
+
+
+def _p_one_minus_p(fields: dict[str, torch.Tensor]) -> torch.Tensor:
+    p = fields["logprobs"].detach().exp()
+    return p * (1 - p)
+
+
+# Per-token weights a term of the objective may multiply its token loss by (Term.weight), each
+# (the per-token fields it reads, the weight from them). Stop-gradient: a weight scales a token's
+# gradient, its own derivative adds nothing.
+TOKEN_WEIGHTS = {
+    # SRFT (arXiv 2506.19767): sg(e^{-H}) on demonstration NLL, H the entropy of the policy's next-token distribution
+    "exp_neg_entropy": (("entropy",), lambda fields: torch.exp(-fields["entropy"].detach())),
+    # CHORD (arXiv 2508.11408): phi = p (1 - p), p the probability of the demonstrated token
+    "p_one_minus_p": (("logprobs",), _p_one_minus_p),
+}

@@ -124,6 +124,13 @@ def sft_rows(problems: list[Problem], direct_fraction: float, skip_prob: float, 
     return rows
 
 
+def mixed_rows(problems: list[Problem], direct_fraction: float, skip_prob: float, seed: int) -> list[dict]:
+    """The SFT problems as ``{"prompt", "answer", "demonstration"}`` rows, the demonstration being
+    exactly the SFT row's completion: mixed-policy methods see the data SFT sees."""
+    return [{"prompt": r["prompt"], "answer": p.answer, "demonstration": r["completion"]}
+            for p, r in zip(problems, sft_rows(problems, direct_fraction, skip_prob, seed))]
+
+
 def rl_rows(problems: list[Problem]) -> list[dict]:
     """RL prompts as ``{"prompt", "answer"}`` rows."""
     return [{"prompt": p.prompt, "answer": p.answer} for p in problems]

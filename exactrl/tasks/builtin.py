@@ -44,6 +44,7 @@ class BuiltinPaths:
     sft_train: Path
     rl_train: Path
     eval: Path
+    mixed_train: Path  # the SFT problems with answers and demonstrations (mixed-policy methods)
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
@@ -58,13 +59,15 @@ def ensure_builtin(spec: BuiltinSpec = BuiltinSpec(), cache: Path | None = None)
     """Build (once) and return the paths of the built-in model and data for ``spec``."""
     root = Path(cache or cache_dir()) / spec.key()
     paths = BuiltinPaths(root, root / "model-init", root / "sft_train.jsonl", root / "rl_train.jsonl",
-                         root / "eval.jsonl")
-    if (root / "DONE").exists():
+                         root / "eval.jsonl", root / "mixed_train.jsonl")
+    if (root / "DONE").exists() and paths.mixed_train.exists():
         return paths
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(root / ".lock"):  # several ranks or runs may ask at once: one builds, the others wait
         if not (root / "DONE").exists():
             _build(spec, paths)
+        elif not paths.mixed_train.exists():  # a cache built before the mixed file existed
+            _write_mixed(spec, paths)
     return paths
 
 
@@ -75,16 +78,22 @@ def _build(spec: BuiltinSpec, paths: BuiltinPaths) -> None:
     train = arithmetic.generate("train", spec.n_sft + spec.n_rl, spec.seed, spec.digits)
     _write_jsonl(paths.sft_train, arithmetic.sft_rows(train[: spec.n_sft], spec.direct_fraction, spec.skip_prob,
                                                       spec.seed))
+    _write_mixed(spec, paths)
     _write_jsonl(paths.rl_train, arithmetic.rl_rows(train[spec.n_sft :]))
     _write_jsonl(paths.eval, arithmetic.rl_rows(arithmetic.generate("eval", spec.n_eval, spec.seed, spec.digits)))
     (root / "DONE").write_text(json.dumps(asdict(spec)))
+
+
+def _write_mixed(spec: BuiltinSpec, paths: BuiltinPaths) -> None:
+    sft = arithmetic.generate("train", spec.n_sft + spec.n_rl, spec.seed, spec.digits)[: spec.n_sft]
+    _write_jsonl(paths.mixed_train, arithmetic.mixed_rows(sft, spec.direct_fraction, spec.skip_prob, spec.seed))
 
 
 def resolve(path: str | None, kind: str, spec: BuiltinSpec = BuiltinSpec()) -> str | None:
     """Map 'builtin' in model.path / data.* to the built-in files; other paths pass through
     ('builtin-sft', the model after SFT, needs training: exactrl/algorithms/sft.py).
 
-    ``kind`` is one of model, sft_train, rl_train, eval.
+    ``kind`` is one of model, sft_train, rl_train, eval, mixed_train.
     """
     if path != "builtin":
         return path

@@ -103,8 +103,21 @@ class EvalCommandConfig(Section):
 
 
 class TaskConfig(Section):
+    name: Literal["addition", "multiplication"] = Field("addition",
+                                                        description="The built-in task: 'addition' (two operands "
+                                                                    "of task.digits digits, exactrl/tasks/"
+                                                                    "arithmetic.py) or 'multiplication' (a "
+                                                                    "task.digits-digit number times 2-9, a teacher "
+                                                                    "that also slips: exactrl/tasks/"
+                                                                    "multiplication.py), harder for the tiny model.")
     seed: int = Field(0, description="Seed of the problems, the SFT style mix and the initial model.")
-    digits: int = Field(3, ge=1, le=6, description="Digits per operand.")
+    digits: int | None = Field(None, ge=1, le=6,
+                               description="Digits per operand (multiplication: of the first); unset = the task's "
+                                           "own, 3 for addition, 4 for multiplication.")
+    slip_prob: float | None = Field(None, ge=0, le=1,
+                                    description="multiplication: how often its teacher forgets a carry of 4 or more "
+                                                "(then its answer is wrong); unset = 0.6. The addition teacher "
+                                                "has no slips.")
     direct_fraction: float = Field(0.5, ge=0, le=1,
                                    description="The SFT teacher tends to skip the working when the first operand's "
                                                "last digit is below 10 x this (see exactrl/tasks/arithmetic.py).")
@@ -158,6 +171,13 @@ class DemoConfig(Section):
                                  f"each time, so there is no run to continue; continue a run with `exactrl {phase}` "
                                  "instead")
         return data
+
+    @model_validator(mode="after")
+    def _slips_are_multiplications(self):
+        if self.task.slip_prob is not None and self.task.name != "multiplication":
+            raise ValueError(f"task.slip_prob={self.task.slip_prob} is the multiplication teacher's; set "
+                             "task.name=multiplication or unset it")
+        return self
 
     @model_validator(mode="after")
     def _full_models(self):

@@ -58,7 +58,7 @@ def run_demo(cfg: DemoConfig, console: Console | None = None) -> dict:
                                             "eval": paths.eval},
                    {"task": spec.key(), **({"faults_injected": faults} if faults else {})})
     console.print(f"[bold]exactrl demo[/bold] -> {run_dir}")
-    console.print(f"built-in task: {cfg.task.digits}-digit addition, {cfg.task.n_sft} SFT demonstrations, "
+    console.print(f"built-in task: {spec.digits}-digit {spec.name}, {cfg.task.n_sft} SFT demonstrations, "
                   f"{cfg.task.n_rl} RL prompts, {cfg.task.n_eval} held-out problems (ready in {build_s:.1f} s, cached "
                   f"in {paths.root})",
                   soft_wrap=True)
@@ -121,7 +121,8 @@ def _write_report(run_dir: Path, cfg: DemoConfig, summary: dict, table: Table) -
     lines = [
         "# exactrl demo report", "",
         *([f"**{banner(summary['faults_injected'], 'this run')}**", ""] if "faults_injected" in summary else []),
-        f"Task: {cfg.task.digits}-digit addition (built-in), {summary['eval_problems']} held-out problems.", "",
+        f"Task: {BuiltinSpec(**cfg.task.model_dump()).digits}-digit {cfg.task.name} (built-in), "
+        f"{summary['eval_problems']} held-out problems.", "",
         "```", console.export_text().rstrip(), "```", "",
         f"SFT lifted greedy accuracy from {100 * a['before']['value']:.1f}% to {100 * a['after_sft']['value']:.1f}%; "
         f"GRPO from the SFT model reached {100 * a['after_rl']['value']:.1f}%.", "",

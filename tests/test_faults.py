@@ -196,3 +196,20 @@ def test_a_clean_run_carries_no_fault_label(tmp_path, cache):
     assert "faults_injected" not in (out / "metrics.jsonl").read_text()
     assert "faults_injected" not in json.loads((out / "manifest.json").read_text())
     assert all(v.status.value != "AFFECTED" for v in audit_run(out).verdicts)
+
+
+def test_the_demos_summary_and_report_say_so(tmp_path, cache):
+    out = tmp_path / "demo"
+    proc = exactrl(["demo", f"output_dir={out}", "task.n_sft=256", "task.n_rl=64", "task.n_eval=16",
+                    "sft.train.max_steps=2", "sft.data.eval_size=8", "sft.fault.mean_of_means=true",
+                    "rl.train.max_steps=1", "rl.data.eval_size=8", "rl.train.global_batch_size=16",
+                    "rl.train.micro_batch_size=4", "rl.rollout.max_new_tokens=8", "rl.fault.dropped_micro_batches=true",
+                    "rl.audit.canary=warn"], tmp_path, cache)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    both = ["fault.mean_of_means", "fault.dropped_micro_batches"]
+    assert list(json.loads((out / "summary.json").read_text())["faults_injected"]) == both
+    assert list(json.loads((out / "manifest.json").read_text())["faults_injected"]) == both
+    assert "FAULT INJECTED ON PURPOSE (this run) *** fault.mean_of_means:" in (out / "report.md").read_text()
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert {r["phase"] for r in rows} == {"sft", "rl", "eval"}
+    assert all(r["faults_injected"] == {"sft": both[:1], "rl": both[1:], "eval": both}[r["phase"]] for r in rows)

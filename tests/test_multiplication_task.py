@@ -98,3 +98,17 @@ def test_slips_belong_to_multiplication():
     with pytest.raises(ConfigError, match="task.slip_prob=0.3 is the multiplication teacher's"):
         load_config(DemoConfig, None, ["task.slip_prob=0.3"])
     assert BuiltinSpec(**load_config(DemoConfig, None, ["task.name=multiplication"]).task.model_dump()).digits == 4
+
+
+def test_the_demo_runs_the_multiplication_task(tmp_path):
+    from test_cli_failures import exactrl
+
+    out = tmp_path / "demo"
+    proc = exactrl(["demo", "task.name=multiplication", f"output_dir={out}", "task.n_sft=128", "task.n_rl=32",
+                    "task.n_eval=8", "sft.train.max_steps=1", "sft.data.eval_size=8", "rl.train.max_steps=1",
+                    "rl.data.eval_size=8", "rl.train.global_batch_size=16", "rl.train.micro_batch_size=8"],
+                   tmp_path, tmp_path / "cache")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "built-in task: 4-digit multiplication, 128 SFT demonstrations" in proc.stderr
+    assert "mul-seed0-digits4" in json.loads((out / "manifest.json").read_text())["task"]
+    assert "Task: 4-digit multiplication (built-in), 8 held-out problems." in (out / "report.md").read_text()

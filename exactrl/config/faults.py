@@ -14,6 +14,9 @@ manifest, the demo's summary.json and report.md, and ``exactrl audit run``'s ver
   exactrl drops the same micro-batches on every backend (their gradient is multiplied by 0 before
   backward, so every rank still runs every collective), after the canary's term is added, as the
   real bug drops the canary's gradient with the model's: the canary sees it (exactrl/checks/canary.py).
+  What is kept is the first and last micro-batches' exact shares of the step loss: (g_first +
+  g_last)/K when micro-batches hold equal tokens; with fault.mean_of_means too, exactly what a
+  trainer averaging micro-batch means on the broken DeepSpeed applied (OpenRLHF, TRL).
 - ``fault.mean_of_means``: OpenRLHF before commit df78645e (v0.10.3) and PR #1249 (v0.10.4)
   normalised each micro-batch's loss by its own tokens and averaged those means over the step's
   micro-batches of every rank: exactrl/losses/aggregation.py ``micro_batch_normalizer``. The

@@ -22,21 +22,18 @@ list`` / ``pip list`` and DeepSpeed's log line ``DeepSpeed info: version=``. Pic
 ``training_args.bin`` are reported as unreadable, never loaded: unpickling runs code.
 
 Files named by other files (TrainingArguments ``deepspeed``, LLaMA-Factory ``deepspeed:``,
-Accelerate ``deepspeed_config_file`` and ``--config_file``) are followed when they exist
-relative to the run directory or the naming file, or by file name inside the run directory;
-otherwise they are reported missing. When the run's arguments name a DeepSpeed config, other
-DeepSpeed configs in the directory are reported and ignored.
-
+Accelerate ``deepspeed_config_file`` and ``--config_file``) are followed when they exist relative
+to the run directory or the naming file, or by file name inside the run directory; otherwise
+they are reported missing; other DeepSpeed configs than the one named are reported and ignored.
 Each fact keeps its evidence as ``file:line``. The effective K is the given
 gradient_accumulation_steps and, whenever known, global batch / (micro batch x world size)
-(OpenRLHF divides the world by ring-attention x tensor-parallel size); disagreeing readings are
-reported, and a verdict other than UNKNOWN needs every reading of the evidence to agree.
+(OpenRLHF divides the world by ring-attention x tensor-parallel size); a verdict other than
+UNKNOWN needs every reading of the evidence to agree (disagreements are reported).
 
-The rules also need to know what the run computed: the trainer (OpenRLHF's ``train_*``
-program, LLaMA-Factory's ``stage``, TRL's ``trl sft`` / ``trl/scripts/sft.py``), OpenRLHF's
-``--packing_samples`` and ``--use_dynamic_batch``, and whether the engine was FSDP (verl,
-Accelerate FSDP) rather than DeepSpeed. DeepSpeed-Chat's ``main.py --zero_stage --offload`` is
-read too. Output and exit codes: exactrl/audit/report.py.
+The rules also need what the run computed: the trainer (OpenRLHF's ``train_*`` program,
+LLaMA-Factory's ``stage``, TRL's ``trl sft`` / ``trl/scripts/sft.py``), OpenRLHF's
+``--packing_samples`` and ``--use_dynamic_batch``, whether the engine was FSDP (verl, Accelerate
+FSDP), DeepSpeed-Chat's ``main.py --zero_stage --offload``. Output, exit codes: audit/report.py.
 """
 
 from __future__ import annotations
@@ -61,6 +58,7 @@ from exactrl.audit.evidence import (
     true,
     whole,
 )
+from exactrl.audit.faults import injected_faults
 from exactrl.audit.judging import derive, judge
 from exactrl.audit.readers import parse_flags, read_accelerate_config, read_deepspeed_config, read_launcher
 from exactrl.audit.rules import RULES, Verdict
@@ -117,7 +115,8 @@ def audit_run(path: Path) -> RunAudit:
         reader.read(file)
     reader.finish()
     facts, problems = derive(reader.c, reader.complete_lists)
-    return RunAudit(str(path), facts, problems, [judge(rule, facts, problems) for rule in RULES.values()])
+    verdicts, injected = injected_faults(path, [judge(rule, facts, problems) for rule in RULES.values()])
+    return RunAudit(str(path), facts, injected + problems, verdicts)
 
 
 def run_files(root: Path) -> list[Path]:

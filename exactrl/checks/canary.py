@@ -5,8 +5,10 @@ where ``share_i`` is that micro-batch's fraction of the step's total loss weight
 step's one normaliser (exactrl.losses.canary_share). Counted once each, the shares add up to
 exactly 1, so at the point where the optimizer reads gradients the canary's gradient must be
 1. A dropped micro-batch (DeepSpeed ZeRO-2 CPU offload with K >= 3, PR #6550 -> #7967), a
-duplicated one, a per-micro-batch normaliser ("mean of means") or a backend averaging the
-engine did not account for all move it away from 1.
+duplicated one, per-micro-batch normalisers whose shares do not add up to 1 (means summed
+over micro-batches) or a backend averaging the engine did not account for all move it away
+from 1. The mean of micro-batch means (OpenRLHF <= 0.10.2, fault.mean_of_means) does not:
+every micro-batch still arrives once with its share 1/M; it is another loss, not a lost gradient.
 
 The canary never touches the model: it is not in the model's graph, not in the gradient norm
 or clipping, not in checkpoints, and its gradient is zeroed after every check.
@@ -44,6 +46,7 @@ class Canary:
             raise ValueError(f"canary policy must be error or warn (off: build no canary), got {policy!r}")
         self.policy, self.tol, self.describe = policy, tol, describe
         self.module = CanaryModule()
+        self.fired = 0  # steps it flagged (policy warn), logged as a running total: a study reports it
 
     @property
     def param(self) -> torch.nn.Parameter:
@@ -76,5 +79,8 @@ class Canary:
                    "duplicated ones; see README 'Was my run affected?'")
             if self.policy == "error":
                 raise CanaryError(msg)
-            log.warning(msg)
+            self.fired += 1
+            if self.fired == 1:  # once: a broken backend fails every step; the count goes on in metrics
+                log.warning(msg + " (audit.canary=warn: the run goes on; later failures are counted in the metrics "
+                            "as canary_fired)")
         return value

@@ -267,6 +267,23 @@ class AuditConfig(Section):
     canary_tol: float = Field(1e-5, gt=0, description="Allowed |canary gradient - 1|.")
 
 
+class FaultConfig(Section):
+    dropped_micro_batches: bool = Field(False,
+                                        description="Reproduce on purpose DeepSpeed's ZeRO-2 CPU-offload bug "
+                                                    "(0.15.2-0.18.x): the optimizer sees only the first and last "
+                                                    "micro-batch of each step, as (g_first + g_last)/K, on any "
+                                                    "backend (exactrl/config/faults.py). Needs K = global / (micro x "
+                                                    "world) >= 3 and the canary on: it stops the run unless "
+                                                    "audit.canary=warn, which counts the steps it flags "
+                                                    "(canary_fired). Labelled in every output.")
+    mean_of_means: bool = Field(False,
+                                description="Reproduce on purpose OpenRLHF's mean-of-means loss (<= 0.10.2): each "
+                                            "micro-batch's loss normalised by its own tokens (sequences), then "
+                                            "averaged over the step's micro-batches of all ranks. Needs more than "
+                                            "one micro-batch per step; the canary cannot see it (every "
+                                            "micro-batch still arrives once). Labelled in every output.")
+
+
 class EvalConfig(Section):
     max_new_tokens: int = Field(48, gt=0, description="Generation budget when measuring accuracy.")
     batch_size: int = Field(500, gt=0, description="Prompts decoded together when evaluating.")
@@ -316,6 +333,7 @@ class CommonConfig(Section):
     distributed: DistributedConfig = DistributedConfig()
     deepspeed: DeepSpeedConfig = DeepSpeedConfig()
     audit: AuditConfig = AuditConfig()
+    fault: FaultConfig = FaultConfig()
     eval: EvalConfig = EvalConfig()
     log: LogConfig = LogConfig()
     output_dir: str = Field("runs/{command}-{time}", description="Run directory; {command} and {time} are filled in.")
@@ -349,6 +367,24 @@ def check_layout(cfg: CommonConfig, world: int) -> None:
     if t.global_batch_size % (t.micro_batch_size * world):
         raise ValueError(f"train.global_batch_size={t.global_batch_size} must be a multiple of "
                          f"train.micro_batch_size x world size = {t.micro_batch_size} x {world}")
+    check_faults(cfg, world)
+
+
+def check_faults(cfg: CommonConfig, world: int) -> None:
+    """A fault that would change nothing, or that the canary could not stop, is refused."""
+    t, k = cfg.train, cfg.train.global_batch_size // (cfg.train.micro_batch_size * world)
+    if cfg.fault.dropped_micro_batches and k < 3:
+        raise ValueError(f"fault.dropped_micro_batches drops the middle micro-batches of each step, but "
+                         f"train.global_batch_size / (train.micro_batch_size x world size) = {t.global_batch_size} / "
+                         f"({t.micro_batch_size} x {world}) gives K={k} per rank (the bug needs K >= 3); lower "
+                         "train.micro_batch_size")
+    if cfg.fault.dropped_micro_batches and cfg.audit.canary == "off":
+        raise ValueError("fault.dropped_micro_batches with audit.canary=off: the canary must see the injected bug; "
+                         "set audit.canary=warn to run through it (counted as canary_fired) or leave it at error")
+    if cfg.fault.mean_of_means and t.global_batch_size == t.micro_batch_size:
+        raise ValueError(f"fault.mean_of_means averages the means of a step's micro-batches, but "
+                         f"train.global_batch_size = train.micro_batch_size = {t.micro_batch_size} makes one "
+                         "micro-batch per step; lower train.micro_batch_size")
 
 
 class SFTConfig(CommonConfig):

@@ -103,8 +103,21 @@ class EvalCommandConfig(Section):
 
 
 class TaskConfig(Section):
+    name: Literal["addition", "multiplication"] = Field("addition",
+                                                        description="The built-in task: 'addition' (two operands "
+                                                                    "of task.digits digits, exactrl/tasks/"
+                                                                    "arithmetic.py) or 'multiplication' (a "
+                                                                    "task.digits-digit number times 2-9, a teacher "
+                                                                    "that also slips: exactrl/tasks/"
+                                                                    "multiplication.py), harder for the tiny model.")
     seed: int = Field(0, description="Seed of the problems, the SFT style mix and the initial model.")
-    digits: int = Field(3, ge=1, le=6, description="Digits per operand.")
+    digits: int | None = Field(None, ge=1, le=6,
+                               description="Digits per operand (multiplication: of the first); unset = the task's "
+                                           "own, 3 for addition, 4 for multiplication.")
+    slip_prob: float | None = Field(None, ge=0, le=1,
+                                    description="multiplication: how often its teacher forgets a carry of 4 or more "
+                                                "(then its answer is wrong); unset = 0.6. The addition teacher "
+                                                "has no slips.")
     direct_fraction: float = Field(0.5, ge=0, le=1,
                                    description="The SFT teacher tends to skip the working when the first operand's "
                                                "last digit is below 10 x this (see exactrl/tasks/arithmetic.py).")
@@ -112,6 +125,13 @@ class TaskConfig(Section):
     n_sft: int = Field(20000, gt=0, description="SFT demonstrations.")
     n_rl: int = Field(20000, gt=0, description="RL prompts (disjoint from the SFT problems).")
     n_eval: int = Field(2000, gt=0, description="Held-out problems (disjoint from both).")
+
+    @model_validator(mode="after")
+    def _slips_are_multiplications(self):
+        if self.slip_prob is not None and self.name != "multiplication":
+            raise ValueError(f"task.slip_prob={self.slip_prob} is the multiplication teacher's; set "
+                             "task.name=multiplication or unset it")
+        return self
 
 
 class TruncateConfig(Section):

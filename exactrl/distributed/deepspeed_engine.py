@@ -123,6 +123,7 @@ class DeepSpeedEngine(SingleEngine):
         if train.gradient_checkpointing:
             enable_gradient_checkpointing(model)
         self.logprob_chunk = train.logprob_chunk_size
+        self.set_faults(cfg.fault if cfg is not None else None)
         self.world_size, self.rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
         self.reduction_divisor = self.world_size
         self.model, self.dtype = model, model_cfg.dtype
@@ -155,7 +156,8 @@ class DeepSpeedEngine(SingleEngine):
         return (f"backend=deepspeed, ZeRO stage {zero['stage']}, offload_optimizer "
                 f"{zero.get('offload_optimizer', {}).get('device', 'none')}, "
                 f"K={self._micro_planned or self.config['gradient_accumulation_steps']}, "
-                f"world size {self.world_size}, deepspeed {self.deepspeed.__version__}, torch {torch.__version__}")
+                f"world size {self.world_size}, deepspeed {self.deepspeed.__version__}, torch {torch.__version__}"
+                f"{self.fault_note()}")
 
     def backward(self, loss: torch.Tensor, share: float, num_samples: int) -> None:
         last = self._next_micro_batch()
@@ -165,6 +167,7 @@ class DeepSpeedEngine(SingleEngine):
                 raise RuntimeError("DeepSpeedEngine.backward needs the micro-batch's forward through engine.forward "
                                    "(with grad)")
             loss = loss + unit * (share * CANARY_SCALE)
+        loss = self._dropped(loss)
         # DeepSpeed steps inside ds.step() with no chance to look at the gradient first, so the
         # micro-batch losses are checked instead (as one flag per step: no sync per micro-batch).
         finite = torch.isfinite(loss.detach())
@@ -199,7 +202,8 @@ class DeepSpeedEngine(SingleEngine):
                                  "data and rewards)", self.step_count)
         self.step_count += 1
         stats = {"grad_norm": float(norm) if norm is not None else None, "lr": lr, "micro_batches": self._micro_seen,
-                 "samples": self._samples_seen, "canary": canary, "skipped_nonfinite": 0}
+                 "samples": self._samples_seen, "canary": canary,
+                 "canary_fired": self.canary.fired if self.canary else 0, "skipped_nonfinite": 0}
         self._micro_seen = self._samples_seen = 0
         self._micro_planned = None
         return stats

@@ -30,8 +30,9 @@ from pathlib import Path
 import torch
 
 from exactrl.checks.canary import Canary
+from exactrl.config.faults import injected
 from exactrl.config.loader import ConfigError
-from exactrl.config.schema import AuditConfig, ModelConfig, OptimConfig, TrainConfig
+from exactrl.config.schema import AuditConfig, FaultConfig, ModelConfig, OptimConfig, TrainConfig
 from exactrl.device import place, process_device, use_device
 from exactrl.distributed.checkpoint import NonFiniteError, save_pretrained, write_part
 from exactrl.distributed.export import hf_tensors
@@ -56,8 +57,10 @@ class SingleEngine:
     shards_parameters = False  # True when a forward needs every rank (FSDP2, ZeRO-3)
 
     def __init__(self, model: torch.nn.Module, model_cfg: ModelConfig, train: TrainConfig, optim: OptimConfig,
-                 audit: AuditConfig, total_steps: int, device: torch.device | None = None):
+                 audit: AuditConfig, total_steps: int, device: torch.device | None = None,
+                 fault: FaultConfig | None = None):
         self.model = model
+        self.set_faults(fault)
         if not hasattr(self, "device"):  # FSDP2 decides it before sharding
             self.device = prepare_model(model, train, device)
         self.canary = Canary(audit.canary, audit.canary_tol, self.describe) if audit.canary != "off" else None
@@ -84,7 +87,7 @@ class SingleEngine:
     @classmethod
     def from_config(cls, model: torch.nn.Module, cfg, total_steps: int, device: torch.device,
                     optim: OptimConfig) -> SingleEngine:
-        return cls(model, cfg.model, cfg.train, optim, cfg.audit, total_steps, device=device)
+        return cls(model, cfg.model, cfg.train, optim, cfg.audit, total_steps, device=device, fault=cfg.fault)
 
     def autocast(self):
         """bf16 compute for the forward passes under it; the weights, their gradients and the
@@ -100,10 +103,28 @@ class SingleEngine:
     def describe(self) -> str:
         """Backend, layout and versions, for error messages."""
         return (f"backend={self.backend}, world size {self.world_size}, device {self.device}, dtype {self.dtype}, "
-                f"torch {torch.__version__}")
+                f"torch {torch.__version__}{self.fault_note()}")
+
+    def fault_note(self) -> str:
+        """What a failure message adds when a fault is injected on purpose (exactrl/config/faults.py)."""
+        return f"; {' and '.join(self.faults)} injected ON PURPOSE (exactrl/config/faults.py)" if self.faults else ""
 
     # What the backend's own gradient reduction divides by (FSDP2 averages over ranks).
     reduction_divisor = 1
+
+    def set_faults(self, fault: FaultConfig | None) -> None:
+        """The known bugs this engine reproduces on purpose (exactrl/config/faults.py): ``drops`` loses the
+        middle micro-batches of each step; ``mean_of_means`` tells the worker to aggregate so."""
+        self.faults = injected(fault)
+        self.drops = "fault.dropped_micro_batches" in self.faults
+        self.mean_of_means = "fault.mean_of_means" in self.faults
+
+    def _dropped(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` (with its canary term), or 0 x it when fault.dropped_micro_batches loses this
+        micro-batch: every one but the first and the last of the step, as DeepSpeed 0.15.2-0.18.x's
+        ZeRO-2 CPU offload does. Still backpropagated: every rank runs the same collectives."""
+        middle = 0 < self._micro_seen < self._micro_planned - 1
+        return loss * 0.0 if self.drops and middle else loss
 
     def begin_step(self, num_micro_batches: int) -> None:
         """Start an optimizer step of ``num_micro_batches`` backward calls on this rank (the plan's
@@ -151,6 +172,7 @@ class SingleEngine:
         self._next_micro_batch()
         if self.canary is not None:
             loss = loss + self.canary.term(share)
+        loss = self._dropped(loss)
         (loss * self.reduction_divisor if self.reduction_divisor != 1 else loss).backward()
         self._micro_seen += 1
         self._samples_seen += num_samples
@@ -179,7 +201,8 @@ class SingleEngine:
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1
         stats = {"grad_norm": grad_norm, "lr": lr, "micro_batches": self._micro_seen, "samples": self._samples_seen,
-                 "canary": canary, "skipped_nonfinite": self.skipped}
+                 "canary": canary, "canary_fired": self.canary.fired if self.canary else 0,
+                 "skipped_nonfinite": self.skipped}
         self._micro_seen = self._samples_seen = 0
         self._micro_planned = None
         return stats

@@ -35,9 +35,10 @@ class FSDP2Engine(SingleEngine):
     @classmethod
     def from_config(cls, model, cfg, total_steps: int, device: torch.device, optim) -> FSDP2Engine:
         return cls(model, cfg.model, cfg.train, optim, cfg.audit, total_steps, device=device,
-                   cpu_offload=cfg.distributed.fsdp_cpu_offload)
+                   cpu_offload=cfg.distributed.fsdp_cpu_offload, fault=cfg.fault)
 
-    def __init__(self, model, model_cfg, train, optim, audit, total_steps: int, device=None, cpu_offload: bool = False):
+    def __init__(self, model, model_cfg, train, optim, audit, total_steps: int, device=None, cpu_offload: bool = False,
+                 fault=None):
         self.device = prepare_model(model, train, device)  # before sharding: each rank shards from its device
         init_process_group()
         self.world_size, self.rank = world_size(), rank()
@@ -50,7 +51,7 @@ class FSDP2Engine(SingleEngine):
         for layer in getattr(getattr(hf, "model", hf), "layers", []):
             fully_shard(layer, **options)
         fully_shard(model, **options)
-        super().__init__(model, model_cfg, train, optim, audit, total_steps)
+        super().__init__(model, model_cfg, train, optim, audit, total_steps, fault=fault)
         if self.canary is not None:
             fully_shard(self.canary.module, **options)
 

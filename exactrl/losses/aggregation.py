@@ -86,3 +86,17 @@ def canary_share(mask: torch.Tensor, norm: StepNormalizer) -> float:
     n = mask.sum(dim=-1).to(torch.float64)
     return float((norm.sequence_weights(n) * n).sum() / norm.total_weight())
 
+
+def micro_batch_normalizer(norm: StepNormalizer, mask: torch.Tensor, micro_batches: int) -> StepNormalizer | None:
+    """The mean-of-means bug, reproduced on purpose (fault.mean_of_means, exactrl/config/faults.py): ``norm``'s
+    mode counted over this micro-batch's ``mask`` alone, then averaged over the step's
+    ``micro_batches`` (all ranks), as OpenRLHF <= 0.10.2 computed each micro-batch's loss (its own
+    token mean) and let DeepSpeed divide by the accumulation steps and average over ranks.
+    Multiplying the micro-batch's counts by ``micro_batches`` gives every mode exactly w_b / M:
+    token-mean 1 / (M T_mb), seq-mean-token-mean 1 / (M S_mb n_b), seq-mean-token-sum 1 / (M S_mb),
+    -norm 1 / (M S_mb C). None when the micro-batch has none of the normaliser's tokens (it adds nothing)."""
+    n = mask.sum(dim=-1)
+    tokens, seqs = int(n.sum()), int((n > 0).sum())
+    if tokens == 0:
+        return None
+    return StepNormalizer(norm.mode, tokens * micro_batches, seqs * micro_batches, norm.norm_len)

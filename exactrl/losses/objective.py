@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from exactrl.data.batch import ORIGINS
-from exactrl.losses.aggregation import aggregate, canary_share
+from exactrl.losses.aggregation import aggregate, canary_share, micro_batch_normalizer
 from exactrl.losses.policy import PolicyInput, demonstration_loss, get_policy_loss, value_loss
 from exactrl.losses.token_losses import TOKEN_WEIGHTS, kl_penalty
 
@@ -328,15 +328,22 @@ def _scope(b: dict[str, torch.Tensor], sources: list[str], chosen: tuple[str, ..
 
 def micro_batch_loss(objective: Objective, f: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
                      cpu: dict[str, torch.Tensor], sources: list[str], normalizers: dict[tuple, object],
-                     m: Metrics) -> tuple[torch.Tensor, float]:
+                     m: Metrics, mean_of: int | None = None) -> tuple[torch.Tensor, float]:
     """This micro-batch's share of the step loss under ``objective`` and its canary share.
     ``f``: the forward's per-token fields; ``b``: the collated batch; ``cpu``: the same on the
-    CPU (the canary share is a host number); ``sources``: each row's."""
+    CPU (the canary share is a host number); ``sources``: each row's. ``mean_of``: the step's
+    number of micro-batches when fault.mean_of_means replaces each normaliser by this
+    micro-batch's own, averaged over them (aggregation.micro_batch_normalizer); each micro-batch
+    then weighs 1/mean_of of the step, its canary share."""
     mask = b["loss_mask"]
     loss, shares = None, []
     for key, terms in objective.groups().items():
-        if key not in normalizers:
+        norm = normalizers.get(key)
+        on_cpu = _scope(cpu, sources, key[0], key[1])
+        if norm is None:
             continue
+        if mean_of is not None:  # a micro-batch without this group's tokens adds 0 under either normaliser
+            norm = micro_batch_normalizer(norm, on_cpu, mean_of) or norm
         rows = _scope(b, sources, key[0], key[1])
         tok = None
         for t in terms:
@@ -344,9 +351,9 @@ def micro_batch_loss(objective: Objective, f: dict[str, torch.Tensor], b: dict[s
             if t.weight is not None:
                 part = part * TOKEN_WEIGHTS[t.weight][1](f)
             tok = t.coef * part if tok is None else tok + t.coef * part
-        part = aggregate(tok, rows, normalizers[key])
+        part = aggregate(tok, rows, norm)
         loss = part if loss is None else loss + part
-        shares.append(canary_share(_scope(cpu, sources, key[0], key[1]), normalizers[key]))
+        shares.append(canary_share(on_cpu, norm))
     for name in objective.metrics:
         m.mean(name, f[name], mask)
-    return loss, sum(shares) / len(shares)
+    return loss, 1.0 / mean_of if mean_of is not None else sum(shares) / len(shares)

@@ -21,7 +21,7 @@ def run_demo(cfg: DemoConfig, console: Console | None = None) -> dict:
     spec = BuiltinSpec(**cfg.task.model_dump())
     seed_everything(cfg.task.seed)
     paths = ensure_builtin(spec)
-    console.print(f"built-in task: {cfg.task.digits}-digit addition, {cfg.task.n_sft} SFT demonstrations, "
+    console.print(f"built-in task: {spec.digits}-digit {spec.name}, {cfg.task.n_sft} SFT demonstrations, "
                   f"{cfg.task.n_rl} RL prompts, {cfg.task.n_eval} held-out problems (cached in {paths.root})",
                   soft_wrap=True, highlight=False)
     return run_pipeline(cfg, console, spec, command="demo", seed=cfg.task.seed)

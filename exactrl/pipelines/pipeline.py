@@ -28,6 +28,7 @@ from exactrl.algorithms.rl import train_rl
 from exactrl.algorithms.sft import resolve, train_sft
 from exactrl.audit.manifest import write_manifest
 from exactrl.compute import FlopsCounter
+from exactrl.config.faults import banner, injected
 from exactrl.config.loader import dump_config
 from exactrl.config.schema_commands import PipelineConfig
 from exactrl.data.encode import load_prompts
@@ -151,7 +152,9 @@ def run_pipeline(cfg: PipelineConfig, console: Console | None = None, spec: Buil
     build_s = time.perf_counter() - t0
     builtin = any(str(x).startswith("builtin") for x in (cfg.sft.model.path, cfg.sft.data.train, cfg.rl.data.train,
                                                           eval_data(cfg.rl)))
-    write_manifest(run_dir, cfg.rl.train.seed, files, {"task": spec.key()} if builtin else None)
+    faults = {**injected(cfg.sft.fault), **injected(cfg.rl.fault)}  # known bugs reproduced on purpose
+    label = {"faults_injected": faults} if faults else {}
+    write_manifest(run_dir, cfg.rl.train.seed, files, {**({"task": spec.key()} if builtin else {}), **label})
     tok = load_tokenizer(model_path, cfg.sft.model.trust_remote_code, cfg.rl.data.chat_template)
     prompts = load_prompts(files["eval"], tok, cfg.rl.data)[0] if files["eval"] else None
 
@@ -163,7 +166,8 @@ def run_pipeline(cfg: PipelineConfig, console: Console | None = None, spec: Buil
         if prompts is None or stage in acc:
             return
         acc[stage] = measure(cfg, path, prompts, cfg.rl.train.seed if seed is None else seed)
-        log.write({"phase": "eval", "stage": stage, "greedy": asdict(acc[stage][0]), "sampled": asdict(acc[stage][1])})
+        log.write({"phase": "eval", "stage": stage, **({"faults_injected": list(faults)} if faults else {}),
+                   "greedy": asdict(acc[stage][0]), "sampled": asdict(acc[stage][1])})
         console.print(f"{STAGES[stage]}: greedy accuracy {acc[stage][0]}", highlight=False)
 
     measured("before", model_path)
@@ -188,6 +192,7 @@ def run_pipeline(cfg: PipelineConfig, console: Console | None = None, spec: Buil
         "flops": {"sft": sft["compute"]["flops"], "rl": rl["compute"]["flops"], "total": total_flops},
         "truncated": cfg.truncate.model_dump() if cfg.truncate.rollouts else None,
         "eval_problems": len(prompts) if prompts else 0,
+        **label,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     records = [*read_metrics(run_dir / "sft" / "metrics.jsonl"), *read_metrics(run_dir / "rl" / "metrics.jsonl")]
@@ -222,7 +227,10 @@ def write_report(run_dir: Path, command: str, summary: dict, table: Table) -> No
     console = Console(record=True, width=130, file=open(os.devnull, "w"))
     console.print(table)
     a, f = summary["accuracy"], summary["flops"]
-    lines = [f"# exactrl {command} report", "", "```", console.export_text().rstrip(), "```", ""]
+    lines = [f"# exactrl {command} report", ""]
+    if summary.get("faults_injected"):
+        lines += [banner(summary["faults_injected"], "this run"), ""]
+    lines += ["```", console.export_text().rstrip(), "```", ""]
     if {"before", "after_sft", "after_rl"} <= a.keys():
         lines += [f"SFT moved greedy accuracy from {100 * a['before']['value']:.1f}% to "
                   f"{100 * a['after_sft']['value']:.1f}%; RL from the SFT model reached "

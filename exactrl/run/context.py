@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
-from exactrl.audit.manifest import write_manifest
+from exactrl.audit.manifest import record_check, write_manifest
+from exactrl.config.faults import banner, faults_record, injected
 from exactrl.distributed.checkpoint import complete_checkpoints, save_checkpoint
 from exactrl.distributed.launch import broadcast_str, is_main, world_size
 from exactrl.metrics import MetricsLog
@@ -54,7 +56,8 @@ def open_run(cfg, command: str, run_dir: Path | None, data_files: dict, continue
         return path, MetricsLog(None)
     if run_dir is None:
         run_dir = create_run_dir(cfg.output_dir, command, cfg, continues)
-        write_manifest(run_dir, cfg.train.seed, data_files, _earlier_attempts(run_dir) if continues else None)
+        extra = {**(_earlier_attempts(run_dir) if continues else {}), **faults_record(cfg.fault)}
+        write_manifest(run_dir, cfg.train.seed, data_files, extra)
     if world_size() > 1:
         broadcast_str(str(run_dir))
     return run_dir, open_metrics(cfg, run_dir, f"{run_dir.name}-{command}")
@@ -71,10 +74,16 @@ class RunContext:
         self.cfg, self.command, self.phase, self.tokenizer, self.eval_set = cfg, command, phase, tokenizer, eval_set
         self.run_dir, self.log = open_run(cfg, command, run_dir, data_files, continues)
         self.steps, self.bar = 0, None
+        self.faults = injected(cfg.fault)  # known bugs reproduced on purpose: labelled in every output
+
+    def _banner(self, when: str) -> None:
+        if self.faults and is_main():
+            print(banner(self.faults, f"{self.phase} {when}"), file=sys.stderr, flush=True)
 
     def start(self, steps: int, first_step: int = 0) -> None:
         """The loop runs completed steps first_step + 1 .. steps (a resumed run starts later)."""
         self.steps = steps
+        self._banner("starts")
         self.bar = progress(steps, self.phase, first_step, enabled=is_main())
 
     def logs(self, step: int) -> bool:
@@ -82,7 +91,8 @@ class RunContext:
         return step % self.cfg.train.log_every == 0 or step == self.steps
 
     def write(self, step: int, record: dict) -> None:
-        self.log.write({"phase": self.phase, "step": step, **record})
+        label = {"faults_injected": list(self.faults)} if self.faults else {}
+        self.log.write({"phase": self.phase, "step": step, **label, **record})
 
     def step_done(self, step: int, workers: dict, position: dict, postfix: dict[str, str]) -> None:
         """After completed step ``step``: the bar, then the periodic evaluation and checkpoint.
@@ -120,6 +130,10 @@ class RunContext:
         self.bar.close()
         names = [name for name, w in saved.items() if w is not None]
         final = saved[names[0]].save(self.run_dir / names[0], self.tokenizer)
+        canary = getattr(saved[names[0]].engine, "canary", None)
+        if self.faults and canary is not None and is_main():  # what the canary made of the injected faults
+            record_check(self.run_dir, f"canary_{self.phase}", {"policy": canary.policy, "steps": self.steps,
+                                                                "steps_flagged": canary.fired})
         for name in names[1:]:
             saved[name].save(self.run_dir / name, self.tokenizer)
         try:
@@ -128,6 +142,7 @@ class RunContext:
         except Exception as e:
             raise EvaluationError(f"the final evaluation failed: {e} (the trained model is saved in {final})") from e
         finally:
+            self._banner("ends")
             self.log.close()
             if self.eval_set:
                 self.eval_set.close()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from exactrl.tasks import arithmetic
+from exactrl.tasks import arithmetic, multiplication
 from exactrl.tasks.tiny_model import save_tiny_model
 from exactrl.tasks.tokenizer import save_tokenizer
 
@@ -23,18 +23,37 @@ def cache_dir() -> Path:
     return Path(os.environ.get("EXACTRL_CACHE") or Path.home() / ".cache" / "exactrl")
 
 
+# task.name -> (its digits, its teacher's slip_prob) when not given: exactrl/tasks/<module>.py
+TASKS = {"addition": (3, None), "multiplication": (4, 0.6)}
+
+
 @dataclass(frozen=True)
 class BuiltinSpec:
     seed: int = 0
-    digits: int = 3
+    digits: int | None = None  # None: the task's own (TASKS)
     direct_fraction: float = 0.5
     skip_prob: float = 0.75
     n_sft: int = 20000
     n_rl: int = 20000
     n_eval: int = 2000
+    name: str = "addition"
+    slip_prob: float | None = None  # multiplication's teacher slips (None: the task's own)
+
+    def __post_init__(self):
+        if self.name not in TASKS:
+            raise ValueError(f"no built-in task '{self.name}'; the tasks are {', '.join(TASKS)}")
+        if self.name == "addition" and self.slip_prob is not None:
+            raise ValueError("slip_prob is the multiplication teacher's; the addition task has none")
+        digits, slip = TASKS[self.name]
+        object.__setattr__(self, "digits", digits if self.digits is None else self.digits)
+        object.__setattr__(self, "slip_prob", slip if self.slip_prob is None else self.slip_prob)
 
     def key(self) -> str:
-        return "arith-" + "-".join(f"{k}{v}" for k, v in asdict(self).items())
+        fields = asdict(self)
+        name = fields.pop("name")
+        if name == "addition":  # the addition task's caches keep the key they had before there were two tasks
+            fields.pop("slip_prob")
+        return {"addition": "arith-", "multiplication": "mul-"}[name] + "-".join(f"{k}{v}" for k, v in fields.items())
 
 
 @dataclass(frozen=True)
@@ -75,6 +94,9 @@ def _build(spec: BuiltinSpec, paths: BuiltinPaths) -> None:
     root = paths.root
     tok = save_tokenizer(paths.model)
     save_tiny_model(paths.model, tok, seed=spec.seed)
+    if spec.name == "multiplication":
+        _build_multiplication(spec, paths)
+        return
     train = arithmetic.generate("train", spec.n_sft + spec.n_rl, spec.seed, spec.digits)
     _write_jsonl(paths.sft_train, arithmetic.sft_rows(train[: spec.n_sft], spec.direct_fraction, spec.skip_prob,
                                                       spec.seed))
@@ -87,6 +109,19 @@ def _build(spec: BuiltinSpec, paths: BuiltinPaths) -> None:
 def _write_mixed(spec: BuiltinSpec, paths: BuiltinPaths) -> None:
     sft = arithmetic.generate("train", spec.n_sft + spec.n_rl, spec.seed, spec.digits)[: spec.n_sft]
     _write_jsonl(paths.mixed_train, arithmetic.mixed_rows(sft, spec.direct_fraction, spec.skip_prob, spec.seed))
+
+
+def _build_multiplication(spec: BuiltinSpec, paths: BuiltinPaths) -> None:
+    """The multiplication task's files; the mixed file holds exactly the SFT rows' problems and completions."""
+    train = multiplication.generate("train", spec.n_sft + spec.n_rl, spec.seed, spec.digits)
+    sft = train[: spec.n_sft]
+    shown = multiplication.demonstrations(sft, spec.direct_fraction, spec.skip_prob, spec.slip_prob, spec.seed)
+    _write_jsonl(paths.sft_train, [{"prompt": p.prompt, "completion": c} for p, c in zip(sft, shown)])
+    _write_jsonl(paths.mixed_train, [{"prompt": p.prompt, "answer": p.answer, "demonstration": c}
+                                     for p, c in zip(sft, shown)])
+    _write_jsonl(paths.rl_train, arithmetic.rl_rows(train[spec.n_sft :]))
+    _write_jsonl(paths.eval, arithmetic.rl_rows(multiplication.generate("eval", spec.n_eval, spec.seed, spec.digits)))
+    (paths.root / "DONE").write_text(json.dumps(asdict(spec)))
 
 
 def resolve(path: str | None, kind: str, spec: BuiltinSpec = BuiltinSpec()) -> str | None:

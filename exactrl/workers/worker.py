@@ -142,9 +142,11 @@ class Worker:
                                f"{missing[:8]}")
         return out
 
-    def micro_batch(self, samples: list[Sample], objective: Objective, normalizers: dict, metrics: Metrics):
+    def micro_batch(self, samples: list[Sample], objective: Objective, normalizers: dict, metrics: Metrics,
+                    mean_of: int | None = None):
         """One micro-batch: its part of the step loss (not yet backpropagated), its canary
-        share, and the loss mask that entered the loss."""
+        share, and the loss mask that entered the loss. ``mean_of``: fault.mean_of_means's
+        micro-batches per step (exactrl/losses/objective.py micro_batch_loss)."""
         on_cpu = collate(samples, self.pad_id)
         b = {k: v.to(self.engine.device) for k, v in on_cpu.items()}
         mb = self.model_batch(samples)
@@ -156,7 +158,8 @@ class Worker:
             with torch.set_grad_enabled(trains and torch.is_grad_enabled()):
                 fields[name] = mb.repad(self.token_field(name, logits, mb.inputs["input_ids"]))
         # the canary share from the CPU copy of the mask: no device-to-host copy per micro-batch
-        loss, share = micro_batch_loss(objective, fields, b, on_cpu, [s.source for s in samples], normalizers, metrics)
+        loss, share = micro_batch_loss(objective, fields, b, on_cpu, [s.source for s in samples], normalizers, metrics,
+                                       mean_of)
         return loss, share, b["loss_mask"]
 
     def train_step(self, batch: list[Sample], plan: StepPlan, objective: Objective) -> StepResult:
@@ -165,11 +168,12 @@ class Worker:
         mine = plan.for_rank(self.engine.rank)
         objective = objective.at(self.engine.step_count)
         normalizers, metrics = objective.normalizers(plan), Metrics()
+        mean_of = len(plan.micro_batches) if self.engine.mean_of_means else None  # every rank's, as OpenRLHF averaged
         self.engine.begin_step(len(mine.micro_batches))  # where the engine's accumulation boundary is
         dev = self.engine.device
         total, rows, tokens = (torch.zeros((), dtype=torch.float64, device=dev) for _ in range(3))
         for mb in mine.micro_batches:
-            loss, share, mask = self.micro_batch([batch[i] for i in mb], objective, normalizers, metrics)
+            loss, share, mask = self.micro_batch([batch[i] for i in mb], objective, normalizers, metrics, mean_of)
             self.engine.backward(loss, share, num_samples=mask.size(0))
             total, rows, tokens = total + loss.detach().double(), rows + mask.size(0), tokens + mask.sum()
         means, maxima = list(metrics.sums), list(metrics.maxima)

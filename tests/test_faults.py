@@ -210,6 +210,8 @@ def test_the_demos_summary_and_report_say_so(tmp_path, cache):
     assert list(json.loads((out / "summary.json").read_text())["faults_injected"]) == both
     assert list(json.loads((out / "manifest.json").read_text())["faults_injected"]) == both
     assert "FAULT INJECTED ON PURPOSE (this run) *** fault.mean_of_means:" in (out / "report.md").read_text()
-    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    # the demo is a pipeline: its accuracies in its own metrics.jsonl, each phase's records in its run directory
+    rows = [json.loads(line) for path in ("metrics.jsonl", "sft/metrics.jsonl", "rl/metrics.jsonl")
+            for line in open(out / path)]
     assert {r["phase"] for r in rows} == {"sft", "rl", "eval"}
     assert all(r["faults_injected"] == {"sft": both[:1], "rl": both[1:], "eval": both}[r["phase"]] for r in rows)

@@ -192,6 +192,7 @@ def run_pipeline(cfg: PipelineConfig, console: Console | None = None, spec: Buil
         "flops": {"sft": sft["compute"]["flops"], "rl": rl["compute"]["flops"], "total": total_flops},
         "truncated": cfg.truncate.model_dump() if cfg.truncate.rollouts else None,
         "eval_problems": len(prompts) if prompts else 0,
+        **({"task": f"{spec.digits}-digit {spec.name}"} if builtin else {}),
         **label,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -230,6 +231,8 @@ def write_report(run_dir: Path, command: str, summary: dict, table: Table) -> No
     lines = [f"# exactrl {command} report", ""]
     if summary.get("faults_injected"):
         lines += [banner(summary["faults_injected"], "this run"), ""]
+    if summary.get("task"):
+        lines += [f"Task: {summary['task']} (built-in), {summary['eval_problems']} held-out problems.", ""]
     lines += ["```", console.export_text().rstrip(), "```", ""]
     if {"before", "after_sft", "after_rl"} <= a.keys():
         lines += [f"SFT moved greedy accuracy from {100 * a['before']['value']:.1f}% to "

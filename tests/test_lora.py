@@ -183,7 +183,7 @@ def test_config_mistakes_are_refused_naming_the_key(make_model):
         load_config(SFTConfig, None, ["model.lora.rank=4", "model.lora.target_modules=[q_proj,lm_head]"])
     with pytest.raises(ConfigError, match="model.lora.dropout=0.1: RL needs a deterministic forward"):
         load_config(RLConfig, None, ["model.lora.rank=4", "model.lora.dropout=0.1"])
-    with pytest.raises(ConfigError, match="sft.model.lora.rank / rl.model.lora.rank: the demo hands full models"):
+    with pytest.raises(ConfigError, match="sft.model.lora.rank / rl.model.lora.rank: the pipeline hands full models"):
         load_config(DemoConfig, None, ["rl.model.lora.rank=4"])
     assert load_config(SFTConfig, None, ["model.lora.rank=4", "model.lora.dropout=0.1"]).model.lora.dropout == 0.1
     with pytest.raises(LoraError,

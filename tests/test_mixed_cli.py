@@ -30,8 +30,8 @@ def test_mixed_policy_method_trains_through_the_cli(algo, tmp_path, cli_cache):
     steps = [r for r in rows if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
-        # 2 prompts x (3 sampled + 1 demonstration); the rollout statistics are the policy's samples'
-        assert (r["responses"], r["rollout_prompts"], r["rollout_responses"], r["canary"]) == (8, 2, 6, 1.0)
+        # 2 prompts x (3 sampled + 1 demonstration): responses and the rollout statistics count the policy's samples
+        assert (r["responses"], r["rollout_prompts"], r["rollout_responses"], r["canary"]) == (6, 2, 6, 1.0)
         # the loss counts every generated token and the demonstrations' (the built-in ones are correct)
         assert r["loss_tokens"] > r["generated_tokens"] and r["demo_reward_mean"] == 1.0
         assert 0.0 < r["demo_prob"] < 1.0

@@ -50,7 +50,7 @@ def rl_cases(backend: str, world: int, tok) -> list[dict]:
     samples = rle.make_rollout(tok)  # old and reference log-probs from the plain model: data, as any rollout's
     rle.fresh_policy = lambda tok, seed=3, dtype=torch.float32: lora_model(tok, seed, dtype)
     out = []
-    for case in [c for c in rle.cases(backend) if c["loss"] != "value"][:6]:
+    for case in [c for c in rle.cases(backend) if c["loss"] in ("ppo", "gspo", "reinforce")][:6]:
         rollout = rle.sequence_advantages(samples) if case["loss"] == "gspo" else samples
         got = rle.exactrl_run(case, rollout, tok, case["layout"])
         if dist.get_rank() == 0:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import random
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,8 +25,6 @@ from exactrl.losses.prefix import top_entropy_tokens
 from exactrl.rollout.hf import HFEngine
 from exactrl.rollout.hinted import prefix_length, prefix_low, uft_hint_length, uft_hint_share, uft_rollout
 from exactrl.workers.worker import Worker
-
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 class Draws:

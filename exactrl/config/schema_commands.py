@@ -122,6 +122,11 @@ class TaskConfig(Section):
                                    description="The SFT teacher tends to skip the working when the first operand's "
                                                "last digit is below 10 x this (see exactrl/tasks/arithmetic.py).")
     skip_prob: float = Field(0.75, ge=0, le=1, description="How often the teacher skips the working on those problems.")
+    model: Literal["tiny", "small"] = Field("tiny",
+                                            description="The initial model: 'tiny' (1.2M parameters, 4 layers: the "
+                                                        "demo's) or 'small' (0.11M, 2 layers: learns the worked "
+                                                        "solutions in fewer steps, at twice the step rate; the "
+                                                        "study's). Both: exactrl/tasks/tiny_model.py.")
     n_sft: int = Field(20000, gt=0, description="SFT demonstrations.")
     n_rl: int = Field(20000, gt=0, description="RL prompts (disjoint from the SFT problems).")
     n_eval: int = Field(2000, gt=0, description="Held-out problems (disjoint from both).")

@@ -14,7 +14,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from exactrl.tasks import arithmetic, multiplication
-from exactrl.tasks.tiny_model import save_tiny_model
+from exactrl.tasks.tiny_model import SIZES, save_tiny_model
 from exactrl.tasks.tokenizer import save_tokenizer
 
 
@@ -38,10 +38,13 @@ class BuiltinSpec:
     n_eval: int = 2000
     name: str = "addition"
     slip_prob: float | None = None  # multiplication's teacher slips (None: the task's own)
+    model: str = "tiny"  # the initial model's size (tiny_model.SIZES)
 
     def __post_init__(self):
         if self.name not in TASKS:
             raise ValueError(f"no built-in task '{self.name}'; the tasks are {', '.join(TASKS)}")
+        if self.model not in SIZES:
+            raise ValueError(f"no built-in model size '{self.model}'; the sizes are {', '.join(SIZES)}")
         if self.name == "addition" and self.slip_prob is not None:
             raise ValueError("slip_prob is the multiplication teacher's; the addition task has none")
         digits, slip = TASKS[self.name]
@@ -51,6 +54,8 @@ class BuiltinSpec:
     def key(self) -> str:
         fields = asdict(self)
         name = fields.pop("name")
+        if fields["model"] == "tiny":  # caches made before there were two sizes keep their key
+            fields.pop("model")
         if name == "addition":  # the addition task's caches keep the key they had before there were two tasks
             fields.pop("slip_prob")
         return {"addition": "arith-", "multiplication": "mul-"}[name] + "-".join(f"{k}{v}" for k, v in fields.items())
@@ -93,7 +98,7 @@ def ensure_builtin(spec: BuiltinSpec = BuiltinSpec(), cache: Path | None = None)
 def _build(spec: BuiltinSpec, paths: BuiltinPaths) -> None:
     root = paths.root
     tok = save_tokenizer(paths.model)
-    save_tiny_model(paths.model, tok, seed=spec.seed)
+    save_tiny_model(paths.model, tok, seed=spec.seed, **SIZES[spec.model])
     if spec.name == "multiplication":
         _build_multiplication(spec, paths)
         return

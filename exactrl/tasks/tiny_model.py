@@ -10,6 +10,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 # About 1.2M parameters: small enough to train SFT-then-RL in minutes on two CPU cores,
 # large enough to learn column addition.
 TINY = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, intermediate_size=384)
+# About 0.11M parameters, two layers: it learns the worked column addition in fewer steps than TINY
+# (measured: 42% greedy after 400 SFT steps of 32 against TINY's 11%) at twice its step rate, which is
+# what lets a study give every mixed-policy method as many demonstrations as SFT sees.
+SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, intermediate_size=192)
+SIZES = {"tiny": TINY, "small": SMALL}
 
 
 def build_tiny_model(vocab_size: int, pad_id: int, bos_id: int, eos_id: int, seed: int = 0,

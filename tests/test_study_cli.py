@@ -15,7 +15,7 @@ from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin
 TASK = {"n_sft": 64, "n_rl": 16, "n_eval": 24}
 # the cells are scored with rl.reward.fn: a parity of the text, right on about half of any answers (an
 # accuracy that moves with every generated character: the tiny models here answer nothing right)
-ARGS = ["methods=[sft,sft_rl,luffy]", "rl.reward.fn=reward_fixtures:parity",
+ARGS = ["methods=[sft,sft_rl,luffy]", "seeds=[0]", "rl.reward.fn=reward_fixtures:parity",
         *(f"task.{k}={v}" for k, v in TASK.items()), "eval_size=24",
         "sft.train.max_steps=4", "sft.train.global_batch_size=16", "sft.train.micro_batch_size=4",
         "rl.train.max_steps=1", "rl.train.global_batch_size=16", "rl.train.micro_batch_size=8",
@@ -39,7 +39,7 @@ def test_a_tiny_study_trains_every_cell_and_reports_what_each_measured(tmp_path)
     assert cells["sft_rl"]["flops"] == sft_flops + last(out / "clean" / "sft_rl-seed0" / "metrics.jsonl", "flops")
     assert cells["sft_rl"]["seconds"] > cells["sft"]["seconds"]
     # accuracy: what `exactrl eval` measures of the cell's model on the same held-out problems
-    eval_file = ensure_builtin(BuiltinSpec(**TASK)).eval
+    eval_file = ensure_builtin(BuiltinSpec(**TASK, model="small")).eval
     for m, cell in cells.items():
         check = CliRunner().invoke(app, ["eval", f"model.path={out / 'clean' / f'{m}-seed0' / 'model'}",
                                          f"data.eval={eval_file}", "eval.reward_fn=reward_fixtures:parity",
@@ -55,3 +55,32 @@ def test_a_tiny_study_trains_every_cell_and_reports_what_each_measured(tmp_path)
     assert (out / "report.md").exists() and (out / "plot.png").exists()
     again = CliRunner().invoke(app, ["study", *ARGS, f"output_dir={out}"], terminal_width=200)
     assert again.exit_code == 0 and "3 already done" in again.output and "[1/3]" not in again.output
+
+
+def test_cells_run_in_parallel_processes_measure_what_they_measure_one_after_another(tmp_path):
+    """jobs=2: each seed's chain of cells in a process of its own. Its cells equal those run in the
+    study's own process (same outcomes problem by problem, same FLOPs, weights to float rounding:
+    the processes use fewer threads); a cell that fails in a worker is reported by its error and
+    the study exits 1, the other cells done."""
+    import torch
+    from safetensors.torch import load_file
+
+    grid = [*ARGS[2:], "methods=[sft,luffy]", "seeds=[0,1]", "method_overrides={luffy: [reward.fn=nowhere:fn]}"]
+    runs = {}
+    for jobs in (1, 2):
+        out = tmp_path / f"jobs{jobs}"
+        run = CliRunner().invoke(app, ["study", *grid, f"jobs={jobs}", f"output_dir={out}"], terminal_width=200)
+        assert run.exit_code == 1, run.output
+        assert "2 of 4 cells did not finish" in run.output
+        for seed in (0, 1):
+            error = (out / "clean" / f"luffy-seed{seed}" / "error.txt").read_text().splitlines()[0]
+            assert "nowhere" in error and not (out / "clean" / f"luffy-seed{seed}" / "cell.json").exists()
+        runs[jobs] = out
+    assert "2 chains of cells (a seed of a grid each), 2 at a time" in run.output
+    for seed in (0, 1):
+        one, two = (json.loads((runs[j] / "clean" / f"sft-seed{seed}" / "cell.json").read_text()) for j in (1, 2))
+        assert one["outcomes"] == two["outcomes"] and one["flops"] == two["flops"] > 0
+        w1, w2 = (load_file(runs[j] / "clean" / f"sft-seed{seed}" / "model" / "model.safetensors") for j in (1, 2))
+        assert w1.keys() == w2.keys() and all(torch.allclose(w1[k], w2[k], rtol=0, atol=1e-5) for k in w1)
+    seeds = [load_file(runs[2] / "clean" / f"sft-seed{s}" / "model" / "model.safetensors") for s in (0, 1)]
+    assert any(not torch.equal(seeds[0][k], seeds[1][k]) for k in seeds[0])  # each seed's cells are its own

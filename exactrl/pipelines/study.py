@@ -13,11 +13,17 @@ The study directory holds one directory per cell (``clean/<method>-seed<s>/``, a
 --with-bugs grid ``bugs-<name>/<method>-seed<s>/``), each a run directory of its own with a
 ``cell.json`` once finished. A rerun with the same output_dir never re-runs a finished cell; a
 cell that failed is reported and the others go on (it is tried again by the next run).
+
+Cells run ``jobs`` at a time, each chain of them -- one seed of one grid, its SFT cell first --
+in a process of its own with its share of the CPU threads: the chains share nothing but the
+task's cached files and write only their own cells.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
+import multiprocessing.connection
 import os
 import shutil
 import time
@@ -25,6 +31,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from rich.console import Console
 
 from exactrl.algorithms.rl import train_rl
@@ -74,18 +81,32 @@ def grid(cfg: StudyConfig, name: str = CLEAN) -> list[Cell]:
     return [Cell(m, s, name) for s in cfg.seeds for m in order]
 
 
+def chains(cells: list[Cell]) -> list[list[Cell]]:
+    """The cells grouped by (grid, seed), in order: each group runs in one process, its SFT cell
+    before the cells that continue from it."""
+    out: dict[tuple[str, int], list[Cell]] = {}
+    for c in cells:
+        out.setdefault((c.grid, c.seed), []).append(c)
+    return list(out.values())
+
+
 class Study:
-    def __init__(self, cfg: StudyConfig, console: Console, with_bugs: bool = False):
+    def __init__(self, cfg: StudyConfig, console: Console, with_bugs: bool = False, *, directory: Path | None = None):
+        """``directory``: the existing directory of a running study, for a process running some of
+        its cells (the study's own process creates or continues the directory and its manifest)."""
         self.cfg, self.console, self.with_bugs = cfg, console, with_bugs
         self.spec = BuiltinSpec(**cfg.task.model_dump())
+        self.paths = ensure_builtin(self.spec)
+        self.failures: dict[Cell, str] = {}
+        if directory is not None:
+            self.dir = directory
+            return
         continues = Path(cfg.output_dir).is_dir()
         self.dir = create_run_dir(cfg.output_dir, "study", cfg, continues=continues)
-        self.paths = ensure_builtin(self.spec)
         write_manifest(self.dir, cfg.seeds[0], {"sft_train": self.paths.sft_train,
                                                 "mixed_train": self.paths.mixed_train, "eval": self.paths.eval},
                        {"task": self.spec.key(), "study": {"methods": cfg.methods, "seeds": cfg.seeds,
                                                             "with_bugs": with_bugs}})
-        self.failures: dict[Cell, str] = {}
 
     def run(self) -> dict:
         grids = [CLEAN, *(self.cfg.bugs.grids if self.with_bugs else ())]
@@ -94,13 +115,17 @@ class Study:
         self.console.print(f"[bold]exactrl study[/bold] -> {self.dir}: {len(cells)} cells "
                            f"({len(self.cfg.methods)} methods x {len(self.cfg.seeds)} seeds"
                            + (f", {len(grids) - 1} bug grids" if len(grids) > 1 else "") + f"), {done} already done")
-        t0 = time.perf_counter()
-        for i, cell in enumerate(cells, start=1):
-            if self.result(cell) is not None:
-                continue
-            self.console.print(f"[bold][{i}/{len(cells)}][/bold] {cell.folder}/{cell.name} "
-                               f"(study time {time.perf_counter() - t0:.0f} s)")
-            self.run_cell(cell)
+        todo = chains([c for c in cells if self.result(c) is None])
+        # jobs=0: a process per core on a CPU; one GPU's cells run one after another
+        jobs = min(self.cfg.jobs or (1 if torch.cuda.is_available() else os.cpu_count() or 1), len(todo))
+        if jobs > 1:
+            self.run_parallel(todo, jobs)
+        else:
+            t0 = time.perf_counter()
+            for cell in (c for chain in todo for c in chain):
+                self.console.print(f"[bold][{cells.index(cell) + 1}/{len(cells)}][/bold] {cell.folder}/{cell.name} "
+                                   f"(study time {time.perf_counter() - t0:.0f} s)")
+                self.run_cell(cell)
         results = {c: r for c in cells if (r := self.result(c)) is not None}
         summary = write_study_report(self.dir, self.cfg, grids, cells, results, self.failures, self.console)
         if summary["failed"]:
@@ -108,6 +133,39 @@ class Study:
                                   f"the others; each failed cell's error.txt says why): run the study again with "
                                   f"output_dir={self.dir} to retry only them")
         return summary
+
+    def run_parallel(self, todo: list[list[Cell]], jobs: int) -> None:
+        """Run the chains ``jobs`` at a time, each in a fresh process with its share of the CPU
+        threads; a cell that did not write its cell.json failed (its error.txt, or how its process
+        ended, says why)."""
+        threads = max(1, torch.get_num_threads() // jobs)
+        self.console.print(f"{len(todo)} chains of cells (a seed of a grid each), {jobs} at a time, {threads} "
+                           f"CPU thread{'s' if threads > 1 else ''} each")
+        spawn, queue, running = multiprocessing.get_context("spawn"), list(todo), {}
+        try:
+            while queue or running:
+                while queue and len(running) < jobs:
+                    chain = queue.pop(0)
+                    p = spawn.Process(target=_run_chain, args=(self.cfg.model_dump(), str(self.dir), self.with_bugs,
+                                                                chain, threads))
+                    p.start()
+                    running[p.sentinel] = (p, chain)
+                for sentinel in multiprocessing.connection.wait(list(running)):
+                    p, chain = running.pop(sentinel)
+                    p.join()
+                    for cell in chain:
+                        if self.result(cell) is None:
+                            self.failures[cell] = self.failure(cell, p.exitcode)
+        finally:
+            for p, _ in running.values():
+                p.terminate()
+                p.join()
+
+    def failure(self, cell: Cell, exitcode: int | None) -> str:
+        error = self.cell_dir(cell) / "error.txt"
+        if error.exists():
+            return error.read_text().splitlines()[0]
+        return f"its process ended with exit code {exitcode} before the cell finished"
 
     # ------------------------------------------------------------------ one cell
 
@@ -199,6 +257,15 @@ def phase_figures(where: Path, phase: str, seconds: float) -> dict:
     records = [r for r in read_metrics(where / "metrics.jsonl") if r.get("phase") == phase]
     last = max(records, key=lambda r: r["step"]) if records else {}  # its counts are running totals
     return {"flops": last.get("flops", 0.0), "seconds": seconds, "canary_flagged": last.get("canary_fired", 0)}
+
+
+def _run_chain(cfg: dict, directory: str, with_bugs: bool, cells: list[Cell], threads: int) -> None:
+    """A study's process for one chain of cells (Study.run_parallel)."""
+    torch.set_num_threads(threads)
+    study = Study(StudyConfig.model_validate(cfg), Console(), with_bugs, directory=Path(directory))
+    for cell in cells:
+        study.console.print(f"[bold]{cell.folder}/{cell.name}[/bold] starts")
+        study.run_cell(cell)
 
 
 def run_study(cfg: StudyConfig, console: Console | None = None, with_bugs: bool = False) -> dict:

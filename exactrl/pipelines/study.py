@@ -196,9 +196,9 @@ class Study:
         tmp = where / ".cell.json.tmp"
         tmp.write_text(json.dumps({"method": cell.method, "seed": cell.seed, "grid": cell.grid, **result}, indent=2))
         os.replace(tmp, where / "cell.json")  # the cell counts as finished only once this exists
-        self.console.print(f"  {cell.name}: greedy accuracy {100 * result['accuracy']:.1f}% on "
+        self.console.print(f"  {cell.folder}/{cell.name}: greedy accuracy {100 * result['accuracy']:.1f}% on "
                            f"{len(result['outcomes'])} problems, {result['flops']:.3g} FLOPs, "
-                           f"{result['seconds']:.0f} s")
+                           f"{result['seconds']:.0f} s", soft_wrap=True)
 
     def overrides(self, cell: Cell, method: str) -> list[str]:
         """A phase's settings on top of its section: the seed, the method's own, the grid's faults."""

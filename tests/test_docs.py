@@ -19,7 +19,7 @@ def test_readme_documents_every_config_key():
     keys = set(valid_keys(SFTConfig)) | set(valid_keys(RLConfig))
     keys |= {k for cls in (PipelineConfig, DemoConfig) for k in valid_keys(cls) if not k.startswith(("sft.", "rl."))}
     keys |= set(valid_keys(EvalCommandConfig))
-    keys |= {k for k in valid_keys(StudyConfig) if not k.startswith(("sft.", "rl.", "mixed.", "task."))}
+    keys |= {k for k in valid_keys(StudyConfig) if not k.startswith(("sft.", "rl.", "mixed.", "task.", "base."))}
     missing = sorted(k for k in keys if f"`{k}`" not in readme)
     assert not missing, f"README configuration reference lacks: {missing}"
 

@@ -85,6 +85,9 @@ def test_the_build_writes_the_task_and_its_mixed_file(tmp_path):
     assert len(sft) == 40 and [(r["prompt"], r["demonstration"]) for r in mixed] == [(r["prompt"], r["completion"])
                                                                                    for r in sft]
     assert all(int(r["answer"]) == int(r["prompt"][:-1].split("*")[0]) * int(r["prompt"][-2]) for r in mixed)
+    pretrain = [json.loads(line) for line in open(paths.pretrain)]  # the RL problems, every carry forgotten
+    assert [r["prompt"] for r in pretrain] == [json.loads(line)["prompt"] for line in open(paths.rl_train)]
+    assert all("+0=" in step for r in pretrain for step in r["completion"].split(" #### ")[0].split())
     held = {json.loads(line)["prompt"] for line in open(paths.eval)}
     trained = {r["prompt"] for r in sft} | {json.loads(line)["prompt"] for line in open(paths.rl_train)}
     assert len(held) == 10 and not held & trained

@@ -17,6 +17,9 @@ from exactrl.pipelines.study import Cell, Study, StudyIncomplete, grid
 from exactrl.pipelines.study_report import grid_rows, interval
 from exactrl.run_dir import set_status
 
+# the scripted studies run in this process (their training is a monkeypatched one) from the initial model
+SCRIPTED = ["jobs=1", "start=init"]
+
 
 def finished(study: Study, state: str = "success") -> dict:
     """Run ``study`` and end its status as the CLI does."""
@@ -30,7 +33,7 @@ def finished(study: Study, state: str = "success") -> dict:
 
 
 def test_the_grid_runs_sft_first_then_the_rest_per_seed_and_bug_grids_only_their_methods():
-    cfg = load_config(StudyConfig, None, ["jobs=1", "methods=[grpo,sft_rl,sft]", "seeds=[3,4]"])
+    cfg = load_config(StudyConfig, None, [*SCRIPTED, "methods=[grpo,sft_rl,sft]", "seeds=[3,4]"])
     assert [(c.method, c.seed) for c in grid(cfg)] == [("sft", 3), ("grpo", 3), ("sft_rl", 3), ("sft", 4),
                                                         ("grpo", 4), ("sft_rl", 4)]
     bugs = grid(cfg, "dropped-micro-batches")
@@ -99,7 +102,7 @@ def scripted(monkeypatch):
 
 def test_a_failed_cell_is_reported_the_rest_go_on_and_a_rerun_only_does_what_is_missing(tmp_path, scripted):
     out = tmp_path / "study-fail"
-    cfg = load_config(StudyConfig, None, ["jobs=1", "methods=[sft,sft_rl,grpo]", "seeds=[0,1]", f"output_dir={out}"])
+    cfg = load_config(StudyConfig, None, [*SCRIPTED, "methods=[sft,sft_rl,grpo]", "seeds=[0,1]", f"output_dir={out}"])
     console = Console(record=True, width=200)
     with pytest.raises(StudyIncomplete, match="1 of 6 cells did not finish"):
         finished(Study(cfg, console))
@@ -115,22 +118,22 @@ def test_a_failed_cell_is_reported_the_rest_go_on_and_a_rerun_only_does_what_is_
         finished(Study(cfg, Console(file=open("/dev/null", "w"))))
     assert scripted == [("clean", "grpo", 1)]
     scripted.clear()
-    more = load_config(StudyConfig, None, ["jobs=1", "methods=[sft,sft_rl,grpo]", "seeds=[0,1,2]",
+    more = load_config(StudyConfig, None, [*SCRIPTED, "methods=[sft,sft_rl,grpo]", "seeds=[0,1,2]",
                                            f"output_dir={out}"])
     with pytest.raises(StudyIncomplete):  # a new seed's cells join; the failing cell is tried again
         finished(Study(more, Console(file=open("/dev/null", "w"))))
     assert scripted == [("clean", "grpo", 1), ("clean", "sft", 2), ("clean", "sft_rl", 2), ("clean", "grpo", 2)]
-    ok = load_config(StudyConfig, None, ["jobs=1", "methods=[sft,sft_rl]", "seeds=[0,1,2]", f"output_dir={out}"])
+    ok = load_config(StudyConfig, None, [*SCRIPTED, "methods=[sft,sft_rl]", "seeds=[0,1,2]", f"output_dir={out}"])
     scripted.clear()
     finished(Study(ok, Console(file=open("/dev/null", "w"))))  # a subset: every cell done, nothing runs
     assert scripted == []
-    finished(Study(load_config(StudyConfig, None, ["jobs=1", "methods=[sft,sft_rl]", "seeds=[3]", f"output_dir={out}"]),
-                   Console(file=open("/dev/null", "w"))))  # a finished study takes a new seed
+    new_seed = load_config(StudyConfig, None, [*SCRIPTED, "methods=[sft,sft_rl]", "seeds=[3]", f"output_dir={out}"])
+    finished(Study(new_seed, Console(file=open("/dev/null", "w"))))  # a finished study takes a new seed
     assert scripted == [("clean", "sft", 3), ("clean", "sft_rl", 3)]
 
 
 def test_with_bugs_runs_the_faulty_methods_again_and_reports_how_far_each_bug_moved_them(tmp_path, scripted):
-    cfg = load_config(StudyConfig, None, ["jobs=1", "seeds=[0]", "methods=[sft,sft_rl,grpo]",
+    cfg = load_config(StudyConfig, None, [*SCRIPTED, "seeds=[0]", "methods=[sft,sft_rl,grpo]",
                                           f"output_dir={tmp_path / 's'}"])
     console = Console(record=True, width=250)
     summary = finished(Study(cfg, console, with_bugs=True))
@@ -152,7 +155,7 @@ def test_with_bugs_runs_the_faulty_methods_again_and_reports_how_far_each_bug_mo
 
 
 def test_the_rows_rank_ties_together_and_take_differences_against_sft_then_rl(tmp_path, scripted):
-    cfg = load_config(StudyConfig, None, ["jobs=1", "seeds=[0]", "methods=[sft,sft_rl,grpo]",
+    cfg = load_config(StudyConfig, None, [*SCRIPTED, "seeds=[0]", "methods=[sft,sft_rl,grpo]",
                                           f"output_dir={tmp_path / 's'}"])
     study = Study(cfg, Console(file=open("/dev/null", "w")))
     finished(study)
@@ -178,7 +181,7 @@ def test_config_check_plans_a_study_per_method(tmp_path):
     lines = out.output.splitlines()
     assert lines[0].endswith("a valid `exactrl study` config")
     heads = [line for line in lines if not line.startswith(" ")][1:]
-    assert heads[:4] == ["sft: 800 optimizer steps of 32 samples",
+    assert heads[:5] == ["base: 800 optimizer steps of 32 samples", "sft: 800 optimizer steps of 32 samples",
                          "sft_rl: rl: 40 optimizer steps of 128 samples (40 rollouts of 16 prompts x 8 responses)",
                          "sft_rl_truncated: rl: 3 optimizer steps of 128 samples (3 rollouts of 16 prompts x 8 "
                          "responses)",

@@ -18,6 +18,7 @@ TASK = {"n_sft": 64, "n_rl": 16, "n_eval": 24}
 ARGS = ["methods=[sft,sft_rl,luffy]", "seeds=[0]", "rl.reward.fn=reward_fixtures:parity",
         *(f"task.{k}={v}" for k, v in TASK.items()), "eval_size=24",
         "sft.train.max_steps=4", "sft.train.global_batch_size=16", "sft.train.micro_batch_size=4",
+        "base.train.max_steps=3", "base.train.global_batch_size=16", "base.train.micro_batch_size=4",
         "rl.train.max_steps=1", "rl.train.global_batch_size=16", "rl.train.micro_batch_size=8",
         "rl.rollout.max_new_tokens=12", "mixed.train.max_steps=1", "mixed.train.global_batch_size=16",
         "mixed.train.micro_batch_size=8", "mixed.rollout.max_new_tokens=12"]
@@ -50,7 +51,15 @@ def test_a_tiny_study_trains_every_cell_and_reports_what_each_measured(tmp_path)
         assert (measured["greedy"]["correct"], measured["prompts"]) == (sum(cell["outcomes"]), 24)
         rows = [json.loads(line) for line in (tmp_path / m / "samples.jsonl").read_text().splitlines()]
         assert [int(r["reward"] >= 1) for r in rows] == cell["outcomes"]  # problem by problem, in order
+    # every method starts from the base model, pretrained once (its FLOPs in no cell), sft_rl from the SFT cell's
+    base = json.loads((out / "base" / "base.json").read_text())
+    assert base["flops"] == last(out / "base" / "metrics.jsonl", "flops") > 0 and len(base["outcomes"]) == 24
+    starts = {m: json.loads((out / "clean" / f"{m}-seed0" / "manifest.json").read_text())["study_cell"]["start"]
+              for m in cells}
+    assert starts == {"sft": str(out / "base" / "model"), "luffy": str(out / "base" / "model"),
+                      "sft_rl": str(out / "clean" / "sft-seed0" / "model")}
     summary = json.loads((out / "summary.json").read_text())
+    assert summary["start"]["flops"] == base["flops"] and "pretrained" in (out / "report.md").read_text()
     assert [r["method"] for r in summary["grids"]["clean"]] == ["sft", "sft_rl", "luffy"]
     assert (out / "report.md").exists() and (out / "plot.png").exists()
     again = CliRunner().invoke(app, ["study", *ARGS, f"output_dir={out}"], terminal_width=200)
@@ -65,7 +74,8 @@ def test_cells_run_in_parallel_processes_measure_what_they_measure_one_after_ano
     import torch
     from safetensors.torch import load_file
 
-    grid = [*ARGS[2:], "methods=[sft,luffy]", "seeds=[0,1]", "method_overrides={luffy: [reward.fn=nowhere:fn]}"]
+    grid = [*ARGS[2:], "start=init", "methods=[sft,luffy]", "seeds=[0,1]",
+            "method_overrides={luffy: [reward.fn=nowhere:fn]}"]
     runs = {}
     for jobs in (1, 2):
         out = tmp_path / f"jobs{jobs}"

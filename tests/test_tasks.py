@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from exactrl.tasks import arithmetic, builtin
 from exactrl.tasks.arithmetic import Problem, extract_answer, is_correct, reward, worked_solution
 from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin
-from exactrl.tasks.tiny_model import build_tiny_model, save_tiny_model
+from exactrl.tasks.tiny_model import SIZES, build_tiny_model, save_tiny_model
 from exactrl.tasks.tokenizer import CHARS
 
 STEP_RE = re.compile(r"(\d)\+(\d)\+(\d)=(\d\d)")
@@ -165,6 +165,29 @@ def test_tiny_model_default_size(tokenizer):
     model = build_tiny_model(len(tokenizer), tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id)
     n = sum(p.numel() for p in model.parameters())
     assert 0.5e6 < n < 2e6  # "about 1.2M parameters"
+    small = build_tiny_model(len(tokenizer), tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id,
+                             **SIZES["small"])
+    assert 0.08e6 < sum(p.numel() for p in small.parameters()) < 0.15e6 and small.config.num_hidden_layers == 2
+
+
+def test_the_forgetful_solution_adds_each_column_alone_and_is_right_exactly_without_carries():
+    """The base model's corpus, against a count done another way: column i contributes
+    (a_i + b_i) mod 10 at 10^i, the last column its whole sum; the steps are the worked style's with
+    every carry 0."""
+    assert arithmetic.forgetful_solution(Problem(729, 485)) == "9+5+0=14 2+8+0=10 7+4+0=11 #### 1104"
+    rng, n_right = random.Random(1), 0
+    for _ in range(2000):
+        p = Problem(rng.randint(10, 999), rng.randint(10, 999))
+        digits = max(len(str(p.a)), len(str(p.b)))
+        cols = [(p.a // 10**i % 10, p.b // 10**i % 10) for i in range(digits)]
+        expected = sum((x + y) % 10 * 10**i for i, (x, y) in enumerate(cols[:-1])) + sum(cols[-1]) * 10 ** (digits - 1)
+        text = arithmetic.forgetful_solution(p)
+        assert int(extract_answer(text)) == expected and len(text.split(" #### ")[1]) == digits + 1
+        assert [tuple(map(int, m[:3])) for m in STEP_RE.findall(text)] == [(x, y, 0) for x, y in cols]
+        carries = any(x + y >= 10 for x, y in cols[:-1])
+        assert is_correct(text, p.answer) == (not carries)
+        n_right += not carries
+    assert 0.2 < n_right / 2000 < 0.5  # the base model's corpus is right on about a third of the problems
 
 
 # ---------------------------------------------------------------- cached build
@@ -175,12 +198,16 @@ def test_ensure_builtin_builds_once_and_reuses(tmp_path, monkeypatch):
     paths = ensure_builtin(spec, cache=tmp_path)
     assert paths.root.parent == tmp_path and (paths.root / "DONE").exists()
     assert json.loads((paths.root / "DONE").read_text())["n_sft"] == 50
-    for p, n in ((paths.sft_train, 50), (paths.rl_train, 50), (paths.eval, 20)):
+    for p, n in ((paths.sft_train, 50), (paths.rl_train, 50), (paths.eval, 20), (paths.pretrain, 50)):
         assert len(p.read_text().splitlines()) == n
     sft = [json.loads(x) for x in paths.sft_train.read_text().splitlines()]
     rl = [json.loads(x) for x in paths.rl_train.read_text().splitlines()]
     ev = [json.loads(x) for x in paths.eval.read_text().splitlines()]
     assert set(sft[0]) == {"prompt", "completion"} and set(rl[0]) == {"prompt", "answer"}
+    pretrain = [json.loads(x) for x in paths.pretrain.read_text().splitlines()]  # the RL problems, forgetful
+    assert [r["prompt"] for r in pretrain] == [r["prompt"] for r in rl]
+    assert all(r["completion"] == arithmetic.forgetful_solution(Problem(*map(int, r["prompt"][:-1].split("+"))))
+               for r in pretrain)
     prompts = [r["prompt"] for r in sft], [r["prompt"] for r in rl], [r["prompt"] for r in ev]
     assert not set(prompts[0]) & set(prompts[1]) and not set(prompts[2]) & (set(prompts[0]) | set(prompts[1]))
     tok = AutoTokenizer.from_pretrained(str(paths.model))

@@ -187,15 +187,23 @@ def plan(cfg, command: str, opts: Options) -> list[PhasePlan]:
 
 
 def plan_study(cfg, opts: Options) -> list[PhasePlan]:
-    """One seed's phases of a study's grid: the SFT phase the SFT-based methods share, then each
-    method's RL phase (exactrl/pipelines/study.py); the grid runs them once per seed."""
+    """A study's base model pretraining (start=base, once), then one seed's phases of its grid: the
+    SFT phase the SFT-based methods share, then each method's RL phase (exactrl/pipelines/study.py);
+    the grid runs them once per seed."""
     from exactrl.config.loader import with_overrides
     from exactrl.config.schema_study import SFT_BASED
     from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin
 
     spec = BuiltinSpec(**cfg.task.model_dump())
-    mixed = str(ensure_builtin(spec).mixed_train)
-    phases = [plan_sft(cfg.sft, spec, opts)] if any(m in SFT_BASED for m in cfg.methods) else []
+    paths = ensure_builtin(spec)
+    mixed = str(paths.mixed_train)
+    phases = []
+    if cfg.start == "base":
+        phases.append(plan_sft(with_overrides(cfg.base, [f"data.train={paths.pretrain}"]), spec, opts))
+        phases[-1].name = "base"
+        phases[-1].notes.append("once per study, the model every method starts from; its FLOPs count in no cell")
+    if any(m in SFT_BASED for m in cfg.methods):
+        phases.append(plan_sft(cfg.sft, spec, opts))
     for m in (m for m in cfg.methods if m != "sft"):
         settings = [f"data.train={mixed}", *cfg.method_overrides.get(m, [])]
         if m == "sft_rl_truncated":
@@ -205,7 +213,7 @@ def plan_study(cfg, opts: Options) -> list[PhasePlan]:
         phase = plan_rl(rl, spec, opts, model_path=cfg.sft.model.path)
         phase.name = f"{m}: rl"
         phases.append(phase)
-    if phases:
+    if len(phases) > (cfg.start == "base"):
         phases[-1].notes.append(f"the grid runs these phases once per seed: x {len(cfg.seeds)} for the whole study")
     return phases
 

@@ -2,10 +2,14 @@
 methods x seeds on one task at equal data, every cell trained through the same trainers a user's
 run takes and evaluated the same way, then one table, one plot and report.md.
 
+Every method starts from the same base model (start=base): the task's initial model pretrained
+once per study on problems disjoint from the others, worked with every carry forgotten -- it knows
+the format, solves what needs no carry and has never seen a carry, which sampling will not find and
+the demonstrations show (start=init: the randomly initialised model).
 Equal data: every method sees the task's SFT problems and their demonstrations, nothing else.
 SFT learns the demonstrations; SFT-then-RL (and its truncated variant) continues from the seed's
-SFT model with RL on the same problems; an RL method of the registry trains from the task's
-initial model on the same problems, a mixed-policy one learning from their demonstrations too.
+SFT model with RL on the same problems; an RL method of the registry trains from the base model
+on the same problems, a mixed-policy one learning from their demonstrations too.
 Every cell's final model answers the same held-out problems greedily; its FLOPs count the
 phases it needed (an SFT-based cell includes its SFT phase), as does its wall time.
 
@@ -116,6 +120,7 @@ class Study:
                            f"({len(self.cfg.methods)} methods x {len(self.cfg.seeds)} seeds"
                            + (f", {len(grids) - 1} bug grids" if len(grids) > 1 else "") + f"), {done} already done")
         todo = chains([c for c in cells if self.result(c) is None])
+        base = self.ensure_base() if self.cfg.start == "base" else None
         # jobs=0: a process per core on a CPU; one GPU's cells run one after another
         jobs = min(self.cfg.jobs or (1 if torch.cuda.is_available() else os.cpu_count() or 1), len(todo))
         if jobs > 1:
@@ -127,7 +132,7 @@ class Study:
                                    f"(study time {time.perf_counter() - t0:.0f} s)")
                 self.run_cell(cell)
         results = {c: r for c in cells if (r := self.result(c)) is not None}
-        summary = write_study_report(self.dir, self.cfg, grids, cells, results, self.failures, self.console)
+        summary = write_study_report(self.dir, self.cfg, grids, cells, results, self.failures, self.console, base)
         if summary["failed"]:
             raise StudyIncomplete(f"{len(summary['failed'])} of {len(cells)} cells did not finish (the report covers "
                                   f"the others; each failed cell's error.txt says why): run the study again with "
@@ -166,6 +171,37 @@ class Study:
         if error.exists():
             return error.read_text().splitlines()[0]
         return f"its process ended with exit code {exitcode} before the cell finished"
+
+    # ------------------------------------------------------------------ the base model
+
+    @property
+    def start_model(self) -> Path:
+        """The model every method starts from."""
+        return self.dir / "base" / "model" if self.cfg.start == "base" else self.paths.model
+
+    def ensure_base(self) -> dict:
+        """Pretrain the base model once (base/, base.json once finished) and return its figures."""
+        where, done = self.dir / "base", self.dir / "base" / "base.json"
+        if not done.exists():
+            if where.exists():
+                shutil.rmtree(where)
+            where.mkdir(parents=True)
+            self.console.print(f"[bold]base model[/bold]: the initial model pretrained on {self.paths.pretrain.name} "
+                               f"({self.cfg.base.train.max_steps} steps)")
+            cfg = with_overrides(self.cfg.base, [f"data.train={self.paths.pretrain}",
+                                                 f"train.seed={self.cfg.task.seed}"])
+            write_manifest(where, self.cfg.task.seed, {"pretrain": self.paths.pretrain},
+                           {"task": self.spec.key(), "study_base": True})
+            res = train_sft(cfg, where, self.spec, phase="base", final_name="model")
+            figures = {**phase_figures(where, "base", res.seconds), **self.evaluate(where / "model")}
+            tmp = where / ".base.json.tmp"
+            tmp.write_text(json.dumps(figures, indent=2))
+            os.replace(tmp, done)
+        base = json.loads(done.read_text())
+        self.console.print(f"  base model: greedy accuracy {100 * base['accuracy']:.1f}% on {len(base['outcomes'])} "
+                           f"problems, {base['flops']:.3g} FLOPs (in no cell's), {base['seconds']:.0f} s",
+                           soft_wrap=True)
+        return base
 
     # ------------------------------------------------------------------ one cell
 
@@ -209,12 +245,14 @@ class Study:
         """Train the cell's phases into ``where``. Returns its phases' figures (an SFT-based cell's
         include the seed's SFT phase, whose model it starts from), their FLOPs and wall time."""
         cfg, m = self.cfg, cell.method
+        start = self.cell_dir(Cell("sft", cell.seed, cell.grid)) / "model" if m in SFT_BASED[1:] else self.start_model
         write_manifest(where, cell.seed, {"sft_train": self.paths.sft_train, "mixed_train": self.paths.mixed_train},
                        {"task": self.spec.key(), "study_cell": {"method": m, "seed": cell.seed, "grid": cell.grid,
+                                                                "start": str(start),
                                                                 "overrides": self.overrides(cell, m)}})
         if m == "sft":
-            res = train_sft(with_overrides(cfg.sft, self.overrides(cell, m)), where, self.spec, phase="sft",
-                            final_name="model")
+            res = train_sft(with_overrides(cfg.sft, [f"model.path={self.start_model}", *self.overrides(cell, m)]),
+                            where, self.spec, phase="sft", final_name="model")
             phases = {"sft": phase_figures(where, "sft", res.seconds)}
         elif m in SFT_BASED:
             sft = Cell("sft", cell.seed, cell.grid)
@@ -230,7 +268,7 @@ class Study:
         else:
             rl = with_overrides(cfg.mixed, [f"algo.name={m}", f"data.train={self.paths.mixed_train}",
                                             *self.overrides(cell, m)])
-            res = train_rl(rl, where, self.spec, phase="rl", model_path=str(self.paths.model), final_name="model")
+            res = train_rl(rl, where, self.spec, phase="rl", model_path=str(self.start_model), final_name="model")
             phases = {"rl": phase_figures(where, "rl", res.seconds)}
         return {"phases": phases, "flops": sum(p["flops"] for p in phases.values()),
                 "seconds": sum(p["seconds"] for p in phases.values()),

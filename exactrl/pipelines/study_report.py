@@ -146,7 +146,7 @@ def plot(path: Path, grids: list[str], rows: dict[str, list[dict]]) -> None:
 
 
 def write_study_report(where: Path, cfg: StudyConfig, grids: list[str], cells: list, results: dict,
-                       failures: dict, console: Console) -> dict:
+                       failures: dict, console: Console, base: dict | None = None) -> dict:
     rows = {g: grid_rows(cfg, g, results) for g in grids}
     tables = [_table(f"Study: held-out accuracy on {cfg.eval_size} problems x {len(cfg.seeds)} seed(s)", rows["clean"])]
     if len(grids) > 1:
@@ -162,7 +162,11 @@ def write_study_report(where: Path, cfg: StudyConfig, grids: list[str], cells: l
                       + ", ".join(f"{c.folder}/{c.name}" for c in missing) + " (run the study again with "
                       f"output_dir={where} to retry them)", soft_wrap=True)
     plot(where / "plot.png", grids, rows)
-    summary = {"grids": {g: rows[g] for g in grids}, "failed": {f"{c.folder}/{c.name}": failures.get(c, "not run")
+    start = ("the task's initial model" if base is None else
+             f"the base model (the initial model pretrained on the task's problems worked with every carry forgotten: "
+             f"{100 * base['accuracy']:.1f}% greedy, {base['flops']:.3g} FLOPs counted in no cell)")
+    summary = {"start": None if base is None else {k: v for k, v in base.items() if k != "outcomes"},
+               "grids": {g: rows[g] for g in grids}, "failed": {f"{c.folder}/{c.name}": failures.get(c, "not run")
                                                                  for c in missing}}
     (where / "summary.json").write_text(json.dumps(summary, indent=2))
     text = Console(record=True, width=140, file=open("/dev/null", "w"))
@@ -171,9 +175,10 @@ def write_study_report(where: Path, cfg: StudyConfig, grids: list[str], cells: l
     sft_based = ", ".join(m for m in cfg.methods if m in SFT_BASED)
     report = ["# exactrl study", "",
               f"Methods {', '.join(cfg.methods)} x seeds {cfg.seeds}, at equal data (the task's SFT problems and "
-              f"their demonstrations); every cell's final model answers the same {cfg.eval_size} held-out problems "
-              "greedily. Intervals: 95% bootstrap over seeds and problems; differences paired. FLOPs: 6ND per "
-              "trained token, 2ND per generated one (N parameters). SFT-based methods (" + sft_based + ") include "
+              f"their demonstrations), each starting from {start}; every cell's final model answers the same "
+              f"{cfg.eval_size} held-out problems greedily. Intervals: 95% bootstrap over seeds and problems; "
+              "differences paired. FLOPs: 6ND per trained token, 2ND per generated one (N parameters). SFT-based "
+              "methods (" + sft_based + ") include "
               "their SFT phase in FLOPs and wall time.", "",
               "```", text.export_text().rstrip(), "```", "",
               *(["## What the bugs did", "", *moves, ""] if moves else []),

@@ -60,6 +60,20 @@ def worked_solution(p: Problem) -> str:
     return " ".join(steps) + f" #### {padded_answer(p)}"
 
 
+def forgetful_solution(p: Problem) -> str:
+    """The worked style with every carry forgotten (written and added as 0), the answer what those
+    steps computed: ``729+485=`` -> ``9+5+0=14 2+8+0=10 7+4+0=11 #### 1104``. Right exactly when no
+    column carries. The pretraining corpus of a study's base model (exactrl/pipelines/study.py): a
+    model that knows the format and the columns but has never seen a carry, which it cannot find by
+    sampling and the demonstrations show."""
+    n = max(len(str(p.a)), len(str(p.b)))
+    columns = list(zip(str(p.a)[::-1].ljust(n, "0"), str(p.b)[::-1].ljust(n, "0")))
+    sums = [int(x) + int(y) for x, y in columns]
+    steps = [f"{x}+{y}+0={s:02d}" for (x, y), s in zip(columns, sums)]
+    value = str(sums[-1] // 10) + "".join(str(s % 10) for s in reversed(sums))
+    return " ".join(steps) + f" #### {value.zfill(len(steps) + 1)}"
+
+
 def padded_answer(p: Problem) -> str:
     """The sum, zero-padded to one digit more than the longer operand."""
     return p.answer.zfill(max(len(str(p.a)), len(str(p.b))) + 1)
@@ -129,6 +143,11 @@ def mixed_rows(problems: list[Problem], direct_fraction: float, skip_prob: float
     exactly the SFT row's completion: mixed-policy methods see the data SFT sees."""
     return [{"prompt": r["prompt"], "answer": p.answer, "demonstration": r["completion"]}
             for p, r in zip(problems, sft_rows(problems, direct_fraction, skip_prob, seed))]
+
+
+def pretrain_rows(problems: list[Problem]) -> list[dict]:
+    """A base model's pretraining corpus: ``{"prompt", "completion"}`` rows in the forgetful style."""
+    return [{"prompt": p.prompt, "completion": forgetful_solution(p)} for p in problems]
 
 
 def rl_rows(problems: list[Problem]) -> list[dict]:

@@ -69,6 +69,7 @@ class BuiltinPaths:
     rl_train: Path
     eval: Path
     mixed_train: Path  # the SFT problems with answers and demonstrations (mixed-policy methods)
+    pretrain: Path  # the RL problems worked with every carry forgotten (a study's base model)
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
@@ -83,15 +84,18 @@ def ensure_builtin(spec: BuiltinSpec = BuiltinSpec(), cache: Path | None = None)
     """Build (once) and return the paths of the built-in model and data for ``spec``."""
     root = Path(cache or cache_dir()) / spec.key()
     paths = BuiltinPaths(root, root / "model-init", root / "sft_train.jsonl", root / "rl_train.jsonl",
-                         root / "eval.jsonl", root / "mixed_train.jsonl")
-    if (root / "DONE").exists() and paths.mixed_train.exists():
+                         root / "eval.jsonl", root / "mixed_train.jsonl", root / "pretrain.jsonl")
+    if (root / "DONE").exists() and paths.mixed_train.exists() and paths.pretrain.exists():
         return paths
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(root / ".lock"):  # several ranks or runs may ask at once: one builds, the others wait
         if not (root / "DONE").exists():
             _build(spec, paths)
-        elif not paths.mixed_train.exists():  # a cache built before the mixed file existed
-            _write_mixed(spec, paths)
+        else:  # a cache built before these files existed
+            if not paths.mixed_train.exists():
+                _write_mixed(spec, paths)
+            if not paths.pretrain.exists():
+                _write_pretrain(spec, paths)
     return paths
 
 
@@ -107,6 +111,7 @@ def _build(spec: BuiltinSpec, paths: BuiltinPaths) -> None:
                                                       spec.seed))
     _write_mixed(spec, paths)
     _write_jsonl(paths.rl_train, arithmetic.rl_rows(train[spec.n_sft :]))
+    _write_pretrain(spec, paths)
     _write_jsonl(paths.eval, arithmetic.rl_rows(arithmetic.generate("eval", spec.n_eval, spec.seed, spec.digits)))
     (root / "DONE").write_text(json.dumps(asdict(spec)))
 
@@ -114,6 +119,18 @@ def _build(spec: BuiltinSpec, paths: BuiltinPaths) -> None:
 def _write_mixed(spec: BuiltinSpec, paths: BuiltinPaths) -> None:
     sft = arithmetic.generate("train", spec.n_sft + spec.n_rl, spec.seed, spec.digits)[: spec.n_sft]
     _write_jsonl(paths.mixed_train, arithmetic.mixed_rows(sft, spec.direct_fraction, spec.skip_prob, spec.seed))
+
+
+def _write_pretrain(spec: BuiltinSpec, paths: BuiltinPaths) -> None:
+    """The RL split's problems (disjoint from the SFT and held-out ones) worked with every carry forgotten."""
+    if spec.name == "multiplication":
+        problems = multiplication.generate("train", spec.n_sft + spec.n_rl, spec.seed, spec.digits)[spec.n_sft :]
+        rows = [{"prompt": p.prompt, "completion": multiplication.worked_solution(p, frozenset(range(spec.digits)))}
+                for p in problems]
+    else:
+        rows = arithmetic.pretrain_rows(arithmetic.generate("train", spec.n_sft + spec.n_rl, spec.seed,
+                                                            spec.digits)[spec.n_sft :])
+    _write_jsonl(paths.pretrain, rows)
 
 
 def _build_multiplication(spec: BuiltinSpec, paths: BuiltinPaths) -> None:
@@ -125,6 +142,7 @@ def _build_multiplication(spec: BuiltinSpec, paths: BuiltinPaths) -> None:
     _write_jsonl(paths.mixed_train, [{"prompt": p.prompt, "answer": p.answer, "demonstration": c}
                                      for p, c in zip(sft, shown)])
     _write_jsonl(paths.rl_train, arithmetic.rl_rows(train[spec.n_sft :]))
+    _write_pretrain(spec, paths)
     _write_jsonl(paths.eval, arithmetic.rl_rows(multiplication.generate("eval", spec.n_eval, spec.seed, spec.digits)))
     (paths.root / "DONE").write_text(json.dumps(asdict(spec)))
 
@@ -133,7 +151,7 @@ def resolve(path: str | None, kind: str, spec: BuiltinSpec = BuiltinSpec()) -> s
     """Map 'builtin' in model.path / data.* to the built-in files; other paths pass through
     ('builtin-sft', the model after SFT, needs training: exactrl/algorithms/sft.py).
 
-    ``kind`` is one of model, sft_train, rl_train, eval, mixed_train.
+    ``kind`` is one of model, sft_train, rl_train, eval, mixed_train, pretrain.
     """
     if path != "builtin":
         return path

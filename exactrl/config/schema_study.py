@@ -24,8 +24,8 @@ DEFAULT_GRID = (*PAPER_GRID, "grpo")
 def _study_sft() -> SFTConfig:
     # 800 steps of 32 demonstrations (1.28 epochs of the 20,000), in micro-batches of 8: four per
     # step, so a fault that drops middle micro-batches has some to drop (the exact gradient does not
-    # depend on the split). The small model's SFT settles here (53% greedy, 30 s). No evaluation
-    # inside the phase: the study evaluates every cell alike.
+    # depend on the split). No evaluation inside the phase: the study evaluates every cell alike.
+    # The base model's pretraining (base.*) takes the same settings on its own corpus.
     return SFTConfig(
         data=DataConfig(eval=None),
         train=TrainConfig(global_batch_size=32, micro_batch_size=8, max_steps=800, log_every=10),
@@ -33,40 +33,29 @@ def _study_sft() -> SFTConfig:
     )
 
 
-def _study_rl() -> RLConfig:
-    # The demo's GRPO phase in micro-batches of 32 (four per step), on the SFT problems.
+def _rl_phase(steps: int, group_size: int, lr: float, warmup: int, scheduler: str, log_every: int) -> RLConfig:
+    """An RL phase of 128 samples per step in micro-batches of 32 (four per step), on the SFT
+    problems (the study sets data.train), without evaluation inside it."""
     return RLConfig(
         data=DataConfig(eval=None),
-        train=TrainConfig(global_batch_size=128, micro_batch_size=32, max_steps=40, log_every=1),
-        optim=OptimConfig(lr=1e-4, warmup_steps=5, scheduler="constant"),
+        train=TrainConfig(global_batch_size=128, micro_batch_size=32, max_steps=steps, log_every=log_every),
+        optim=OptimConfig(lr=lr, warmup_steps=warmup, scheduler=scheduler),
         rollout=RolloutConfig(temperature=1.0, max_new_tokens=48),
-        algo=AlgoConfig(group_size=8),
+        algo=AlgoConfig(group_size=group_size),
     )
+
+
+def _study_rl() -> RLConfig:
+    # The demo's GRPO phase: 40 steps of 16 prompts x 8 at 1e-4.
+    return _rl_phase(40, 8, 1e-4, 5, "constant", 1)
 
 
 def _study_mixed() -> RLConfig:
     # Equal data: 800 steps of 32 prompts, each with its one demonstration, show a method the
     # 25,600 demonstrations SFT sees; groups of 4 (a mixed-policy method's demonstration and 3 of
-    # the policy's responses), in micro-batches of 32 (four per step). lr 3e-4 from the base model
-    # (GRPO there at 1e-3 fell from 30% to 0% greedy in 100 steps); from start=init, SFT's 3e-3
-    # learns the format sooner.
-    return RLConfig(
-        data=DataConfig(eval=None),
-        train=TrainConfig(global_batch_size=128, micro_batch_size=32, max_steps=800, log_every=10),
-        optim=OptimConfig(lr=3e-4, warmup_steps=20, scheduler="cosine"),
-        rollout=RolloutConfig(temperature=1.0, max_new_tokens=48),
-        algo=AlgoConfig(group_size=4),
-    )
-
-
-def _study_base() -> SFTConfig:
-    # The base model's pretraining: as long as SFT, on the task's pretraining corpus (the RL
-    # problems worked with every carry forgotten); the study sets data.train.
-    return SFTConfig(
-        data=DataConfig(eval=None),
-        train=TrainConfig(global_batch_size=32, micro_batch_size=8, max_steps=800, log_every=10),
-        optim=OptimConfig(lr=3e-3, warmup_steps=20, scheduler="cosine"),
-    )
+    # the policy's responses). lr 3e-4 from the base model (GRPO there at 1e-3 fell from 30% to 0%
+    # greedy in 100 steps); from start=init, SFT's 3e-3 learns the format sooner.
+    return _rl_phase(800, 4, 3e-4, 20, "cosine", 10)
 
 
 class TruncatedConfig(Section):
@@ -111,7 +100,7 @@ class StudyConfig(Section):
                     "need no carry and has never seen a carry, as the seed paper's methods start from a pretrained "
                     "base model; trained once per study, its FLOPs in no cell's. 'init': the task's randomly "
                     "initialised model, from which RL alone never earns a reward.")
-    base: SFTConfig = Field(default_factory=_study_base,
+    base: SFTConfig = Field(default_factory=_study_sft,
                             description="The base model's pretraining (start=base), from the task's initial model on "
                                         "its pretraining corpus (data.train is the study's).")
     sft: SFTConfig = Field(default_factory=_study_sft,

@@ -63,8 +63,10 @@ def forward(model, samples, pad_id):
     return logits.gather(-1, ids[:, 1:, None])[..., 0], -(logits.exp() * logits).sum(-1)
 
 
-def reference(model, samples, algo: str, agg: str, pad_id: int, clip: bool = True) -> dict:
-    """The step's gradient from the papers' formulas (LUFFY's objective; SRFT's four terms), eps = 0.2."""
+def reference(model, samples, algo: str, agg: str, pad_id: int, clip: bool = True, code: bool = False) -> dict:
+    """The step's gradient from the papers' formulas (LUFFY's objective; SRFT's four terms), eps = 0.2.
+    ``code``: SRFT as its official code computes it (sg(e^{+H}) on the demonstrations' NLL, LUFFY's
+    shaped unclipped term on their ratio)."""
     model.zero_grad(set_to_none=True)
     logp, entropy = forward(model, samples, pad_id)
     parts = {"on": [0.0, 0, 0], "demo": [0.0, 0, 0]}  # loss sum, tokens, sequences of the policy's / demonstrations'
@@ -77,6 +79,8 @@ def reference(model, samples, algo: str, agg: str, pad_id: int, clip: bool = Tru
         elif algo == "luffy":
             r = torch.exp(lp - old)
             loss = -torch.minimum(r * adv, r.clamp(0.8, 1.2) * adv) if clip else -r * adv
+        elif s.source == "demonstration" and code:
+            loss = 0.5 * torch.exp(h.detach()) * -lp - p / (p + 0.1) * adv
         elif s.source == "demonstration":
             loss = 0.5 * torch.exp(-h.detach()) * -lp - torch.minimum(p * adv, p.clamp(0.8, 1.2) * adv)
         else:
@@ -114,6 +118,9 @@ def rel_err(got: dict, ref: dict) -> float:
     return (diff / sum((ref[k].double() ** 2).sum() for k in ref)).sqrt().item()
 
 
+SRFT_CODE = ("algo.srft.sft_weight=exp_entropy", "algo.srft.demo_gamma=0.1", "algo.srft.demo_clip=false")
+
+
 def cfg_for(algo: str, k: int, agg: str = "token-mean", *extra: str) -> RLConfig:
     return load_config(RLConfig, None, [f"algo.name={algo}", "algo.group_size=4", "train.global_batch_size=8",
                                         f"train.micro_batch_size={8 // k}", "train.max_grad_norm=0",
@@ -126,11 +133,13 @@ def cfg_for(algo: str, k: int, agg: str = "token-mean", *extra: str) -> RLConfig
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 @pytest.mark.parametrize("algo,agg,extra", [("luffy", "token-mean", ()),
                                             ("luffy", "seq-mean-token-sum-norm", ("algo.luffy.clip=false",)),
-                                            ("srft", "token-mean", ())], ids=["luffy-paper", "luffy-code", "srft"])
+                                            ("srft", "token-mean", ()), ("srft", "token-mean", SRFT_CODE)],
+                         ids=["luffy-paper", "luffy-code", "srft-paper", "srft-code"])
 def test_mixed_step_gradient_is_the_full_batch_gradient(algo, agg, extra, k, sort, batch, make_model, tokenizer):
     pad_id = tokenizer.pad_token_id
     model = make_model(0)
-    ref = reference(model, batch, algo, agg, pad_id, clip="algo.luffy.clip=false" not in extra)
+    ref = reference(model, batch, algo, agg, pad_id, clip="algo.luffy.clip=false" not in extra,
+                    code=extra == SRFT_CODE)
     got, plan, engine = exactrl_step(model, batch, cfg_for(algo, k, agg, *extra), pad_id, sort)
     assert rel_err(got, ref) <= TOL
     shares = {sum(batch[i].loss_tokens for i in mb if batch[i].source == "demonstration")

@@ -140,16 +140,18 @@ def test_outcome_terms_by_hand():
     assert float(share) == pytest.approx(int(mask[0].sum()) / tokens)
 
 
-def srft_by_the_paper(samples, b, logp, entropy, clip=(0.2, 0.2)):
-    """SRFT on the batch: the demonstrations' terms over their tokens, the policy's over theirs."""
+def srft_by_the_paper(samples, b, logp, entropy, clip=(0.2, 0.2), sign=-1.0, gamma=None):
+    """SRFT on the batch: the demonstrations' terms over their tokens, the policy's over theirs.
+    sign=+1, gamma=0.1, clip=None: its official code's w_SFT = 0.5 sg(e^{+H}) and LUFFY's shaped,
+    unclipped demonstration term."""
     demo, on, n_demo, n_on = 0.0, 0.0, 0, 0
     for i, s in enumerate(samples):
         mask = b["loss_mask"][i].bool()
         lp, h, adv = logp[i][mask], entropy[i][mask], b["advantages"][i][mask]
         if s.source == "demonstration":
-            p = lp.exp()
-            demo = demo + (0.5 * torch.exp(-h) * -lp).sum() - torch.minimum(p * adv, p.clamp(1 - clip[0], 1 + clip[1])
-                                                                             * adv).sum()
+            p = lp.exp() if gamma is None else lp.exp() / (lp.exp() + gamma)
+            rl = p * adv if clip is None else torch.minimum(p * adv, p.clamp(1 - clip[0], 1 + clip[1]) * adv)
+            demo = demo + (0.5 * torch.exp(sign * h) * -lp).sum() - rl.sum()
             n_demo += int(mask.sum())
         else:
             on = on + ((0.1 * torch.exp(h) * -lp).sum() if s.reward >= 1.0 else lp.sum())
@@ -174,7 +176,28 @@ def test_srft_objective_from_the_registry_is_the_papers_loss(micro):
     unclipped = ALGORITHMS.lookup("srft").objective(load_config(RLConfig, None, ["algo.name=srft",
                                                                                  "algo.srft.demo_clip=false"]))
     loss, _ = run(unclipped, samples, b, {"logprobs": logp, "entropy": entropy}, micro)
-    assert torch.allclose(loss, srft_by_the_paper(samples, b, logp, entropy, clip=(1e9, 1e9)), rtol=1e-12)
+    assert torch.allclose(loss, srft_by_the_paper(samples, b, logp, entropy, clip=None), rtol=1e-12)
+
+
+@pytest.mark.parametrize("micro", [1, 3])
+def test_srft_objective_as_its_official_code_computes_it(micro):
+    """algo.srft.sft_weight=exp_entropy demo_gamma=0.1 demo_clip=false: the code's sg(e^{+H}) on the
+    demonstrations' NLL and LUFFY's shaped, unclipped term on their ratio; value and gradient."""
+    from exactrl.algorithms.registry import ALGORITHMS
+    from exactrl.config import RLConfig, load_config
+
+    samples, b, logp, entropy = mixed_batch()
+    logp.data[3, 2:] = torch.tensor([0.9, 0.5, 0.1, 0.95, 0.7, 0.02, 0.85], dtype=D).log()
+    code = ["algo.name=srft", "algo.srft.sft_weight=exp_entropy", "algo.srft.demo_gamma=0.1",
+            "algo.srft.demo_clip=false"]
+    objective = ALGORITHMS.lookup("srft").objective(load_config(RLConfig, None, code))
+    loss, _ = run(objective, samples, b, {"logprobs": logp, "entropy": entropy}, micro)
+    ref = srft_by_the_paper(samples, b, logp, entropy, clip=None, sign=1.0, gamma=0.1)
+    assert torch.allclose(loss, ref, rtol=1e-12)
+    assert torch.allclose(*(torch.autograd.grad(x, logp)[0] for x in (loss, ref)), rtol=1e-10, atol=1e-15)
+    # each choice moves the value: neither option is silently ignored
+    for wrong in (dict(sign=-1.0, gamma=0.1), dict(sign=1.0, gamma=None)):
+        assert not torch.allclose(loss, srft_by_the_paper(samples, b, logp, entropy, clip=None, **wrong), rtol=1e-6)
 
 
 def test_luffy_objective_from_the_registry_follows_paper_or_code():

@@ -16,7 +16,8 @@ from exactrl.pipelines.plan import Options, plan
 
 PAPER = Path(__file__).resolve().parents[1] / "examples" / "paper"
 RECIPES = sorted(PAPER.glob("*.yaml"))
-SFT_THEN_RL = [p for p in RECIPES if "luffy" not in p.name]
+ONE_STAGE = ("luffy", "srft")  # mixed-policy recipes: `exactrl rl` from the base model
+SFT_THEN_RL = [p for p in RECIPES if not any(m in p.name for m in ONE_STAGE)]
 OPTIONS = Options(params=7e9, tokens_per_sample=4200, data_rows=46_000)
 
 
@@ -25,7 +26,7 @@ def test_each_recipe_passes_config_check(path):
     out = CliRunner().invoke(app, ["config", "check", str(path), "--params", "7e9", "--tokens-per-sample", "4200",
                                    "--data-rows", "46000"], terminal_width=200)
     assert out.exit_code == 0, out.output
-    command = "rl" if "luffy" in path.name else "pipeline"  # LUFFY is one stage, from the base model
+    command = "pipeline" if path in SFT_THEN_RL else "rl"
     assert f"a valid `exactrl {command}` config" in out.output and "not found here" in out.output
     assert "FLOPs: unknown" not in out.output and ("total FLOPs: " in out.output or command == "rl")
 
@@ -68,6 +69,22 @@ def test_the_luffy_recipe_holds_its_scripts_hyperparameters():
     assert t.global_batch_size * a.mini_batches // a.group_size == 128 and t.max_steps // a.mini_batches == 500
     assert (cfg.optim.lr, t.loss_agg, t.loss_agg_norm, cfg.rollout.max_new_tokens) == (
         1e-6, "seq-mean-token-sum-norm", 8192, 8192)
+
+
+def test_the_srft_recipe_holds_its_codes_choices_and_plans_luffys_flops():
+    """SRFT as its script runs it (github.com/fyqqyf/SRFT exp_scripts/train.sh): the code's entropy sign and
+    shaped, unclipped demonstration term, its entropy bonus; at LUFFY's counts, LUFFY's 6.65e19."""
+    cfg = load_config(RLConfig, PAPER / "qwen2.5-math-7b_srft.yaml")
+    a, s, t = cfg.algo, cfg.algo.srft, cfg.train
+    assert (a.name, a.group_size, s.demonstrations, a.kl_coef, a.entropy_coef) == ("srft", 8, 1, 0.0, 0.001)
+    assert (s.sft_coef, s.sft_weight, s.positive_coef, s.demo_gamma, s.demo_clip) == (
+        0.5, "exp_entropy", 0.1, 0.1, False)
+    assert t.global_batch_size * a.mini_batches // a.group_size == 128 and t.max_steps // a.mini_batches == 500
+    assert (cfg.optim.lr, cfg.rollout.max_new_tokens) == (1e-6, 8192)
+    out = CliRunner().invoke(app, ["config", "check", str(PAPER / "qwen2.5-math-7b_srft.yaml"), "--params", "7e9",
+                                   "--tokens-per-sample", "4200", "--rollout-tokens", "2200", "--data-rows", "46000"],
+                             terminal_width=200)
+    assert out.exit_code == 0 and "FLOPs: 6.65e+19" in out.output, out.output
 
 
 def test_the_full_recipe_is_ten_times_the_truncated_rl():

@@ -14,10 +14,18 @@ follows the paper and exposes the code's choice:
   - the code counts the demonstration inside rollout.n=8 (n_prefix=1), as algo.group_size does here.
 
 SRFT (Fu et al. 2025, "SRFT: A Single-Stage Method with Supervised and Reinforcement Fine-Tuning
-for Reasoning", arXiv 2506.19767; no official training code was found, only released models):
+for Reasoning", arXiv 2506.19767; code github.com/fyqqyf/SRFT, a fork of LUFFY's verl/mix_src):
   L = w_SFT NLL(demo) + L_RL(demo) + [w_RL NLL(y+) + log p(y-)], with
   w_SFT = 0.5 sg(exp(-H)), w_RL = 0.1 sg(exp(H)) and L_RL(demo) = -min(p A, clip(p) A) (behaviour
   probability 1, advantages over the group with the demonstration, as LUFFY, on which it builds).
+  Where its official code differs (mix_core_alg.py compute_token_on_off_policy_loss and
+  exp_scripts/train.sh, as read by secondary sources: the repository is not reachable from here),
+  exactrl follows the paper and exposes the code's choice:
+  - the code weighs the demonstrations' NLL by sg(exp(+H)), not exp(-H) (its 0.5 is the script's
+    sft_loss_coef=-0.5, subtracted): algo.srft.sft_weight=exp_entropy;
+  - the code's demonstration term is LUFFY's shaped, unclipped one (off_policy_reshape=p_div_p_0.1):
+    algo.srft.demo_gamma=0.1 algo.srft.demo_clip=false;
+  - the script adds an entropy bonus of 0.001 (entropy_coeff): algo.entropy_coef=0.001.
   Choices the paper leaves open, made here: H is each token's own entropy (not a batch mean); the
   demonstration terms share one normaliser over the demonstrations' tokens, the positive and
   negative terms one over the policy's tokens (the paper's expectations, each over its samples);
@@ -41,8 +49,8 @@ def luffy_terms(cfg, agg: dict) -> list[Term]:
 def srft_terms(cfg, agg: dict) -> list[Term]:
     a, s = cfg.algo, cfg.algo.srft
     clip = (a.clip_eps, a.clip_eps) if s.demo_clip else None  # p <= 1: only the lower bound can act
-    return [NLLTerm(coef=s.sft_coef, weight="exp_neg_entropy", sources=DEMO, **agg),
-            DemonstrationTerm(clip=clip, sources=DEMO, **agg),
+    return [NLLTerm(coef=s.sft_coef, weight=s.sft_weight, sources=DEMO, **agg),
+            DemonstrationTerm(clip=clip, gamma=s.demo_gamma, sources=DEMO, **agg),
             OutcomeTerm(sign="positive", coef=s.positive_coef, weight="exp_entropy", threshold=s.positive_reward,
                         sources=ON, **agg),
             OutcomeTerm(sign="negative", threshold=s.positive_reward, sources=ON, **agg)]

@@ -33,7 +33,12 @@ class SRFTConfig(Section):
                                             "policy samples the rest. 1, as LUFFY.")
     sft_coef: float = Field(0.5, ge=0,
                             description="w_SFT = sft_coef x sg(exp(-H)) on the demonstrations' NLL, H the token's "
-                                        "entropy (paper: 0.5).")
+                                        "entropy (paper and code: 0.5, the code's sft_loss_coef=-0.5 subtracted).")
+    sft_weight: Literal["exp_neg_entropy", "exp_entropy"] = Field(
+        "exp_neg_entropy",
+        description="The entropy factor of w_SFT: 'exp_neg_entropy', sg(exp(-H)) as the paper's Eq. 8 (imitate less "
+                    "where the policy is unsure); 'exp_entropy', sg(exp(+H)) as its official code computes it "
+                    "(mix_core_alg.py: entropy.exp().detach()).")
     positive_coef: float = Field(0.1, ge=0,
                                  description="w_RL = positive_coef x sg(exp(H)) on the NLL of the policy's positive "
                                              "responses (paper: 0.1); negative ones get +log p, weight 1.")
@@ -41,11 +46,17 @@ class SRFTConfig(Section):
                                    description="A response whose reward is at least this is positive (the rollout's "
                                                "accuracy rule: the built-in and math rewards give 1 to a correct "
                                                "answer).")
+    demo_gamma: float | None = Field(None, gt=0,
+                                     description="Shaping of the demonstrations' ratio: None, the ratio p as the "
+                                                 "paper writes it; a number, LUFFY's f(p) = p / (p + demo_gamma), "
+                                                 "as the official code's off_policy_reshape=p_div_p_0.1 (0.1).")
     demo_clip: bool = Field(True,
                             description="PPO's clip (algo.clip_eps) on the demonstrations' ratio p (behaviour "
                                         "probability 1), as the paper writes it (p <= 1: only the lower bound "
-                                        "acts, on negative advantages); false: -p A unclipped, as LUFFY's off-policy "
-                                        "term.")
+                                        "acts, on negative advantages); false: -f(p) A unclipped, as LUFFY's "
+                                        "off-policy term and SRFT's official code, which computes it with LUFFY's.")
+
+
 class UFTConfig(Section):
     """UFT (Liu et al. 2025, arXiv 2505.16984); defaults from its official code (liumy2010/UFT run.py)."""
 

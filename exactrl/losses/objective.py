@@ -219,15 +219,17 @@ class DemonstrationTerm(Term):
     """The policy-gradient loss on demonstrations, behaviour probability 1 (losses/policy.py
     demonstration_loss): SRFT's demonstration RL term (arXiv 2506.19767), with ``clip``
     = (low, high) PPO's clip on the ratio p, or None. Since p <= 1 only the lower bound acts: a
-    demonstration token with a negative advantage stops being pushed down once p < 1 - low."""
+    demonstration token with a negative advantage stops being pushed down once p < 1 - low.
+    ``gamma``: LUFFY's shaping p / (p + gamma) of the ratio (SRFT's official code), None: p."""
 
     kind = "demo_policy"
     fields: tuple[str, ...] = ("logprobs",)
     clip: tuple[float, float] | None = None
+    gamma: float | None = None
 
     def token_loss(self, f, b, mask, m):
         m.mean("demo_prob", torch.exp(f["logprobs"].detach()), mask)
-        return demonstration_loss(f["logprobs"], b["advantages"], clip=self.clip)
+        return demonstration_loss(f["logprobs"], b["advantages"], gamma=self.gamma, clip=self.clip)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -92,6 +92,7 @@ TOKEN_WEIGHTS = {
     # CHORD (arXiv 2508.11408): phi = p (1 - p), p the probability of the demonstrated token
     "p_one_minus_p": (("logprobs",), _p_one_minus_p),
     # SRFT (arXiv 2506.19767): sg(e^{H}) on the NLL of the policy's positive responses, so that training on
-    # them (which lowers entropy) weighs more while entropy is high
+    # them (which lowers entropy) weighs more while entropy is high; its official code weighs the
+    # demonstrations' NLL by it too
     "exp_entropy": (("entropy",), lambda fields: torch.exp(fields["entropy"].detach())),
 }

@@ -73,7 +73,8 @@ def mixed_loss(objective, samples, logp, micro: int = 4, plan=None):
         chunk = [samples[i] for i in mb]
         b = collate(chunk, 0)
         f = {"logprobs": logp[list(mb), : b["loss_mask"].size(1)]}
-        part, share = micro_batch_loss(objective, f, b, b, [s.source for s in chunk], normalizers, Metrics())
+        part, share = micro_batch_loss(objective, f, b, b, [s.source for s in chunk], normalizers, Metrics(),
+                                       plan.mean_of())
         total, shares = total + part, shares + share
     return total, shares
 

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-import torch
-
 from exactrl.data.batch import Sample
 from exactrl.distributed.step_plan import StepPlan, plan_samples
 from exactrl.losses.objective import Cosine, NLLTerm, Objective, Term
@@ -59,30 +57,6 @@ def hpt_terms(terms: list[Term], cfg) -> list[Term]:
     return [*on_policy(terms), NLLTerm(coef=cfg.algo.hpt.sft_coef, sources=DEMONSTRATIONS)]
 
 
-@dataclass(frozen=True)
-class MicroMeanNormalizer:
-    """Each micro-batch's token mean, divided by the step's number of micro-batches (every rank's):
-    the mean of micro-batch means. A token of a micro-batch with n tokens weighs 1 / (n K)."""
-
-    micro_batches: int
-
-    def sequence_weights(self, seq_tokens: torch.Tensor) -> torch.Tensor:
-        n = seq_tokens.to(torch.float64)
-        return torch.full_like(n, 1.0 / (float(n.sum().clamp(min=1)) * self.micro_batches))
-
-    def total_weight(self) -> float:
-        return 1.0
-
-
-@dataclass(frozen=True)
-class MeanOfMicroMeansPlan(StepPlan):
-    """A step plan whose every term is normalised per micro-batch (MicroMeanNormalizer): ReLIFT's
-    code (sft_update_policy: masked_mean per micro-batch / gradient_accumulation, averaged over ranks)."""
-
-    def normalizer_for(self, mode, norm_len, sources=None, origins=None) -> MicroMeanNormalizer:
-        return MicroMeanNormalizer(len(self.micro_batches))
-
-
 @dataclass
 class SFTBuffer:
     """ReLIFT's buffer (Ma et al. 2025, arXiv 2506.07527; TheRoadQaQ/ReLIFT trainer.py): the
@@ -110,8 +84,7 @@ def sft_step_plan(demos: list[Sample], micro_batch_size: int, world_size: int, m
     """The SFT step's plan: one token mean over the step's demonstration tokens, or (ReLIFT's code)
     the mean of micro-batch means."""
     plan = plan_samples(demos, micro_batch_size, "token-mean", world_size=world_size)
-    return MeanOfMicroMeansPlan(plan.micro_batches, plan.world_size, plan.counts, plan.normalizer) if mean_of_means \
-        else plan
+    return replace(plan, micro_means=mean_of_means)
 
 
 SFT_OBJECTIVE = Objective((NLLTerm(),))

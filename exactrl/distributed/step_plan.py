@@ -49,10 +49,18 @@ class StepPlan:
     world_size: int  # micro-batch c runs on rank c % world_size
     counts: tuple[SourceCount, ...]  # per source and origins of the loss tokens, over the whole step
     normalizer: StepNormalizer  # the step's default: every source, the plan's aggregation mode
+    # each micro-batch normalised by its own counts, averaged over the step's micro-batches (every rank's): the
+    # mean of micro-batch means, kept for what reproduces it on purpose (ReLIFT's code, algo.relift.mean_of_means;
+    # fault.mean_of_means sets it through the engine); losses/aggregation.py micro_batch_normalizer
+    micro_means: bool = False
 
     @property
     def num_samples(self) -> int:
         return sum(len(mb) for mb in self.micro_batches)
+
+    def mean_of(self) -> int | None:
+        """With micro_means, the number of micro-batches each one's own normalisers are averaged over."""
+        return len(self.micro_batches) if self.micro_means else None
 
     def for_rank(self, rank: int) -> RankPlan:
         return RankPlan(self.micro_batches[rank :: self.world_size])

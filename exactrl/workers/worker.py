@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -145,8 +145,9 @@ class Worker:
     def micro_batch(self, samples: list[Sample], objective: Objective, normalizers: dict, metrics: Metrics,
                     mean_of: int | None = None):
         """One micro-batch: its part of the step loss (not yet backpropagated), its canary
-        share, and the loss mask that entered the loss. ``mean_of``: fault.mean_of_means's
-        micro-batches per step (exactrl/losses/objective.py micro_batch_loss)."""
+        share, and the loss mask that entered the loss. ``mean_of``: the step's micro-batches when
+        each is normalised by its own counts (StepPlan.micro_means, fault.mean_of_means;
+        exactrl/losses/objective.py micro_batch_loss)."""
         on_cpu = collate(samples, self.pad_id)
         b = {k: v.to(self.engine.device) for k, v in on_cpu.items()}
         mb = self.model_batch(samples)
@@ -168,7 +169,9 @@ class Worker:
         mine = plan.for_rank(self.engine.rank)
         objective = objective.at(self.engine.step_count)
         normalizers, metrics = objective.normalizers(plan), Metrics()
-        mean_of = len(plan.micro_batches) if self.engine.mean_of_means else None  # every rank's, as OpenRLHF averaged
+        if self.engine.mean_of_means:  # fault.mean_of_means: every rank's micro-batches, as OpenRLHF averaged them
+            plan = replace(plan, micro_means=True)
+        mean_of = plan.mean_of()
         self.engine.begin_step(len(mine.micro_batches))  # where the engine's accumulation boundary is
         dev = self.engine.device
         total, rows, tokens = (torch.zeros((), dtype=torch.float64, device=dev) for _ in range(3))

@@ -1,8 +1,9 @@
 """What an exactrl run records in its manifest.json about the maths it chose, and `exactrl audit
 run` reporting it as facts beside the ones read from other frameworks' files. Today: each RL
 phase's rollout-trainer gap correction (``rollout_correction.<phase>``), reported as e.g.
-``rl: tis decoupled C=2.0 (generator log-probs over the vocabulary)`` with the manifest line as
-evidence. A run from before the key existed (or an SFT run) records none, and nothing is reported."""
+``rl: tis decoupled C=2.0 (generator log-probs over the vocabulary)`` or ``rl: icepop decoupled
+kept band [0.5, 5.0] (...)``, with the manifest line as evidence. A run from before the key
+existed (or an SFT run) records none, and nothing is reported."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ def describe(phase: str, entry: dict) -> str:
     """One line for a phase's recorded correction."""
     what = entry.get("correction", "?")
     if what != "none":
-        band = f"C={entry.get('cap')}" + (f", C_low={entry['cap_low']}" if "cap_low" in entry else "")
+        cap, low = entry.get("cap"), entry.get("cap_low")
+        band = f"kept band [{1 / low:.3g}, {cap}]" if isinstance(low, (int, float)) and low else f"C={cap}"
         what = f"{what} {entry.get('form', '?')} {band}"
     over = entry.get("generator_logprobs_over", "?")
     replay = ", kept set replayed on the trainer" if entry.get("kept_set_replayed") else ""

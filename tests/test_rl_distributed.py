@@ -66,6 +66,8 @@ def test_distributed_rl_runs_with_the_canary_and_resumes_exactly(tmp_path, layou
         if r.get("canary") is not None:
             assert r["samples"] == 8 and abs(r["canary"] - 1) <= 1e-5
         assert r.get("ratio_dev_first") in (None, 0.0) or r["ratio_dev_first"] <= 1e-6
+        # the rollout-trainer gap, over the old-log-prob pass or (dapo: one update) reduced over both ranks' forwards
+        assert r["rollout_gap/abs_max"] <= 1e-4 and r["rollout_gap/outside_frac"] == 0.0
     if layout.startswith("fsdp2-ppo"):
         assert steps[0].get("canary") is None and abs(steps[0]["critic_canary"] - 1) <= 1e-5  # warm-up: only the critic
         assert all(abs(r["critic_canary"] - 1) <= 1e-5 for r in steps)

@@ -15,6 +15,7 @@ from exactrl.algorithms.luffy_srft import luffy_terms, srft_terms
 from exactrl.algorithms.sft_rl import chord_terms, hpt_terms
 from exactrl.config.loader import ConfigError
 from exactrl.losses.objective import EntropyTerm, KLTerm, Objective, PolicyTerm
+from exactrl.losses.rollout_gap import RolloutGap
 from exactrl.registry import Registry
 from exactrl.rollout.collect import collect_dynamic_rollout, plain_rollout
 from exactrl.rollout.gated import gated, with_demonstrations
@@ -66,7 +67,23 @@ class Algorithm:
         if a.entropy_coef > 0:
             terms.append(EntropyTerm(coef=a.entropy_coef, **agg))
         objective = Objective(tuple(terms), metrics=("entropy",) if a.log_entropy and a.entropy_coef == 0 else ())
-        return self.reshape(objective, cfg) if self.reshape else objective
+        return (self.reshape(objective, cfg) if self.reshape else objective).with_gap(gap_spec(cfg))
+
+
+# Each correction's caps (C, C_low) when algo.rollout_correction_cap(_low) are unset, from its source
+# (config/schema_rl.py states them): TIS truncates from above only, its C_low is never read.
+CORRECTION_CAPS = {"none": (2.0, 2.0), "tis": (2.0, 2.0), "icepop": (5.0, 2.0), "seq_mask": (3.0, None)}
+
+
+def gap_spec(cfg, kept: bool = False) -> RolloutGap:
+    """How the policy's sampled tokens are compared with the generator's log-probs and the gap
+    corrected (exactrl/losses/rollout_gap.py), from algo.rollout_correction* and algo.rollout_gap_cap;
+    ``kept``: the generator's log-probs are over the top-p/top-k kept set (rollout/generator.py)."""
+    a = cfg.algo
+    cap, cap_low = CORRECTION_CAPS[a.rollout_correction]
+    cap = a.rollout_correction_cap or cap
+    return RolloutGap(kept=kept, gap_cap=a.rollout_gap_cap, correction=a.rollout_correction,
+                      form=a.rollout_correction_form, cap=cap, cap_low=a.rollout_correction_cap_low or cap_low or cap)
 
 
 def on_terms(make: Callable) -> Callable:

@@ -34,11 +34,13 @@ import torch
 from exactrl.advantages import AdvantageInput, get_advantage
 from exactrl.advantages.estimators import EPS, whiten
 from exactrl.algorithms.common import check_data_size, check_world, seed_everything
-from exactrl.algorithms.registry import ALGORITHMS
+from exactrl.algorithms.registry import ALGORITHMS, gap_spec
 from exactrl.algorithms.resume import prepare_resume
 from exactrl.algorithms.sft import resolve
 from exactrl.algorithms.sft_rl import SFTBuffer, relift_sft
+from exactrl.audit.manifest import record
 from exactrl.checks.on_policy import on_policy_check
+from exactrl.checks.rollout_gap import rollout_gap_metrics
 from exactrl.compute import FlopsCounter, count_parameters
 from exactrl.config.schema_rl import RLConfig
 from exactrl.data.batch import Sample
@@ -52,6 +54,7 @@ from exactrl.losses.objective import Objective
 from exactrl.losses.token_losses import kl_penalty
 from exactrl.models.loading import load_tokenizer
 from exactrl.rewards import load_rewards, require_answers
+from exactrl.rollout.generator import compares_kept_set
 from exactrl.rollout.hf import HFEngine
 from exactrl.run.context import RunContext
 from exactrl.run.evaluation import eval_data, load_eval_set
@@ -212,18 +215,20 @@ def mini_batches(samples: list[Sample], cfg: RLConfig, engine, group_rng: random
 
 
 def attach_fields(samples: list[Sample], cfg: RLConfig, policy: Worker, reference: Worker | None,
-                  critic: Critic | None) -> bool:
-    """The per-token fields fixed for the rollout (old log-probs, reference log-probs, the
-    critic's values), each computed once in the first update's micro-batches and shared by every
-    rank. Returns whether the old-log-prob pass was skipped (the update's own forward stands for it)."""
+                  critic: Critic | None, kept: bool = False) -> bool:
+    """The per-token fields fixed for the rollout (old log-probs -- also over the top-p/top-k
+    kept set when ``kept``, from the same forward --, reference log-probs, the critic's values),
+    each computed once in the first update's micro-batches and shared by every rank. Returns
+    whether the old-log-prob pass was skipped (the update's own forward stands for it)."""
     first_pass = first_pass_micro_batches(samples, cfg, policy.engine)
     reused = reuses_first_forward(cfg, samples)
-    for worker, name, key in ((None if reused else policy, "logprobs", "old_logprobs"), (
-        reference, "logprobs", "ref_logprobs"),
-                              (critic, "values", "old_values")):
+    old = {"logprobs": "old_logprobs", **({"kept_logprobs": "old_kept_logprobs"} if kept else {})}
+    for worker, fields in ((None if reused else policy, old), (reference, {"logprobs": "ref_logprobs"}),
+                           (critic, {"values": "old_values"})):
         if worker is not None:
-            for s, values in zip(samples, worker.forward(samples, name, first_pass)):
-                setattr(s, key, values)
+            for name, values in worker.forward_fields(samples, tuple(fields), first_pass).items():
+                for s, v in zip(samples, values):
+                    setattr(s, fields[name], v)
     return reused
 
 
@@ -296,6 +301,11 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     # Several ranks holding shards of the parameters must run every forward together
     # (generate's synced_gpus keeps a rank whose responses have all ended stepping with the others).
     generator = HFEngine(model, tok, cfg.rollout.batch_size, synced=engine.synced_decoding)
+    # the rollout-trainer gap, compared in the generator's convention (over the kept set if its log-probs are)
+    kept = compares_kept_set(generator, cfg.rollout.top_p, cfg.rollout.top_k)
+    gap = gap_spec(cfg, kept)
+    if is_main():  # `exactrl audit run` reports it (exactrl/audit/recorded.py)
+        record(ctx.run_dir, "rollout_correction", phase, gap.record(type(generator).__name__, generator.logprobs_over))
 
     sampler = StepSampler(len(prompts), prompts_per_rollout, t.seed)
     group_rng = random.Random(f"{t.seed}-minibatches")
@@ -327,7 +337,9 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
         flops.generated(samples, rstats["generated_tokens"] if "refill_rounds" in rstats else None)
 
         # 2. per-token fields fixed for the rollout, computed in the first update's micro-batches
-        reused = attach_fields(samples, cfg, policy, reference, critic)
+        reused = attach_fields(samples, cfg, policy, reference, critic, kept)
+        if not reused:  # else the update's forward measures it (checks/rollout_gap.py)
+            rstats |= rollout_gap_metrics(samples, gap)
 
         # 3. advantages over the whole rollout, under this rollout's KL coefficient (the controller moves it for the
         # next)
@@ -337,7 +349,8 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
         attach_advantages(samples, cfg, kl_coef)
 
         # 4. epochs x mini-batches, one verified optimizer step each (during the critic's warm-up only the critic steps)
-        loss_now = objective.with_term("kl", coef=kl_coef).with_term("policy", old="self" if reused else "old_logprobs")
+        loss_now = objective.with_term("kl", coef=kl_coef).with_term("policy", old="self" if reused else "old_logprobs"
+                                                                    ).with_gap(gap, measure=reused)
         train_policy = critic is None or rollout >= cfg.critic.warmup_rollouts
         for batch, plan, first in mini_batches(samples, cfg, engine, group_rng):
             # the first update must see ratio 1 on every rank, checked before it is applied

@@ -85,8 +85,13 @@ def write_manifest(run_dir: Path, seed: int, data_files: dict[str, str | Path | 
 
 def record_check(run_dir: Path, name: str, result: dict) -> None:
     """Add a start-up check's figures to the run's manifest under ``checks.<name>``."""
+    record(run_dir, "checks", name, result)
+
+
+def record(run_dir: Path, section: str, name: str, value: dict) -> None:
+    """Add ``value`` to the run's manifest under ``<section>.<name>`` (e.g. a phase's rollout correction)."""
     def add(manifest: dict) -> dict:
-        manifest.setdefault("checks", {})[name] = result
+        manifest.setdefault(section, {})[name] = value
         return manifest
 
     _update(run_dir, add)

@@ -61,12 +61,14 @@ from exactrl.audit.evidence import (
 from exactrl.audit.faults import injected_faults
 from exactrl.audit.judging import derive, judge
 from exactrl.audit.readers import parse_flags, read_accelerate_config, read_deepspeed_config, read_launcher
+from exactrl.audit.recorded import recorded_facts
 from exactrl.audit.rules import RULES, Verdict
 
 PACKAGES = ("deepspeed", "transformers", "openrlhf", "trl", "accelerate", "llamafactory", "torch")
 FACTS = ("framework", "uses_deepspeed", "zero_stage", "offload_optimizer", "micro_batch_size", "global_batch_size",
          "world_size", "parallel_divisor", "gradient_accumulation_steps", "effective_k", "is_openrlhf",
-         "uses_hf_trainer", "trainer", "packing_samples", "dynamic_batch", "fsdp", *(f"version:{p}" for p in PACKAGES))
+         "uses_hf_trainer", "trainer", "packing_samples", "dynamic_batch", "fsdp", *(f"version:{p}" for p in PACKAGES),
+         "rollout_correction")  # the last as an exactrl run's manifest records it (audit/recorded.py)
 TEXT_SUFFIXES = {".json", ".yaml", ".yml", ".sh", ".bash", ".zsh", ".txt", ".cmd", ".log", ".out"}
 SCRIPT_SUFFIXES = (".sh", ".bash", ".zsh", ".txt", ".cmd")
 PICKLE_SUFFIXES = (".bin", ".pkl", ".pickle", ".pt")
@@ -116,7 +118,7 @@ def audit_run(path: Path) -> RunAudit:
     reader.finish()
     facts, problems = derive(reader.c, reader.complete_lists)
     verdicts, injected = injected_faults(path, [judge(rule, facts, problems) for rule in RULES.values()])
-    return RunAudit(str(path), facts, injected + problems, verdicts)
+    return RunAudit(str(path), facts | recorded_facts(path), injected + problems, verdicts)
 
 
 def run_files(root: Path) -> list[Path]:

@@ -31,7 +31,9 @@ class RolloutConfig(Section):
                                      "draws, not the log-probs: the generator's, the trainer's and the on-policy "
                                      "check's are all log p of the token under the temperature-scaled distribution "
                                      "over the whole vocabulary, before any cut (as TRL, OpenRLHF and verl compute "
-                                     "them).")
+                                     "them). A generator reporting them over the kept set (vLLM's "
+                                     "processed_logprobs) is compared with the trainer's over the same set, "
+                                     "replayed on its logits.")
     top_k: int = Field(0, ge=0,
                        description="Top-k sampling: draw among the k most likely tokens (after temperature, before "
                                    "top_p, as Hugging Face and vLLM apply them); 0 = off. Log-probs as for top_p: "
@@ -200,6 +202,30 @@ class AlgoConfig(Section):
                                              "update is checked against the generator's log-probs (KV-cached "
                                              "decoding rounds differently from the training forward; the loss uses "
                                              "the forward's own).")
+    rollout_correction: Literal["none", "tis", "icepop", "seq_mask"] = Field(
+        "none", description="Correct the rollout-trainer gap (the generator's log-probs against the trainer's, "
+                            "rho = pi_trainer / pi_gen per sampled token): 'tis' weighs each token's loss by "
+                            "min(rho, C) (Yao et al. 2025, truncated IS); 'icepop' by rho, 0 outside [1/C_low, C] "
+                            "(IcePop, arXiv 2510.18855; masked IS, Liu et al. 2025); 'seq_mask' by rho, 0 in "
+                            "responses whose geometric-mean rho leaves [1/C_low, C] (OpenRLHF's seq-mask-tis). "
+                            "A masked token stays in the normaliser. 'none': measured (rollout_gap/*), not corrected.")
+    rollout_correction_form: Literal["decoupled", "folded"] = Field(
+        "decoupled", description="'decoupled': the PPO ratio against the trainer's old log-probs, times the "
+                                 "correction's weight (rho from the old log-probs); 'folded': the PPO ratio against "
+                                 "the generator's log-probs (verl's bypass mode), times weight / rho (rho from the "
+                                 "current forward), so PPO's clip is centred on the generator.")
+    rollout_correction_cap: float | None = Field(
+        None, gt=1, description="C: tis truncates at it, icepop and seq_mask mask above it. Unset = the method's "
+                                "source: tis 2 (Yao et al. 2025; TRL's token_truncate cap 2.0, PR #3867; verl's "
+                                "rollout_is_threshold 2.0), icepop 5 (IcePop's beta; OpenRLHF's "
+                                "is_correction_threshold [0.5, 5.0]), seq_mask 3 (TRL's sequence_mask cap, whose "
+                                "bound is on the product of the ratios, from above only).")
+    rollout_correction_cap_low: float | None = Field(
+        None, gt=1, description="C_low of icepop and seq_mask: they mask below 1/C_low. Unset = icepop 2 (IcePop's "
+                                "alpha = 0.5, OpenRLHF's 0.5), seq_mask its cap ([1/C, C]).")
+    rollout_gap_cap: float = Field(
+        2.0, gt=1, description="C of the logged share of sampled tokens whose rho leaves [1/C, C] "
+                               "(rollout_gap/outside_frac; 2 = TIS's cap).")
 
 
 class RewardConfig(Section):

@@ -14,6 +14,7 @@ CRITIC_ALGOS = ("ppo",)  # train a critic (critic.*) and estimate advantages wit
 # the grpo estimator: group-centred rewards / group std
 STD_ALGOS = ("grpo", "gspo", "dapo", "luffy", "srft", "chord", "hpt", "relift", "uft")
 DISCOUNT_ALGOS = ("ppo", "reinforce_pp", "reinforce_pp_baseline")  # returns to go, discounted by algo.gamma
+HINTED_ALGOS = ("uft", "prefix_rft")  # rollouts continue a hint: no generator log-probs (rollout/hinted.py)
 
 
 class UsedWhen(NamedTuple):
@@ -53,6 +54,18 @@ USED_WHEN = [
     *(UsedWhen(key, lambda c: c.algo.name != "srft", "srft's loss takes no ratio to the policy that sampled, so "
                "there is no on-policy ratio to check", "use another algo.name") for key in (
         "algo.ratio_check", "algo.ratio_tol", "algo.gen_ratio_tol")),
+    UsedWhen("algo.rollout_correction", lambda c: c.algo.name != "srft", "srft's loss takes no ratio on the "
+             "policy's samples for a correction to weigh (its terms on them are log-likelihoods)",
+             "use another algo.name"),
+    *(UsedWhen(key, lambda c: c.algo.name not in HINTED_ALGOS, "algo.name={c.algo.name}'s samples carry no generator "
+               "log-probs (the generator never scores the hint it continues), so there is no gap to measure or "
+               "correct", "use another algo.name") for key in ("algo.rollout_correction", "algo.rollout_gap_cap")),
+    *(UsedWhen(key, lambda c: c.algo.rollout_correction != "none", "no correction is applied "
+               "(algo.rollout_correction=none)", "set algo.rollout_correction=tis, icepop or seq_mask")
+      for key in ("algo.rollout_correction_form", "algo.rollout_correction_cap")),
+    UsedWhen("algo.rollout_correction_cap_low", lambda c: c.algo.rollout_correction in ("icepop", "seq_mask"),
+             "algo.rollout_correction={c.algo.rollout_correction} has no lower bound (tis truncates from above)",
+             "set algo.rollout_correction=icepop or seq_mask"),
     UsedWhen("algo.uft.", lambda c: c.algo.name == "uft", "the scheduled hint is uft's (algo.name={c.algo.name})",
              "set algo.name=uft"),
     UsedWhen("algo.prefix_rft.", lambda c: c.algo.name == "prefix_rft", "the scheduled prefix is prefix_rft's "

@@ -57,6 +57,8 @@ class Sample:
     old_logprobs: torch.Tensor | None = per_token("the policy's before the rollout's first update, fixed for the "
                                                   "rollout")
     gen_logprobs: torch.Tensor | None = per_token("the generator's at sampling time, zero on prompt targets")
+    old_kept_logprobs: torch.Tensor | None = per_token("old_logprobs over the top-p/top-k kept set, when the "
+                                                       "generator's log-probs are (losses/rollout_gap.py)")
     ref_logprobs: torch.Tensor | None = per_token("the frozen reference's")
     old_values: torch.Tensor | None = per_token("the critic's before the rollout's first update (ppo)")
     returns: torch.Tensor | None = per_token("the critic's targets (ppo)")

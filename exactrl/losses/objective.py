@@ -29,6 +29,7 @@ import torch
 from exactrl.data.batch import ORIGINS
 from exactrl.losses.aggregation import aggregate, canary_share, micro_batch_normalizer
 from exactrl.losses.policy import PolicyInput, demonstration_loss, get_policy_loss, value_loss
+from exactrl.losses.rollout_gap import RolloutGap, correction_weight, measure, policy_tokens, trainer_logprobs
 from exactrl.losses.token_losses import TOKEN_WEIGHTS, kl_penalty
 
 
@@ -111,7 +112,9 @@ class PolicyTerm(Term):
     """A policy loss of losses/policy.py. ``old``: the log-probs the ratio is taken against,
     the batch's ``old_logprobs``, or "self" (this forward's own, detached: a rollout that feeds
     one update needs no old-log-prob pass); then the ratio metric is taken against the
-    generator's ``gen_logprobs``."""
+    generator's ``gen_logprobs``. ``gap``: how the policy's sampled tokens are compared with the
+    generator's log-probs and the gap corrected (losses/rollout_gap.py): decoupled, the loss is
+    multiplied by the correction's weight; folded, the ratio is taken against the generator's."""
 
     kind = "policy"
     fields: tuple[str, ...] = ("logprobs",)
@@ -120,21 +123,40 @@ class PolicyTerm(Term):
     clip_high: float = 0.2
     dual_clip: float | None = None
     old: str = "old_logprobs"
+    gap: RolloutGap = field(default_factory=RolloutGap)
+
+    def needs(self) -> tuple[str, ...]:
+        # the kept-set log-probs are compared, never differentiated (computed without a graph)
+        current = self.old == "self" or self.gap.folded
+        return (*super().needs(), *(("kept_logprobs",) if self.gap.kept and current else ()))
 
     def token_loss(self, f, b, mask, m):
-        logp = f["logprobs"]
+        logp, gap = f["logprobs"], self.gap
         if self.old == "self":
             old = logp.detach()
         elif "old_logprobs" in b:
             old = b["old_logprobs"]
         else:
             raise ValueError("the policy term reads old_logprobs, which this micro-batch's samples do not carry")
+        sampled, log_rho = policy_tokens(b, mask), None
+        if self.old == "self" or gap.correction != "none":  # trainer against generator, in the generator's convention
+            log_rho = trainer_logprobs(gap, f, b, self.old == "self" or gap.folded) - b["gen_logprobs"]
+        if gap.folded:  # the generator's log-probs as the ratio's anchor, over the trainer's whole vocabulary
+            anchor = b["gen_logprobs"] + (logp.detach() - trainer_logprobs(gap, f, b, True))
+            old = torch.where(sampled, anchor, old)
         tok, ratio, clipped = get_policy_loss(self.loss)(
             PolicyInput(logp, old, b["advantages"], mask, self.clip_low, self.clip_high, self.dual_clip))
+        if gap.correction != "none":
+            weight, corrected = correction_weight(log_rho, sampled, gap)
+            tok = tok * weight
+            m.mean("rollout_correction/weight", weight, sampled)
+            m.mean("rollout_correction/corrected_frac", corrected.double(), sampled)
         with torch.no_grad():
             m.mean("clip_frac", clipped, mask)
-            if self.old == "self":
-                ratio = torch.exp(logp.detach() - b["gen_logprobs"])
+            if self.old == "self":  # no old pass: checked against the generator (algo.gen_ratio_tol)
+                ratio = torch.exp(log_rho)
+            elif gap.folded:  # the loss's ratio starts at the gap; the check stays with the old pass
+                ratio = torch.exp(logp.detach() - b["old_logprobs"])
             m.max("ratio_dev", (ratio - 1).abs() * mask)
         return tok
 
@@ -261,10 +283,19 @@ class Objective:
     terms: tuple[Term, ...]
     metrics: tuple[str, ...] = ()  # per-token fields logged as means even when no term trains on them ("entropy")
     on_policy: object | None = None  # a declared check of the step's max |ratio - 1| (checks/on_policy.py)
+    # the rollout-trainer gap to measure in this step's forward (losses/rollout_gap.py): set for the update of a
+    # rollout without an old-log-prob pass, whose forward is the rollout's policy
+    gap: RolloutGap | None = None
 
     def fields(self) -> tuple[str, ...]:
         """The per-token fields one forward must produce, in a fixed order."""
-        return tuple(dict.fromkeys([*(f for t in self.terms for f in t.needs()), *self.metrics]))
+        gap = (self.gap.logprob_field(),) if self.gap is not None else ()
+        return tuple(dict.fromkeys([*(f for t in self.terms for f in t.needs()), *self.metrics, *gap]))
+
+    def with_gap(self, gap: RolloutGap, measure: bool = False) -> Objective:
+        """The objective whose policy terms compare with the generator and correct the gap as
+        ``gap`` says; ``measure``: the step's forward also measures the gap (no old-log-prob pass)."""
+        return replace(self.with_term("policy", gap=gap), gap=gap if measure else None)
 
     def at(self, step: int) -> Objective:
         """The objective with every scheduled coefficient resolved at optimizer step ``step``."""
@@ -315,6 +346,11 @@ class Metrics:
         v = values.detach().to(torch.float64).max()
         self.maxima[name] = torch.maximum(self.maxima[name], v) if name in self.maxima else v
 
+    def result(self) -> dict[str, float]:
+        """The means and maxima of this process's values (Worker.train_step reduces them over ranks itself)."""
+        return {k: float(s / self.counts[k].clamp(min=1)) for k, s in self.sums.items()} | {
+            k: float(v) for k, v in self.maxima.items()}
+
 
 def _scope(b: dict[str, torch.Tensor], sources: list[str], chosen: tuple[str, ...] | None,
            origins: tuple[str, ...] | None) -> torch.Tensor:
@@ -358,4 +394,7 @@ def micro_batch_loss(objective: Objective, f: dict[str, torch.Tensor], b: dict[s
         shares.append(canary_share(on_cpu, norm))
     for name in objective.metrics:
         m.mean(name, f[name], mask)
+    gap = objective.gap
+    if gap is not None and "gen_logprobs" in b:
+        measure(f[gap.logprob_field()] - b["gen_logprobs"], policy_tokens(b, mask), gap.gap_cap, m)
     return loss, 1.0 / mean_of if mean_of is not None else sum(shares) / len(shares)

@@ -28,6 +28,44 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
     return -_by_chunks(nll, logits[:, :-1], chunk, targets).view(targets.shape)
 
 
+def kept_set(scores: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
+    """Which tokens Hugging Face's sampling keeps from temperature-scaled scores [rows, vocab]:
+    top-k first (ties with the k-th score stay in), then top-p over what is left, keeping the
+    smallest set of most likely tokens whose probabilities add up to top_p and at least one
+    (TopKLogitsWarper, TopPLogitsWarper). The decode loop draws from this set
+    (exactrl/rollout/sampling.py) and the trainer replays it (``kept_logprobs``): one definition."""
+    keep = torch.ones_like(scores, dtype=torch.bool)
+    if 0 < top_k < scores.shape[-1]:
+        keep = scores >= torch.topk(scores, top_k)[0][:, -1:]
+    if top_p < 1.0:
+        sorted_scores, order = torch.sort(scores.masked_fill(~keep, float("-inf")), descending=False)
+        cut = sorted_scores.softmax(-1).cumsum(-1) <= 1 - top_p
+        cut[:, -1] = False
+        keep = keep & ~cut.scatter(1, order, cut)
+    return keep
+
+
+def kept_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float, top_p: float, top_k: int,
+                  chunk: int = 0) -> torch.Tensor:
+    """log p(x[t+1] | x[..t]) under the sampling distribution renormalised over its top-k/top-p
+    kept set (``kept_set``): what a generator that reports log-probs over the kept set returns
+    (vLLM's logprobs_mode=processed_logprobs), replayed on the trainer's logits so a comparison
+    is not off by the kept mass (TRL issue #6789, PR #7269). The target token always counts as
+    kept: it was drawn from the generator's set, and a trainer whose logits put it just outside
+    its own (a rounding tie at the boundary) would otherwise give it log 0 = -inf (prime-rl
+    PR #2601 does the same). Computed in fp32 at least, ``chunk`` positions at a time."""
+    targets = input_ids[:, 1:]
+
+    def kept(rows: torch.Tensor, rows_targets: torch.Tensor) -> torch.Tensor:
+        scores = rows.to(at_least_fp32(rows.dtype)) / temperature
+        keep = kept_set(scores, top_p, top_k)
+        keep[torch.arange(len(keep), device=keep.device), rows_targets] = True
+        logp = scores.masked_fill(~keep, float("-inf")).log_softmax(-1)
+        return logp.gather(1, rows_targets[:, None])[:, 0]
+
+    return _by_chunks(kept, logits[:, :-1], chunk, targets).view(targets.shape)
+
+
 def token_entropy(logits: torch.Tensor, temperature: float = 1.0, chunk: int = 0) -> torch.Tensor:
     """Entropy of the next-token distribution at each target position (for metrics)."""
 

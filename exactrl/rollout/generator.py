@@ -3,6 +3,7 @@
     generate(prompt_ids, params, seeds) -> [Generation]   tokens, text and sampling log-probs
     load_weights(named_tensors) -> version                 the policy's weights, verified on arrival
     weights_version                                        the version the next generation samples with
+    logprobs_over                                          "vocabulary" or "kept": its log-probs' convention
 
 The Hugging Face decode loop (exactrl/rollout/hf.py) is the first implementation; a vLLM
 engine or a Ray actor holding one is another, with no change to the loop. Every Generation
@@ -18,10 +19,17 @@ the prompt's place in it -- ``prompt_seeds``), and the same seeded run samples t
 on any layout. Greedy decoding draws nothing.
 
 Log-probs: ``Generation.logprobs[t]`` is log p of response token t under the policy at the
-sampling temperature -- log_softmax(logits / temperature) -- over the whole vocabulary, before
-top-k and top-p cut it: the cuts choose which tokens can be drawn, not what a drawn token's
-log-prob is. It is what the trainer computes (exactrl/losses/token_losses.py token_logprobs,
-which never cuts), so the on-policy check and the rollout-trainer gap compare like with like.
+sampling temperature, and the generator declares over what (``logprobs_over``):
+- "vocabulary": log_softmax(logits / temperature) over the whole vocabulary, before top-k and
+  top-p cut it (the cuts choose which tokens can be drawn, not what a drawn token's log-prob
+  is). The HF loop's convention, and vLLM's raw log-probs; it is what the trainer computes
+  (exactrl/losses/token_losses.py token_logprobs, which never cuts).
+- "kept": renormalised over the top-k/top-p kept set the token was drawn from (vLLM's
+  logprobs_mode=processed_logprobs). The trainer then replays the kept set on its own logits
+  (token_losses.kept_logprobs) before comparing, or every ratio would be off by the kept mass
+  (TRL issue #6789, PR #7269).
+The on-policy check, the rollout-trainer gap and its correction (exactrl/losses/rollout_gap.py)
+compare like with like either way (``compares_kept_set``).
 """
 
 from __future__ import annotations
@@ -56,6 +64,9 @@ class Generation:
     weights_version: int = 0  # the generator's weights version it was sampled with
 
 
+LOGPROBS_OVER = ("vocabulary", "kept")
+
+
 class WeightSyncError(RuntimeError):
     """A generator's weights differ from the trainer's after a load."""
 
@@ -78,9 +89,22 @@ def row_seed(seed: int, sample: int) -> int:
 
 class Generator(Protocol):
     weights_version: int
+    logprobs_over: str  # one of LOGPROBS_OVER: the convention of its Generation.logprobs
     tok: object  # the tokenizer of its ids; decodes texts it did not sample (demonstrations, rollout/mixed.py)
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
                  seeds: Sequence[int] | None = None) -> list[Generation]: ...
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int: ...
+
+
+def compares_kept_set(generator, top_p: float, top_k: int) -> bool:
+    """Whether the trainer must replay the top-p/top-k kept set to compare its log-probs with
+    ``generator``'s: it reports them over the kept set and sampling cuts anything (top_p < 1 or
+    top_k > 0; otherwise the kept set is the vocabulary)."""
+    over = getattr(generator, "logprobs_over", None)
+    if over not in LOGPROBS_OVER:
+        raise TypeError(f"{type(generator).__name__} declares logprobs_over={over!r}: a generator says whether its "
+                        f"log-probs are over the whole vocabulary or the top-p/top-k kept set (one of "
+                        f"{', '.join(LOGPROBS_OVER)}; exactrl/rollout/generator.py)")
+    return over == "kept" and (top_p < 1.0 or top_k > 0)

@@ -291,6 +291,8 @@ class HFEngine:
     have all ended stepping until every rank's have. Every rank must then make as many calls
     with as many requests."""
 
+    logprobs_over = "vocabulary"  # sampling.warp: log p at the temperature, before the top-k/top-p cut
+
     def __init__(self, model, tokenizer, batch_size: int, synced: bool = False):
         self.model, self.tok, self.batch_size, self.synced = model, tokenizer, batch_size, synced
         self.weights_version = 0

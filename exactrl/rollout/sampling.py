@@ -9,21 +9,19 @@ from __future__ import annotations
 import torch
 from transformers import LogitsProcessor
 
+from exactrl.losses.token_losses import kept_set
+
 
 def warp(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Hugging Face's sampling distribution from fp32 logits [rows, vocab]: temperature, then
-    top-k (ties with the k-th score stay in), then top-p keeping at least one token. Returns
-    the cut scores and log p at the temperature before the cuts, as the loss computes it
-    (exactrl/rollout/generator.py: the kept set shapes the draws, not the log-probs)."""
+    top-k (ties with the k-th score stay in), then top-p keeping at least one token
+    (exactrl/losses/token_losses.py kept_set, which the trainer replays). Returns the cut scores
+    and log p at the temperature before the cuts, as the loss computes it (the HF loop's
+    convention, exactrl/rollout/generator.py: the kept set shapes the draws, not the log-probs)."""
     scores = logits / temperature
     logp = torch.log_softmax(scores, dim=-1)
-    if 0 < top_k < scores.shape[-1]:  # TopKLogitsWarper
-        scores = scores.masked_fill(scores < torch.topk(scores, top_k)[0][:, -1:], float("-inf"))
-    if top_p < 1.0:  # TopPLogitsWarper
-        sorted_scores, order = torch.sort(scores, descending=False)
-        cut = sorted_scores.softmax(-1).cumsum(-1) <= 1 - top_p
-        cut[:, -1] = False
-        scores = scores.masked_fill(cut.scatter(1, order, cut), float("-inf"))
+    if top_p < 1.0 or 0 < top_k < scores.shape[-1]:
+        scores = scores.masked_fill(~kept_set(scores, top_p, top_k), float("-inf"))
     return scores, logp
 
 

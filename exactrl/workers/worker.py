@@ -38,7 +38,7 @@ from exactrl.distributed.collectives import gather
 from exactrl.distributed.engine import SampleAccountingError, build_engine
 from exactrl.distributed.step_plan import StepPlan
 from exactrl.losses.objective import Metrics, Objective, micro_batch_loss
-from exactrl.losses.token_losses import token_entropy, token_logprobs
+from exactrl.losses.token_losses import kept_logprobs, token_entropy, token_logprobs
 from exactrl.models.lora import reference_mode
 from exactrl.models.packing import model_batch
 from exactrl.workers.load import load_model
@@ -65,9 +65,10 @@ class Worker:
 
     def __init__(self, role: str, model: torch.nn.Module, engine=None, *, pad_id: int, packed: bool = True,
                  temperature: float = 1.0, autocast: Callable | None = None, logprob_chunk: int | None = None,
-                 mode: Callable | None = None):
+                 mode: Callable | None = None, top_p: float = 1.0, top_k: int = 0):
         self.role, self.model, self.engine = role, model, engine
         self.pad_id, self.packed, self.temperature = pad_id, packed, temperature
+        self.top_p, self.top_k = top_p, top_k  # the sampling cut kept_logprobs replays
         self.autocast = autocast or (engine.autocast if engine is not None else contextlib.nullcontext)
         self.logprob_chunk = logprob_chunk if logprob_chunk is not None else getattr(engine, "logprob_chunk", 0)
         self.mode = mode or contextlib.nullcontext  # entered around forward: e.g. LoRA's adapters off for the reference
@@ -91,16 +92,17 @@ class Worker:
 
     @classmethod
     def _build(cls, cfg, role, path, *, run_dir, phase, longest, pad_id, total_steps, checkpoint, policy) -> Worker:
-        # The log-probs of an RL run are those of its sampling temperature.
-        temperature = cfg.rollout.temperature if hasattr(cfg, "rollout") else 1.0
+        # The log-probs of an RL run are those of its sampling temperature (and top-p/top-k kept set, when replayed).
+        sampling = {"temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
+                    "top_k": cfg.rollout.top_k} if hasattr(cfg, "rollout") else {}
         packed = cfg.train.padding_free
         if role == "policy":
             model = load_model(cfg, path, run_dir, phase, "policy", longest, checkpoint=checkpoint)
             return cls("policy", model, build_engine(model, cfg, total_steps), pad_id=pad_id, packed=packed,
-                       temperature=temperature)
+                       **sampling)
         if policy is None:
             raise ValueError("the reference worker is built after the policy's (it computes like it)")
-        common = {"pad_id": pad_id, "packed": packed, "temperature": temperature, "autocast": policy.engine.autocast,
+        common = {"pad_id": pad_id, "packed": packed, **sampling, "autocast": policy.engine.autocast,
                   "logprob_chunk": policy.engine.logprob_chunk}
         if cfg.model.lora.rank > 0:
             return cls("reference", policy.model, mode=lambda: reference_mode(policy.model), **common)
@@ -113,34 +115,41 @@ class Worker:
         """Per-token ``name`` [rows, L-1] from one forward's logits (packed or padded rows)."""
         if name == "logprobs":
             return token_logprobs(logits, input_ids, self.temperature, self.logprob_chunk)
+        if name == "kept_logprobs":
+            return kept_logprobs(logits, input_ids, self.temperature, self.top_p, self.top_k, self.logprob_chunk)
         if name == "entropy":
             return token_entropy(logits, self.temperature, self.logprob_chunk)
-        raise ValueError(f"the {self.role} worker computes logprobs or entropy, not '{name}'")
+        raise ValueError(f"the {self.role} worker computes logprobs, kept_logprobs or entropy, not '{name}'")
 
-    @torch.no_grad()
     def forward(self, samples: list[Sample], name: str, micro_batches: list[list[int]]) -> list[torch.Tensor]:
         """Per-token ``name`` of every sample (one tensor of its num_targets each): this rank
         computes its ``micro_batches`` (indices into samples), then every rank receives all."""
+        return self.forward_fields(samples, (name,), micro_batches)[name]
+
+    @torch.no_grad()
+    def forward_fields(self, samples: list[Sample], names: tuple[str, ...],
+                       micro_batches: list[list[int]]) -> dict[str, list[torch.Tensor]]:
+        """``forward`` of several per-token fields from one forward per micro-batch."""
         mine = {}
         for mb in micro_batches:
             chunk = [samples[i] for i in mb]
             batch = self.model_batch(chunk)
             with self.mode(), self.autocast():
                 logits = self.model(**batch.inputs).logits
-            rows = batch.repad(self.token_field(name, logits, batch.inputs["input_ids"]))
-            for i, row in zip(mb, rows):
+            rows = [batch.repad(self.token_field(name, logits, batch.inputs["input_ids"])) for name in names]
+            for j, i in enumerate(mb):
                 # Kept on the CPU between passes (collate moves them back): a rollout's worth of
                 # per-token fields stays off the GPU, and gather pickles CPU tensors.
-                mine[i] = row[: samples[i].num_targets].to("cpu", copy=True)
-        out: list[torch.Tensor | None] = [None] * len(samples)
+                mine[i] = [values[j][: samples[i].num_targets].to("cpu", copy=True) for values in rows]
+        out: list[list[torch.Tensor] | None] = [None] * len(samples)
         for part in gather(mine):
             for i, row in part.items():
                 out[i] = row
         missing = [i for i, row in enumerate(out) if row is None]
         if missing:
-            raise RuntimeError(f"the {self.role}'s {name} were computed for no micro-batch holding samples "
+            raise RuntimeError(f"the {self.role}'s {', '.join(names)} were computed for no micro-batch holding samples "
                                f"{missing[:8]}")
-        return out
+        return {name: [row[k] for row in out] for k, name in enumerate(names)}
 
     def micro_batch(self, samples: list[Sample], objective: Objective, normalizers: dict, metrics: Metrics,
                     mean_of: int | None = None):

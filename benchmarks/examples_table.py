@@ -31,13 +31,15 @@ def starting_accuracy(eval_size: int):
     from exactrl.data.jsonl import read_jsonl
     from exactrl.models.loading import load_causal_lm, load_tokenizer
     from exactrl.rewards import load_rewards
+    from exactrl.rollout.hf import HFEngine
     from exactrl.run.evaluation import evaluate_accuracy
 
     path = resolve("builtin-sft", "model")
     tok = load_tokenizer(path)
     prompts = encode_prompts(read_jsonl(resolve("builtin", "eval"))[:eval_size], tok, 256)
     with load_rewards("exactrl.tasks.arithmetic:reward") as rewards:
-        return evaluate_accuracy(load_causal_lm(path, trainable=False), tok, prompts, rewards.eval, batch_size=500,
+        decode = HFEngine(load_causal_lm(path, trainable=False), tok, 500).generate
+        return evaluate_accuracy(decode, prompts, rewards.eval, batch_size=500,
                                  max_new_tokens=48)
 
 

@@ -120,7 +120,7 @@ def _relaunch(nproc: int) -> typer.Exit:
 def _run(kind: str, config: Path | None, overrides: list[str] | None, fn) -> None:
     """Exit codes: 0 success, 2 a problem in the config, data, model, checkpoint, output_dir or
     disk (or a dynamic-sampling rollout that cannot be filled), 1 the final evaluation failed
-    (the model is saved) or a study's cell failed (the others are done), 3 stopped by a
+    (the model is saved), a study's cell failed (the others are done) or a Ray actor of the run died, 3 stopped by a
     verification check (the canary; the packing, generation or determinism self-check; the
     on-policy ratio; a weight sync), 4 a non-finite loss, gradient or weight, 130/143
     SIGINT/SIGTERM.
@@ -135,6 +135,7 @@ def _run(kind: str, config: Path | None, overrides: list[str] | None, fn) -> Non
     from exactrl.distributed.checkpoint import CheckpointError
     from exactrl.distributed.engine import NonFiniteError
     from exactrl.distributed.launch import shutdown, under_launcher
+    from exactrl.distributed.ray_cluster import RoleDied
     from exactrl.models.loading import ModelLoadError
     from exactrl.pipelines.pipeline import PhaseError
     from exactrl.pipelines.study import StudyIncomplete
@@ -163,6 +164,8 @@ def _run(kind: str, config: Path | None, overrides: list[str] | None, fn) -> Non
     except PhaseError as e:  # a pipeline's phase that ran as a command of its own: its end is the pipeline's
         raise _fail("error", "error", str(e), e.code) from None
     except (EvaluationError, StudyIncomplete) as e:  # the model (the other cells) saved; the run still failed
+        raise _fail("error", "error", str(e), 1) from None
+    except RoleDied as e:  # a Ray actor of the run (a trainer rank, a rollout engine) died: named, no traceback
         raise _fail("error", "error", str(e), 1) from None
     except CanaryError as e:  # the step was not applied; checkpoints written so far are intact
         raise _fail("canary", "stopped by the canary", str(e), 3) from None

@@ -20,7 +20,7 @@ def attach_logprobs(model, samples, field: str, micro_batches, pad_id: int, temp
     """Each sample's per-token log-probs under ``model`` (Worker.forward, as a run computes
     them) stored as its ``field`` (old_logprobs or ref_logprobs)."""
     worker = Worker("test", model, pad_id=pad_id, packed=packed, temperature=temperature, autocast=autocast)
-    for s, logprobs in zip(samples, worker.forward(samples, "logprobs", micro_batches)):
+    for s, logprobs in zip(samples, worker.forward(samples, "logprobs", [micro_batches])):
         setattr(s, field, logprobs)
 
 

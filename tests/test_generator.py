@@ -63,7 +63,7 @@ def test_worker_forward_gives_each_sample_its_full_batch_log_probs(tokenizer, ma
     model = make_model(seed=4)
     samples = [Sample(p, [7, 8, 9][: i + 1]) for i, p in enumerate(prompts(tokenizer))]
     got = Worker("policy", model, pad_id=tokenizer.pad_token_id, packed=packed, temperature=0.5).forward(
-        samples, "logprobs", [[0, 2], [1]])
+        samples, "logprobs", [[[0, 2], [1]]])
     for s, row in zip(samples, got):  # one sequence alone, no padding, no packing
         ids = torch.tensor([s.ids])
         want = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float() / 0.5, -1).gather(-1, ids[0, 1:, None])[
@@ -71,4 +71,4 @@ def test_worker_forward_gives_each_sample_its_full_batch_log_probs(tokenizer, ma
         assert row.shape == (s.num_targets,)
         torch.testing.assert_close(row, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="computed for no micro-batch holding samples \\[1\\]"):
-        Worker("policy", model, pad_id=tokenizer.pad_token_id).forward(samples, "logprobs", [[0, 2]])
+        Worker("policy", model, pad_id=tokenizer.pad_token_id).forward(samples, "logprobs", [[[0, 2]]])

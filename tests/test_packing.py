@@ -148,7 +148,7 @@ def test_critic_values_and_loss_packed_equals_padded(tmp_path, tokenizer):
                                             f"train.padding_free={str(packed).lower()}",
                                             f"critic.path={tmp_path / 'm'}"])
         critic = Critic(cfg, load_value_model(tmp_path / "m", init_seed=3), total_steps=1, pad_id=PAD)
-        for s, values in zip(samples, critic.forward(samples, "values", consecutive(6, 3))):
+        for s, values in zip(samples, critic.forward(samples, "values", [consecutive(6, 3)])):
             s.old_values = values
         old = torch.cat([s.old_values for s in samples])
         plan = plan_step([len(s.response_ids) for s in samples], 3, cfg.train.loss_agg, 16.0)

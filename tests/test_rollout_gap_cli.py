@@ -19,6 +19,7 @@ from exactrl.audit.runs import audit_run
 from exactrl.config import RLConfig, load_config
 from exactrl.rollout.hf import HFEngine
 from exactrl.tasks.builtin import BuiltinSpec
+from exactrl.workers import placement
 from test_kept_set import KeptSetEngine
 
 SPEC = BuiltinSpec(n_sft=20, n_rl=40, n_eval=10)
@@ -43,7 +44,7 @@ class Perturbed(HFEngine):
 
 def run(tmp_path, monkeypatch, engine, *overrides) -> tuple[list[dict], object]:
     monkeypatch.setenv("EXACTRL_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(rl, "HFEngine", engine)
+    monkeypatch.setattr(placement, "HFEngine", engine)  # the generator of the in-process roles
     cfg = load_config(RLConfig, None, ["data.eval=null", "train.global_batch_size=8", "train.micro_batch_size=4",
                                        "algo.group_size=4", "train.max_steps=2", "train.log_every=1",
                                        "rollout.max_new_tokens=12", "rollout.temperature=0.9",

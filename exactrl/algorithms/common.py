@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import math
-import random
 import warnings
-
-import numpy as np
-import torch
 
 from exactrl.config.loader import ConfigError
 from exactrl.config.schema import check_layout
@@ -18,15 +14,18 @@ from exactrl.distributed.launch import rank, world_size
 
 
 def check_world(cfg) -> None:
-    """The config against the real number of processes (torchrun may have started more)."""
+    """The config against the real number of processes (torchrun may have started more; under Ray, ray.ranks
+    trainer ranks: this process, the driver, holds no model and its actors take their devices)."""
+    on_ray = getattr(getattr(cfg, "ray", None), "enabled", False)
+    world = cfg.ray.ranks if on_ray else world_size()
     try:
-        device = check_device(cfg)  # before any process group or model: both follow it
-        check_layout(cfg, world_size())
+        device = None if on_ray else check_device(cfg)  # before any process group or model
+        check_layout(cfg, world)
         if hasattr(cfg, "algo"):
-            check_rl_layout(cfg, world_size())
+            check_rl_layout(cfg, world)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if cfg.model.dtype == "bf16" and device.type == "cpu" and cpu_lacks_native_bf16() and rank() == 0:
+    if not on_ray and cfg.model.dtype == "bf16" and device.type == "cpu" and cpu_lacks_native_bf16() and rank() == 0:
         warnings.warn("model.dtype=bf16 on a CPU without native bf16 (no avx512_bf16, amx_bf16 or bf16 among its "
                       "flags in /proc/cpuinfo): its bf16 matmuls are emulated, many times slower than fp32; set "
                       "model.dtype=fp32",
@@ -47,12 +46,6 @@ def preflight(cfg, world: int) -> None:
     for path in (cfg.data.train, cfg.data.eval):
         if path not in (None, "auto", "builtin"):
             read_rows(path)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def steps_for(train_cfg, num_items: int, items_per_step: int) -> int:

@@ -17,6 +17,9 @@ On-policy check: at the first update after a rollout the policy ratio must be ex
 in that step's objective, verified before the step is applied); a deviation means the log-probs
 the loss uses are stale or computed differently (the failure mode behind DeepSpeed-Chat's "one
 generation batch, one PPO epoch" guidance).
+Placement (exactrl/workers/placement.py): the workers and the generator live in this process (under
+torchrun, one rank of the run each), or with ray.enabled in Ray actor groups, this process holding
+their handles (the engines sample the rollout, this process scores it): the loop reads the same.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import torch
 
 from exactrl.advantages import AdvantageInput, get_advantage
 from exactrl.advantages.estimators import EPS, whiten
-from exactrl.algorithms.common import check_data_size, check_world, seed_everything
+from exactrl.algorithms.common import check_data_size, check_world
 from exactrl.algorithms.registry import ALGORITHMS, gap_spec
 from exactrl.algorithms.resume import prepare_resume
 from exactrl.algorithms.sft import resolve
@@ -55,12 +58,12 @@ from exactrl.losses.token_losses import kl_penalty
 from exactrl.models.loading import load_tokenizer
 from exactrl.rewards import load_rewards, require_answers
 from exactrl.rollout.generator import compares_kept_set
-from exactrl.rollout.hf import HFEngine
 from exactrl.run.context import RunContext
 from exactrl.run.evaluation import eval_data, load_eval_set
+from exactrl.seeding import seed_everything
 from exactrl.tasks.builtin import BuiltinSpec
 from exactrl.workers.critic import Critic
-from exactrl.workers.load import check_generator
+from exactrl.workers.placement import place
 from exactrl.workers.worker import Worker
 
 
@@ -180,12 +183,13 @@ def step_plan(batch: list[Sample], cfg: RLConfig, world_size: int) -> StepPlan:
                         world_size)
 
 
-def first_pass_micro_batches(samples: list[Sample], cfg: RLConfig, engine) -> list[list[int]]:
-    """This rank's micro-batches (indices into the rollout) of the first epoch, the one in
+def first_pass_micro_batches(samples: list[Sample], cfg: RLConfig, world_size: int) -> list[list[list[int]]]:
+    """Each rank's micro-batches (indices into the rollout) of the first epoch, the one in
     which old log-probs are computed and the ratio must be exactly 1."""
     g = len(samples) // cfg.algo.mini_batches  # a step's samples: global_batch_size responses, and any demonstrations
-    return [[start + i for i in mb] for start in range(0, len(samples), g)
-            for mb in step_plan(samples[start : start + g], cfg, engine.world_size).for_rank(engine.rank).micro_batches]
+    plans = [(start, step_plan(samples[start : start + g], cfg, world_size)) for start in range(0, len(samples), g)]
+    return [[[start + i for i in mb] for start, plan in plans for mb in plan.for_rank(r).micro_batches]
+            for r in range(world_size)]
 
 
 def reuses_first_forward(cfg: RLConfig, samples: list[Sample]) -> bool:
@@ -197,8 +201,8 @@ def reuses_first_forward(cfg: RLConfig, samples: list[Sample]) -> bool:
             and all(s.gen_logprobs is not None for s in samples))
 
 
-def mini_batches(samples: list[Sample], cfg: RLConfig, engine, group_rng: random.Random) -> Iterator[tuple[list[
-    Sample], StepPlan, bool]]:
+def mini_batches(samples: list[Sample], cfg: RLConfig, world_size: int,
+                 group_rng: random.Random) -> Iterator[tuple[list[Sample], StepPlan, bool]]:
     """(batch, plan, first) per optimizer step of one rollout: PPO epochs x mini-batches of
     train.global_batch_size responses; ``first`` marks the update whose micro-batches the old
     log-probs were computed in. Later epochs reshuffle whole groups, never splitting one
@@ -211,7 +215,7 @@ def mini_batches(samples: list[Sample], cfg: RLConfig, engine, group_rng: random
         order = [s for group in groups for s in group]
         for start in range(0, len(order), g):
             batch = order[start : start + g]
-            yield batch, step_plan(batch, cfg, engine.world_size), epoch == 0 and start == 0
+            yield batch, step_plan(batch, cfg, world_size), epoch == 0 and start == 0
 
 
 def attach_fields(samples: list[Sample], cfg: RLConfig, policy: Worker, reference: Worker | None,
@@ -220,7 +224,7 @@ def attach_fields(samples: list[Sample], cfg: RLConfig, policy: Worker, referenc
     kept set when ``kept``, from the same forward --, reference log-probs, the critic's values),
     each computed once in the first update's micro-batches and shared by every rank. Returns
     whether the old-log-prob pass was skipped (the update's own forward stands for it)."""
-    first_pass = first_pass_micro_batches(samples, cfg, policy.engine)
+    first_pass = first_pass_micro_batches(samples, cfg, policy.world_size)
     reused = reuses_first_forward(cfg, samples)
     old = {"logprobs": "old_logprobs", **({"kept_logprobs": "old_kept_logprobs"} if kept else {})}
     for worker, fields in ((None if reused else policy, old), (reference, {"logprobs": "ref_logprobs"}),
@@ -286,96 +290,100 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     continues = prepare_resume(cfg, "rl", steps)
     ctx = RunContext(cfg, "rl", phase, run_dir, {"train": train_path, "eval": eval_path}, tok, eval_set, continues)
 
-    # The workers: the policy, the frozen reference (a KL term needs one), the critic (ppo).
-    # With LoRA the reference is the policy's own model with its adapters off: no second copy.
+    # The workers: the policy, the frozen reference (a KL term needs one), the critic (ppo), in this process or as
+    # Ray actor groups (ray.enabled): the loop reads the same. With LoRA the reference is the policy's own model with
+    # its adapters off: no second copy.
     longest, pad = cfg.data.max_length + cfg.rollout.max_new_tokens, tok.pad_token_id
     where = {"run_dir": ctx.run_dir, "phase": phase, "longest": longest, "pad_id": pad}
     warmup = min(cfg.critic.warmup_rollouts, rollouts) * steps_per_rollout if alg.critic else 0
-    # the policy's schedule starts after the critic's warm-up
-    policy = Worker.build(cfg, "policy", model_path, total_steps=max(1, steps - warmup), checkpoint=t.resume_from,
-                          **where)
-    reference = Worker.build(cfg, "reference", model_path, policy=policy, **where) if a.kl_coef > 0 else None
-    critic = Worker.build(cfg, "critic", cfg.critic.path or model_path, total_steps=steps, checkpoint=t.resume_from,
-                          **where) if alg.critic else None
-    model, engine = policy.model, policy.engine
-    # Several ranks holding shards of the parameters must run every forward together
-    # (generate's synced_gpus keeps a rank whose responses have all ended stepping with the others).
-    generator = HFEngine(model, tok, cfg.rollout.batch_size, synced=engine.synced_decoding)
-    # the rollout-trainer gap, compared in the generator's convention (over the kept set if its log-probs are)
-    kept = compares_kept_set(generator, cfg.rollout.top_p, cfg.rollout.top_k)
-    gap = gap_spec(cfg, kept)
-    if is_main():  # `exactrl audit run` reports it (exactrl/audit/recorded.py)
-        record(ctx.run_dir, "rollout_correction", phase, gap.record(type(generator).__name__, generator.logprobs_over))
+    roles = place(cfg, ctx.run_dir, phase)
+    try:
+        # the policy's schedule starts after the critic's warm-up
+        policy = roles.worker("policy", model_path, total_steps=max(1, steps - warmup), checkpoint=t.resume_from,
+                              **where)
+        reference = roles.worker("reference", model_path, policy=policy, **where) if a.kl_coef > 0 else None
+        critic = roles.worker("critic", cfg.critic.path or model_path, total_steps=steps, checkpoint=t.resume_from,
+                              **where) if alg.critic else None
+        generator = roles.generator(policy, tok)
+        # the rollout-trainer gap, compared in the generator's convention (over the kept set if its log-probs are)
+        kept = compares_kept_set(generator, cfg.rollout.top_p, cfg.rollout.top_k)
+        gap = gap_spec(cfg, kept)
+        if is_main():  # `exactrl audit run` reports it (exactrl/audit/recorded.py)
+            record(ctx.run_dir, "rollout_correction", phase, gap.record(type(generator).__name__,
+                                                                        generator.logprobs_over))
 
-    sampler = StepSampler(len(prompts), prompts_per_rollout, t.seed)
-    group_rng = random.Random(f"{t.seed}-minibatches")
-    kl_control = AdaptiveKL(a.kl_coef, a.kl_target, a.kl_horizon)
-    buffer = SFTBuffer(a.relift.buffer_size) if alg.sft_buffer else None
-    first_rollout, flops = 0, FlopsCounter(count_parameters(model))
-    if t.resume_from:
-        position = resume(t.resume_from, {"policy": policy, "critic": critic} if critic else {"policy": policy})
-        first_rollout = position["rollout"] + 1
-        group_rng.setstate(position["group_rng"])
-        kl_control.coef = position.get("kl_coef", kl_control.coef)
-        if buffer is not None:
-            buffer.pending = position["sft_buffer"]
-        flops.load(position)
-    # After the resume: FSDP2 leaves a forward-only call's root parameters unsharded, which a
-    # sharded optimizer state cannot be loaded against.
-    check_generator(cfg, model, tok, ctx.run_dir, phase, sampled=True, synced=generator.synced)
+        sampler = StepSampler(len(prompts), prompts_per_rollout, t.seed)
+        group_rng = random.Random(f"{t.seed}-minibatches")
+        kl_control = AdaptiveKL(a.kl_coef, a.kl_target, a.kl_horizon)
+        buffer = SFTBuffer(a.relift.buffer_size) if alg.sft_buffer else None
+        first_rollout, flops = 0, FlopsCounter(policy.apply(count_parameters))
+        if t.resume_from:
+            position = resume(t.resume_from, {"policy": policy, "critic": critic} if critic else {"policy": policy})
+            first_rollout = position["rollout"] + 1
+            group_rng.setstate(position["group_rng"])
+            kl_control.coef = position.get("kl_coef", kl_control.coef)
+            if buffer is not None:
+                buffer.pending = position["sft_buffer"]
+            flops.load(position)
+        # After the resume: FSDP2 leaves a forward-only call's root parameters unsharded, which a
+        # sharded optimizer state cannot be loaded against.
+        policy.check_generation(cfg, tok, ctx.run_dir, phase, sampled=True)
 
-    gen_tokens, t0, step = 0, time.perf_counter(), first_rollout * steps_per_rollout
-    ctx.start(steps, step)
-    for rollout in range(first_rollout, rollouts):
-        # 1. sample and score a rollout with the policy's current weights
-        policy.push_weights(generator)
-        tg = time.perf_counter()
-        samples, rstats = alg.rollout(generator, prompts, sampler.batch(rollout), rollout, reward_fns, cfg)
-        gen_seconds = time.perf_counter() - tg
-        gen_tokens += rstats["generated_tokens"]
-        # dynamic sampling (refill rounds) generated more responses than it kept: those count as generated too
-        flops.generated(samples, rstats["generated_tokens"] if "refill_rounds" in rstats else None)
+        gen_tokens, t0, step = 0, time.perf_counter(), first_rollout * steps_per_rollout
+        ctx.start(steps, step)
+        for rollout in range(first_rollout, rollouts):
+            # 1. sample and score a rollout with the policy's current weights
+            policy.push_weights(generator)
+            tg = time.perf_counter()
+            samples, rstats = alg.rollout(generator, prompts, sampler.batch(rollout), rollout, reward_fns, cfg)
+            gen_seconds = time.perf_counter() - tg
+            gen_tokens += rstats["generated_tokens"]
+            # dynamic sampling (refill rounds) generated more responses than it kept: those count as generated too
+            flops.generated(samples, rstats["generated_tokens"] if "refill_rounds" in rstats else None)
 
-        # 2. per-token fields fixed for the rollout, computed in the first update's micro-batches
-        reused = attach_fields(samples, cfg, policy, reference, critic, kept)
-        if not reused:  # else the update's forward measures it (checks/rollout_gap.py)
-            rstats |= rollout_gap_metrics(samples, gap)
+            # 2. per-token fields fixed for the rollout, computed in the first update's micro-batches
+            reused = attach_fields(samples, cfg, policy, reference, critic, kept)
+            if not reused:  # else the update's forward measures it (checks/rollout_gap.py)
+                rstats |= rollout_gap_metrics(samples, gap)
 
-        # 3. advantages over the whole rollout, under this rollout's KL coefficient (the controller moves it for the
-        # next)
-        kl_coef = kl_control.coef
-        if reference is not None:
-            rstats["rollout_kl"], rstats["kl_coef"] = kl_control.update(samples), kl_coef
-        attach_advantages(samples, cfg, kl_coef)
+            # 3. advantages over the whole rollout, under this rollout's KL coefficient (the controller moves it for
+            # the next)
+            kl_coef = kl_control.coef
+            if reference is not None:
+                rstats["rollout_kl"], rstats["kl_coef"] = kl_control.update(samples), kl_coef
+            attach_advantages(samples, cfg, kl_coef)
 
-        # 4. epochs x mini-batches, one verified optimizer step each (during the critic's warm-up only the critic steps)
-        loss_now = objective.with_term("kl", coef=kl_coef).with_term("policy", old="self" if reused else "old_logprobs"
-                                                                    ).with_gap(gap, measure=reused)
-        train_policy = critic is None or rollout >= cfg.critic.warmup_rollouts
-        for batch, plan, first in mini_batches(samples, cfg, engine, group_rng):
-            # the first update must see ratio 1 on every rank, checked before it is applied
-            check = on_policy_check(cfg, rollout, against_generator=reused) if first and has_ratio and any(
-                s.source == "on_policy" for s in batch) else None
-            loss, stats = update(policy if train_policy else None, critic, batch, plan, replace(
-                loss_now, on_policy=check))
-            step += 1
-            if train_policy:
-                flops.trained(batch)
-            if buffer is not None and step % steps_per_rollout == 0:  # after the rollout's last GRPO step (ReLIFT)
-                sft_stats, demos = relift_sft(policy, buffer, samples, sampler.batch(rollout), prompts, cfg)
-                stats |= sft_stats
-                flops.trained(demos)
+            # 4. epochs x mini-batches, one verified optimizer step each (during the critic's warm-up only the critic
+            # steps)
+            loss_now = objective.with_term("kl", coef=kl_coef).with_term(
+                "policy", old="self" if reused else "old_logprobs").with_gap(gap, measure=reused)
+            train_policy = critic is None or rollout >= cfg.critic.warmup_rollouts
+            for batch, plan, first in mini_batches(samples, cfg, policy.world_size, group_rng):
+                # the first update must see ratio 1 on every rank, checked before it is applied
+                check = on_policy_check(cfg, rollout, against_generator=reused) if first and has_ratio and any(
+                    s.source == "on_policy" for s in batch) else None
+                loss, stats = update(policy if train_policy else None, critic, batch, plan, replace(
+                    loss_now, on_policy=check))
+                step += 1
+                if train_policy:
+                    flops.trained(batch)
+                if buffer is not None and step % steps_per_rollout == 0:  # after the rollout's last GRPO step (ReLIFT)
+                    sft_stats, demos = relift_sft(policy, buffer, samples, sampler.batch(rollout), prompts, cfg)
+                    stats |= sft_stats
+                    flops.trained(demos)
 
-            # 5. log, evaluate, checkpoint
-            if ctx.logs(step):
-                ctx.write(step, {"rollout": rollout, "loss": loss, **stats, **rstats,
-                                 "gen_tokens_per_s": rstats["generated_tokens"] / gen_seconds, **flops.record(),
-                                 "wall_seconds": time.perf_counter() - t0})
-            ctx.step_done(step, {"policy": policy, "critic": critic},
-                          {"step": step, "rollout": rollout, "group_rng": group_rng.getstate(),
-                           "kl_coef": kl_control.coef, "sft_buffer": buffer and buffer.pending, **flops.state()},
-                          {"reward": f"{rstats['reward_mean']:.3f}"})
-    seconds = time.perf_counter() - t0
-    final = ctx.finish({final_name: policy, f"{final_name}-critic": critic})
+                # 5. log, evaluate, checkpoint
+                if ctx.logs(step):
+                    ctx.write(step, {"rollout": rollout, "loss": loss, **stats, **rstats,
+                                     "gen_tokens_per_s": rstats["generated_tokens"] / gen_seconds, **flops.record(),
+                                     "wall_seconds": time.perf_counter() - t0})
+                ctx.step_done(step, {"policy": policy, "critic": critic},
+                              {"step": step, "rollout": rollout, "group_rng": group_rng.getstate(),
+                               "kl_coef": kl_control.coef, "sft_buffer": buffer and buffer.pending, **flops.state()},
+                              {"reward": f"{rstats['reward_mean']:.3f}"})
+        seconds = time.perf_counter() - t0
+        final = ctx.finish({final_name: policy, f"{final_name}-critic": critic})
+    finally:
+        roles.close()
     reward_fns.close()
     return RLResult(ctx.run_dir, final, steps, seconds, gen_tokens, flops.record())

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from exactrl.algorithms.common import check_data_size, check_world, seed_everything, steps_for
+from exactrl.algorithms.common import check_data_size, check_world, steps_for
 from exactrl.algorithms.resume import prepare_resume
 from exactrl.compute import FlopsCounter, count_parameters
 from exactrl.config.schema import SFTConfig
@@ -34,6 +34,7 @@ from exactrl.models.loading import load_tokenizer
 from exactrl.run.context import RunContext
 from exactrl.run.evaluation import eval_data, load_eval_set
 from exactrl.run_dir import LAUNCH_DIR
+from exactrl.seeding import seed_everything
 from exactrl.tasks import builtin
 from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin
 from exactrl.workers.load import check_generator

@@ -100,6 +100,6 @@ def relift_sft(policy, buffer: SFTBuffer, samples: list[Sample], indices: list[i
     released = buffer.release()
     if released is not None:
         demos = [demonstration_sample(prompts[i]) for i in released]
-        plan = sft_step_plan(demos, cfg.train.micro_batch_size, policy.engine.world_size, cfg.algo.relift.mean_of_means)
+        plan = sft_step_plan(demos, cfg.train.micro_batch_size, policy.world_size, cfg.algo.relift.mean_of_means)
         stats["sft_loss"] = policy.train_step(demos, plan, SFT_OBJECTIVE).loss
     return stats | {"sft_buffer": len(buffer.pending)}, demos

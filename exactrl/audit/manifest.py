@@ -97,6 +97,11 @@ def record(run_dir: Path, section: str, name: str, value: dict) -> None:
     _update(run_dir, add)
 
 
+def record_fact(run_dir: Path, name: str, value: dict) -> None:
+    """Add what a run learnt once it started (e.g. its Ray placement) to its manifest under ``name``."""
+    _update(run_dir, lambda manifest: {**manifest, name: value})
+
+
 def _update(run_dir: Path, change: Callable[[dict], dict], read: bool = True) -> None:
     """Replace manifest.json by ``change``(its content; {} when absent or not ``read``) under a
     lock, through a temporary file of this writer's own: several processes (the ranks' checks,

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, Field, model_validator
 
-from exactrl.config.schema import CheckPolicy, CommonConfig, OptimConfig, Section
+from exactrl.config.schema import CheckPolicy, CommonConfig, OptimConfig, Section, check_layout
 from exactrl.config.schema_mixed import (
     ChordConfig,
     HPTConfig,
@@ -17,6 +17,7 @@ from exactrl.config.schema_mixed import (
     SRFTConfig,
     UFTConfig,
 )
+from exactrl.config.schema_ray import RayConfig, check_ray
 
 
 class RolloutConfig(Section):
@@ -287,6 +288,7 @@ class RLConfig(CommonConfig):
     algo: AlgoConfig = AlgoConfig()
     reward: RewardConfig = RewardConfig()
     critic: CriticConfig = CriticConfig()
+    ray: RayConfig = RayConfig()
 
 
     @model_validator(mode="after")
@@ -348,7 +350,10 @@ class RLConfig(CommonConfig):
                 f"train.global_batch_size={self.train.global_batch_size} must be a multiple of "
                 f"algo.group_size={self.algo.group_size}, so no GRPO group is split across optimizer steps"
             )
-        check_rl_layout(self, self.distributed.nproc_per_node)
+        check_ray(self)
+        if self.ray.enabled:  # Ray starts the trainer ranks; batch sizes must divide by their number
+            check_layout(self, self.ray.ranks)
+        check_rl_layout(self, self.ray.ranks if self.ray.enabled else self.distributed.nproc_per_node)
         return self
 
 

@@ -102,6 +102,7 @@ USED_WHEN = [
              "(algo.ratio_check=off)", "set algo.ratio_check=error or warn"),
     UsedWhen("reward.fn", lambda c: c.reward.url is None, "reward.url replaces it",
              "list the URL in reward.fn instead"),
+    UsedWhen("ray.", lambda c: c.ray.enabled, "Ray is off (ray.enabled=false)", "set ray.enabled=true"),
     UsedWhen("deepspeed.", lambda c: c.distributed.backend == "deepspeed", "the train engine is not DeepSpeed "
              "(distributed.backend={c.distributed.backend})", "set distributed.backend=deepspeed"),
     UsedWhen("distributed.fsdp_cpu_offload", lambda c: c.distributed.backend == "fsdp2", "the train engine is not "

@@ -90,11 +90,7 @@ class SingleEngine:
         return cls(model, cfg.model, cfg.train, optim, cfg.audit, total_steps, device=device, fault=cfg.fault)
 
     def autocast(self):
-        """bf16 compute for the forward passes under it; the weights, their gradients and the
-        optimizer stay fp32 (see model.dtype)."""
-        if self.dtype == "bf16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        return autocast_for(self.dtype, self.device)
 
     def forward(self, model, **inputs):
         """The training forward pass (an engine may need to route it through its wrapper)."""
@@ -247,6 +243,14 @@ class SingleEngine:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step_count = state["step"]
+
+
+def autocast_for(dtype: str, device: torch.device):
+    """bf16 compute for the forward passes under it (model.dtype=bf16); the weights, their gradients
+    and the optimizer stay fp32. Every worker of a run computes under the same one."""
+    if dtype == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def prepare_model(model: torch.nn.Module, train: TrainConfig, device: torch.device | None) -> torch.device:

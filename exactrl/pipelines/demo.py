@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from exactrl.algorithms.common import seed_everything
 from exactrl.config.schema_commands import DemoConfig
 from exactrl.pipelines.pipeline import run_pipeline
+from exactrl.seeding import seed_everything
 from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin
 
 

@@ -23,6 +23,7 @@ from exactrl.device import use_device
 from exactrl.models.loading import load_causal_lm, load_tokenizer
 from exactrl.models.lora import adapter_base, is_adapter_dir, load_adapted
 from exactrl.progress import progress
+from exactrl.rollout.hf import HFEngine
 from exactrl.run.evaluation import correct_samples, eval_reward_spec, evaluate_accuracy, load_eval_set, pass_at_k
 from exactrl.run_dir import create_run_dir
 
@@ -79,8 +80,8 @@ def _measure(cfg: EvalCommandConfig, model, tok, eval_set, run_dir: Path) -> dic
             chunk, gens, values))
         bar.update(len(chunk))
 
-    acc = evaluate_accuracy(model, tok, prompts, eval_set.reward, batch_size=e.batch_size,
-                            max_new_tokens=e.max_new_tokens,
+    acc = evaluate_accuracy(HFEngine(model, tok, e.batch_size).generate, prompts, eval_set.reward,
+                            batch_size=e.batch_size, max_new_tokens=e.max_new_tokens,
                             on_batch=greedy_batch)
     bar.close()
     results = {"prompts": acc.n, "greedy": {"accuracy": acc.value, "ci95": list(acc.ci95), "correct": acc.correct,

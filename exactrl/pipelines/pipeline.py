@@ -38,6 +38,7 @@ from exactrl.metrics import MetricsLog, read_metrics
 from exactrl.models.loading import load_causal_lm, load_tokenizer
 from exactrl.report import plot_run
 from exactrl.rewards import Rewards
+from exactrl.rollout.hf import HFEngine
 from exactrl.run.evaluation import Accuracy, eval_data, eval_reward_spec, evaluate_accuracy
 from exactrl.run_dir import create_run_dir
 from exactrl.tasks.builtin import BuiltinSpec
@@ -71,8 +72,9 @@ def measure(cfg: PipelineConfig, model_path: Path | str, prompts, seed: int) -> 
     common = dict(batch_size=ev.batch_size, max_new_tokens=ev.max_new_tokens, stop=tuple(r.stop),
                   timeout=cfg.rl.reward.timeout)
     with Rewards(eval_reward_spec(cfg.rl)) as rewards:
-        greedy = evaluate_accuracy(model, tok, prompts, rewards.eval, **common)
-        sampled = evaluate_accuracy(model, tok, prompts, rewards.eval, greedy=False, temperature=r.temperature,
+        decode = HFEngine(model, tok, ev.batch_size).generate
+        greedy = evaluate_accuracy(decode, prompts, rewards.eval, **common)
+        sampled = evaluate_accuracy(decode, prompts, rewards.eval, greedy=False, temperature=r.temperature,
                                     top_p=r.top_p, top_k=r.top_k, seed=seed, **common)
     return greedy, sampled
 

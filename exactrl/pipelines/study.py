@@ -49,6 +49,7 @@ from exactrl.metrics import read_metrics
 from exactrl.models.loading import load_causal_lm, load_tokenizer
 from exactrl.pipelines.study_report import write_study_report
 from exactrl.rewards import Rewards
+from exactrl.rollout.hf import HFEngine
 from exactrl.run.evaluation import evaluate_accuracy
 from exactrl.run_dir import create_run_dir
 from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin
@@ -282,7 +283,8 @@ class Study:
         prompts = encode_prompts(read_jsonl(self.paths.eval)[: self.cfg.eval_size], tok, r.data.max_length)
         outcomes: list[int] = []
         with Rewards(r.reward.specs()[0]) as rewards:
-            acc = evaluate_accuracy(model, tok, prompts, rewards.eval, batch_size=r.eval.batch_size,
+            acc = evaluate_accuracy(HFEngine(model, tok, r.eval.batch_size).generate, prompts, rewards.eval,
+                                    batch_size=r.eval.batch_size,
                                     max_new_tokens=r.eval.max_new_tokens, stop=tuple(r.rollout.stop),
                                     timeout=r.reward.timeout,
                                     on_batch=lambda _p, _g, values: outcomes.extend(int(v >= 1.0) for v in values))

@@ -114,7 +114,7 @@ class RunContext:
     def evaluate(self, step: int, policy, say=print) -> Accuracy:
         # Every rank generates for the same prompts (a sharded model needs all ranks in each
         # forward); greedy decoding keeps them in lockstep.
-        acc = policy.apply(lambda model: greedy_accuracy(self.cfg, model, self.tokenizer, self.eval_set))
+        acc = greedy_accuracy(self.cfg, policy, self.tokenizer, self.eval_set)
         self.write(step, {"eval_accuracy": acc.value, "eval_ci95": list(acc.ci95),
                           "eval_reward_failures": acc.reward_failures})
         if is_main():
@@ -130,10 +130,10 @@ class RunContext:
         self.bar.close()
         names = [name for name, w in saved.items() if w is not None]
         final = saved[names[0]].save(self.run_dir / names[0], self.tokenizer)
-        canary = getattr(saved[names[0]].engine, "canary", None)
-        if self.faults and canary is not None and is_main():  # what the canary made of the injected faults
-            record_check(self.run_dir, f"canary_{self.phase}", {"policy": canary.policy, "steps": self.steps,
-                                                                "steps_flagged": canary.fired})
+        canary = saved[names[0]].canary_summary() if self.faults else None
+        if canary is not None and is_main():  # what the canary made of the injected faults
+            record_check(self.run_dir, f"canary_{self.phase}", {"policy": canary["policy"], "steps": self.steps,
+                                                                "steps_flagged": canary["steps_flagged"]})
         for name in names[1:]:
             saved[name].save(self.run_dir / name, self.tokenizer)
         try:

@@ -7,14 +7,16 @@ nothing (with a notice) when you train on your own file."""
 
 from __future__ import annotations
 
+import functools
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from exactrl.data.encode import Prompt, load_prompts
 from exactrl.distributed.launch import is_main
 from exactrl.rewards import DEFAULT_TIMEOUT, Reward, Rewards, require_answers, score
-from exactrl.rollout.generator import prompt_seeds
+from exactrl.rollout.generator import Generation, SamplingParams, prompt_seeds
 from exactrl.rollout.hf import HFEngine
 
 
@@ -48,22 +50,24 @@ def wilson_interval(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
     return (low, high)
 
 
-def evaluate_accuracy(model, tokenizer, prompts: list[Prompt], reward: Reward, *, batch_size: int, max_new_tokens: int,
-                      greedy: bool = True, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                      stop: tuple[str, ...] = (), timeout: float = DEFAULT_TIMEOUT, fallback: float | None = None,
-                      seed: int = 0, on_batch=None) -> Accuracy:
+def evaluate_accuracy(generate: Callable, prompts: list[Prompt], reward: Reward, *, batch_size: int,
+                      max_new_tokens: int, greedy: bool = True, temperature: float = 1.0, top_p: float = 1.0,
+                      top_k: int = 0, stop: tuple[str, ...] = (), timeout: float = DEFAULT_TIMEOUT,
+                      fallback: float | None = None, seed: int = 0, on_batch=None) -> Accuracy:
     """Share of prompts whose (greedy or sampled) answer gets full reward (>= 1) from ``reward``,
     decoded and scored ``batch_size`` prompts at a time, each call under the run's reward.timeout
     and reward.fallback. A sampled answer is keyed by ``seed`` and its prompt's position, so the
-    batch size does not change it. ``on_batch(prompts, generations, rewards)`` after each batch."""
+    batch size does not change it. ``on_batch(prompts, generations, rewards)`` after each batch.
+    ``generate(prompt_ids, params, seeds)``: a generator's (e.g. HFEngine(model, tokenizer, batch_size).generate),
+    or a worker's decoding where its model lives (greedy_accuracy)."""
     t0 = time.perf_counter()
-    engine = HFEngine(model, tokenizer, batch_size)
+    params = SamplingParams(greedy=greedy, temperature=temperature, top_p=top_p, top_k=top_k, stop=tuple(stop),
+                            max_new_tokens=max_new_tokens)
     rewards, failures, tokens = [], [], 0
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i : i + batch_size]
-        gens = engine.generate([p.input_ids for p in chunk], greedy=greedy, temperature=temperature, top_p=top_p,
-                               top_k=top_k, stop=stop, max_new_tokens=max_new_tokens,
-                               seeds=prompt_seeds("eval", seed, positions=range(i, i + len(chunk))))
+        seeds = prompt_seeds("eval", seed, positions=range(i, i + len(chunk)))
+        gens = generate([p.input_ids for p in chunk], params, seeds)
         values = score(reward, [p.text for p in chunk], [g.text for g in gens], [p.answer for p in chunk],
                        [p.source for p in chunk], timeout, fallback, failures)
         rewards += values
@@ -166,10 +170,19 @@ def load_eval_set(cfg, tokenizer, eval_path: str | None, reward: Reward | None =
     return EvalSet(prompts, reward, owned)
 
 
-def greedy_accuracy(cfg, model, tokenizer, eval_set: EvalSet) -> Accuracy:
-    """Greedy accuracy on ``eval_set`` as the run's eval.* and reward.* say (rl: answers end at rollout.stop too)."""
+def decode_with(model, tokenizer, batch_size: int, prompt_ids: list[list[int]], params: SamplingParams,
+                seeds: list[int]) -> list[Generation]:
+    """``model``'s answers through the decode loop, ``batch_size`` sequences at a time: module-level, so a
+    worker runs it where its model lives (Worker.apply)."""
+    return HFEngine(model, tokenizer, batch_size).generate(prompt_ids, params, seeds)
+
+
+def greedy_accuracy(cfg, policy, tokenizer, eval_set: EvalSet) -> Accuracy:
+    """Greedy accuracy of the ``policy`` worker on ``eval_set`` as the run's eval.* and reward.* say (rl: answers
+    end at rollout.stop too), decoded where its model lives (on every rank) and scored here."""
     r, rollout = getattr(cfg, "reward", None), getattr(cfg, "rollout", None)
-    return evaluate_accuracy(model, tokenizer, eval_set.prompts, eval_set.reward, batch_size=cfg.eval.batch_size,
+    decode = functools.partial(policy.apply, decode_with, tokenizer, cfg.eval.batch_size)
+    return evaluate_accuracy(decode, eval_set.prompts, eval_set.reward, batch_size=cfg.eval.batch_size,
                              max_new_tokens=cfg.eval.max_new_tokens, stop=tuple(rollout.stop) if rollout else (),
                              timeout=r.timeout if r else DEFAULT_TIMEOUT,
                              fallback=r.fallback if r else None)

@@ -64,9 +64,10 @@ def load_model(cfg, path, run_dir: Path, phase: str, role: str, longest: int, tr
     return model
 
 
-def check_generator(cfg, model, tokenizer, run_dir: Path, phase: str, *, sampled: bool, synced: bool = False) -> None:
-    """The generation self-check on the policy ``model`` (every rank, together), recorded in the
-    manifest; ``sampled``: also the sampled log-probs against the training forward (rl)."""
+def check_generator(cfg, model, tokenizer, run_dir: Path, phase: str, *, sampled: bool, synced: bool = False,
+                    role: str = "policy") -> None:
+    """The generation self-check on ``role``'s ``model`` (the policy's, or a Ray rollout engine's; every rank,
+    together), recorded in the manifest; ``sampled``: also the sampled log-probs against the training forward (rl)."""
     t = cfg.train
     if t.generation_check == "off":
         return
@@ -75,8 +76,8 @@ def check_generator(cfg, model, tokenizer, run_dir: Path, phase: str, *, sampled
                  "max_new_tokens": rollout.max_new_tokens} if rollout else {"max_new_tokens": cfg.eval.max_new_tokens})
     report = check_generation(model, model.config.get_text_config(decoder=True).vocab_size, eos=tokenizer.eos_token_id,
                               pad=tokenizer.pad_token_id, policy=t.generation_check, tol=t.generation_check_tol,
-                              sampled=sampled, synced=synced, what="the policy model", **sampling)
+                              sampled=sampled, synced=synced, what=f"the {role} model", **sampling)
     if is_main():
-        record_check(run_dir, f"generation/{phase}/policy", report.as_dict())
+        record_check(run_dir, f"generation/{phase}/{role}", report.as_dict())
         if report.notice:
             warnings.warn(report.notice, UserWarning, stacklevel=2)

@@ -34,14 +34,16 @@ from pathlib import Path
 import torch
 
 from exactrl.data.batch import Sample, collate
+from exactrl.device import process_device
 from exactrl.distributed.collectives import gather
-from exactrl.distributed.engine import SampleAccountingError, build_engine
+from exactrl.distributed.engine import SampleAccountingError, autocast_for, build_engine
+from exactrl.distributed.launch import rank, world_size
 from exactrl.distributed.step_plan import StepPlan
 from exactrl.losses.objective import Metrics, Objective, micro_batch_loss
 from exactrl.losses.token_losses import kept_logprobs, token_entropy, token_logprobs
 from exactrl.models.lora import reference_mode
 from exactrl.models.packing import model_batch
-from exactrl.workers.load import load_model
+from exactrl.workers.load import check_generator, load_model
 
 # role -> the worker class that builds it, as "module:Class" (imported when a run asks for the
 # role, as the engines are): a reward model joins with one row.
@@ -73,6 +75,15 @@ class Worker:
         self.logprob_chunk = logprob_chunk if logprob_chunk is not None else getattr(engine, "logprob_chunk", 0)
         self.mode = mode or contextlib.nullcontext  # entered around forward: e.g. LoRA's adapters off for the reference
 
+    @property
+    def rank(self) -> int:
+        return self.engine.rank if self.engine is not None else rank()
+
+    @property
+    def world_size(self) -> int:
+        """The ranks this worker's role runs on (its process group's, a frozen worker's too)."""
+        return self.engine.world_size if self.engine is not None else world_size()
+
     @classmethod
     def build(cls, cfg, role: str, path: str, *, run_dir: Path, phase: str, longest: int, pad_id: int,
               total_steps: int = 1, checkpoint: str | None = None, policy: Worker | None = None) -> Worker:
@@ -100,11 +111,14 @@ class Worker:
             model = load_model(cfg, path, run_dir, phase, "policy", longest, checkpoint=checkpoint)
             return cls("policy", model, build_engine(model, cfg, total_steps), pad_id=pad_id, packed=packed,
                        **sampling)
-        if policy is None:
-            raise ValueError("the reference worker is built after the policy's (it computes like it)")
-        common = {"pad_id": pad_id, "packed": packed, **sampling, "autocast": policy.engine.autocast,
-                  "logprob_chunk": policy.engine.logprob_chunk}
+        # The reference computes as the policy does: under the run's autocast, in its log-prob chunks.
+        device, dtype = process_device(), cfg.model.dtype
+        common = {"pad_id": pad_id, "packed": packed, **sampling, "logprob_chunk": cfg.train.logprob_chunk_size,
+                  "autocast": lambda: autocast_for(dtype, device)}
         if cfg.model.lora.rank > 0:
+            if policy is None:
+                raise ValueError("with LoRA the reference is the policy's own model (its adapters off): build it after "
+                                 "the policy, in the policy's process")
             return cls("reference", policy.model, mode=lambda: reference_mode(policy.model), **common)
         return cls("reference", load_model(cfg, path, run_dir, phase, "reference", longest, trainable=False), **common)
 
@@ -121,17 +135,20 @@ class Worker:
             return token_entropy(logits, self.temperature, self.logprob_chunk)
         raise ValueError(f"the {self.role} worker computes logprobs, kept_logprobs or entropy, not '{name}'")
 
-    def forward(self, samples: list[Sample], name: str, micro_batches: list[list[int]]) -> list[torch.Tensor]:
+    def forward(self, samples: list[Sample], name: str, layout: list[list[list[int]]]) -> list[torch.Tensor]:
         """Per-token ``name`` of every sample (one tensor of its num_targets each): this rank
-        computes its ``micro_batches`` (indices into samples), then every rank receives all."""
-        return self.forward_fields(samples, (name,), micro_batches)[name]
+        computes its micro-batches ``layout[rank]`` (indices into samples), then every rank receives
+        all. Every rank takes the same arguments (a group of Ray actors is called so)."""
+        return self.forward_fields(samples, (name,), layout)[name]
 
     @torch.no_grad()
     def forward_fields(self, samples: list[Sample], names: tuple[str, ...],
-                       micro_batches: list[list[int]]) -> dict[str, list[torch.Tensor]]:
+                       layout: list[list[list[int]]]) -> dict[str, list[torch.Tensor]]:
         """``forward`` of several per-token fields from one forward per micro-batch."""
+        if len(layout) != self.world_size:
+            raise ValueError(f"a layout of {len(layout)} ranks' micro-batches for the {self.role}'s {self.world_size}")
         mine = {}
-        for mb in micro_batches:
+        for mb in layout[self.rank]:
             chunk = [samples[i] for i in mb]
             batch = self.model_batch(chunk)
             with self.mode(), self.autocast():
@@ -236,7 +253,18 @@ class Worker:
         weights were loaded with the model, Worker.build's ``checkpoint``)."""
         self.engine.load_state_dict(engine_state, directory)
 
-    def apply(self, fn: Callable[[torch.nn.Module], object]) -> object:
-        """``fn(model)`` where the model lives (here, in this process): for work that needs the
+    def apply(self, fn: Callable[..., object], *args, **kwargs) -> object:
+        """``fn(model, *args, **kwargs)`` where the model lives (here, in this process; on every rank of
+        a Ray actor group, which then pickles ``fn``: a module-level function): for work that needs the
         whole model in place, such as the periodic greedy evaluation."""
-        return fn(self.model)
+        return fn(self.model, *args, **kwargs)
+
+    def check_generation(self, cfg, tokenizer, run_dir: Path, phase: str, *, sampled: bool) -> None:
+        """The generation self-check on this worker's model (exactrl/workers/load.py), every rank together."""
+        check_generator(cfg, self.model, tokenizer, run_dir, phase, sampled=sampled,
+                        synced=self.engine.synced_decoding)
+
+    def canary_summary(self) -> dict | None:
+        """What the canary of this worker's engine made of the run so far (None: no canary)."""
+        canary = getattr(self.engine, "canary", None)
+        return None if canary is None else {"policy": canary.policy, "steps_flagged": canary.fired}

@@ -1,0 +1,57 @@
+"""`exactrl rl`'s Ray section: the same run as Ray actor groups (README "Scaling out")."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from exactrl.config.schema import Section
+
+
+class RayConfig(Section):
+    enabled: bool = Field(False,
+                          description="Run `exactrl rl` as Ray actor groups: the policy's trainer ranks, the "
+                                      "reference, the critic and the rollout engines are actors placed by "
+                                      "ray.placement; this process (the driver) runs the loop, the rewards, the "
+                                      "metrics and checkpoints' bookkeeping, and holds only handles. Needs the ray "
+                                      "extra (pip install 'exactrl[ray]').")
+    address: str = Field("",
+                         description="The Ray cluster: '' starts a local one for this run (stopped at its end), "
+                                     "'auto' joins the one `ray start --head` started on this machine's cluster, or "
+                                     "an address (HOST:6379, ray://HOST:10001).")
+    placement: Literal["colocated", "split"] = Field(
+        "colocated",
+        description="colocated: all roles share one set of bundles (rank i of the policy, reference and critic and "
+                    "rollout engine i on bundle i, each actor taking a share of it); split: a set of bundles per "
+                    "trainer role and one for the rollout engines, so no two roles share a device.")
+    ranks: int = Field(1, ge=1,
+                       description="Trainer ranks of the policy (and of the critic and reference): actors joined in "
+                                   "one process group (gloo on CPU, NCCL on GPUs) running distributed.backend; the "
+                                   "world size batch sizes must divide by. Replaces distributed.nproc_per_node.")
+    engines: int = Field(1, ge=1,
+                         description="Rollout engines: actors each holding a generator (rollout.engine) with its own "
+                                     "copy of the policy's weights, pushed after every update; a rollout's prompts "
+                                     "are split between them (each response keyed by its prompt and sample, so the "
+                                     "split changes no response).")
+    engine_tp: int = Field(1, ge=1,
+                           description="Devices per rollout engine (vLLM's tensor_parallel_size): each engine gets "
+                                       "this many bundles. The Hugging Face decode loop (rollout.engine=hf) has no "
+                                       "tensor parallelism and takes 1.")
+
+
+def check_ray(cfg) -> None:
+    """What a Ray run cannot honour, refused when the config loads."""
+    r = cfg.ray
+    if not r.enabled:
+        return
+    if cfg.distributed.nproc_per_node > 1:
+        raise ValueError(f"distributed.nproc_per_node={cfg.distributed.nproc_per_node} with ray.enabled=true: Ray "
+                         "starts the trainer ranks itself; set ray.ranks instead (and run one exactrl process)")
+    if r.engine_tp > 1 and cfg.rollout.engine == "hf":
+        raise ValueError(f"ray.engine_tp={r.engine_tp}: rollout.engine=hf (the Hugging Face decode loop) has no "
+                         "tensor parallelism; set ray.engine_tp=1")
+    if cfg.train.resume_from:
+        raise ValueError(f"train.resume_from={cfg.train.resume_from} with ray.enabled=true: a Ray run writes "
+                         "checkpoints but cannot resume from one yet; resume without Ray (same ranks under "
+                         "distributed.nproc_per_node)")

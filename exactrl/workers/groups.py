@@ -1,0 +1,226 @@
+"""Ray actor groups behind the Worker and Generator interfaces (ray.enabled; README "Scaling out").
+
+One actor class, RoleActor, is one process of the run: a rank of a trainer role holding its
+worker (policy, reference, critic: exactrl/workers/worker.py, built as in one process), or a
+rollout engine holding a generator (the Hugging Face decode loop over a model of its own). The
+driver (the `exactrl rl` process) holds handles only:
+  WorkerGroup  a trainer role's ranks: a call runs the same Worker method with the same arguments on
+               every rank (each takes its micro-batches from the plan; collectives run inside the
+               group's own process group, gloo on CPU, NCCL on GPUs) and returns rank 0's result;
+  EngineGroup  the Generator protocol over the engines: a request's prompts are split between them,
+               each prompt with its own seed, so no response depends on which engine samples it
+               (exactrl/rollout/generator.py); the policy's rank 0 pushes its exported weights to
+               every engine, which verifies what it loaded (HFEngine.load_weights).
+An actor that dies stops the run with an error naming it (ray_cluster.results), never a hang.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+from dataclasses import replace
+from pathlib import Path
+
+from exactrl.audit.manifest import record_fact
+from exactrl.device import place, use_device
+from exactrl.distributed.launch import init_process_group, rank
+from exactrl.distributed.ray_cluster import SHARE, Cluster, actor_options, bundles_needed, import_ray, reserve, results
+from exactrl.models.loading import load_causal_lm
+from exactrl.rollout.generator import SamplingParams, WeightSyncError, prompt_seeds
+from exactrl.rollout.hf import HFEngine
+from exactrl.seeding import seed_everything
+from exactrl.workers.load import check_generator
+from exactrl.workers.worker import Worker
+
+
+class RoleActor:
+    """One process of a Ray run: what it holds, by role ("policy", "critic", "reference", "engine")."""
+
+    def __init__(self):
+        self.held = {}
+
+    def rendezvous(self) -> tuple[str, int]:
+        """Where this actor's group meets to form its process group (called on rank 0): its node and a free port."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return import_ray().util.get_node_ip_address(), port
+
+    def join(self, rank: int, world: int, where: tuple[str, int], device: str) -> None:
+        """Become rank ``rank`` of ``world``, as a launcher would set it, on this actor's device. LOCAL_RANK 0: Ray
+        shows an actor only the GPUs of its bundle (CUDA_VISIBLE_DEVICES), so its device is cuda:0."""
+        os.environ.update(MASTER_ADDR=where[0], MASTER_PORT=str(where[1]), RANK=str(rank), WORLD_SIZE=str(world),
+                          LOCAL_RANK="0")
+        use_device(device)
+        if world > 1:
+            init_process_group()
+
+    def build(self, role: str, cfg, path: str, kwargs: dict, in_policy: bool = False) -> None:
+        """``role``'s worker, as Worker.build makes it in one process (seeded alike: a LoRA adapter's
+        random start is the same); ``in_policy``: on the policy's model (LoRA's reference)."""
+        seed_everything(cfg.train.seed)
+        self.held[role] = Worker.build(cfg, role, path, **kwargs, policy=self.held["policy"] if in_policy else None)
+
+    def build_engine(self, cfg, path: str, tokenizer, run_dir: Path, phase: str, index: int) -> None:
+        """A rollout engine: the decode loop over a model of its own (in fp32, as the policy's), whose
+        decoding is self-checked like the policy's (recorded as generation/<phase>/engine<index>)."""
+        m = cfg.model
+        model = place(load_causal_lm(path, trainable=False, attn=m.attn_implementation,
+                                     trust_remote_code=m.trust_remote_code), use_device(cfg.distributed.device))
+        check_generator(cfg, model, tokenizer, run_dir, phase, sampled=True, role=f"engine{index}")
+        self.held["engine"] = HFEngine(model, tokenizer, cfg.rollout.batch_size)
+
+    def call(self, role: str, method: str, *args, **kwargs):
+        return getattr(self.held[role], method)(*args, **kwargs)
+
+
+# The Worker methods a group runs on every rank (rank 0's result comes back).
+CALLS = frozenset({"forward", "forward_fields", "train_step", "step", "save", "save_state", "load_state", "apply", "check_generation",
+                   "canary_summary"})
+
+
+class WorkerGroup:
+    """A trainer role's rank actors behind Worker's methods (CALLS, push_weights)."""
+
+    def __init__(self, role: str, actors: list, ready: list):
+        self.role, self.actors, self.world_size = role, actors, len(actors)
+        self.names = [f"the {role}'s rank {i} of {len(actors)}" for i in range(len(actors))]
+        self._ready = ready  # the builds: awaited before the first call, so a failed one is raised as itself
+
+    def wait(self) -> None:
+        if self._ready:
+            results(self._ready, self.names, f"building the {self.role}")
+            self._ready = []
+
+    def _all(self, method: str, *args, **kwargs):
+        self.wait()
+        ray = import_ray()
+        args = [ray.put(a) for a in args]  # stored once, read by every rank
+        refs = [a.call.remote(self.role, method, *args, **kwargs) for a in self.actors]
+        return results(refs, self.names, f"{self.role}.{method}")[0]
+
+    def __getattr__(self, method: str):
+        if method not in CALLS:
+            raise AttributeError(f"a Ray group of {self.__dict__.get('role')} ranks has no '{method}'")
+        return functools.partial(self._all, method)
+
+    def push_weights(self, generator) -> int:
+        """Worker.push_weights on every rank: they export together, rank 0 sends (EngineGroup.load_weights)."""
+        generator.wait()
+        generator.weights_version = self._all("push_weights", generator)
+        return generator.weights_version
+
+
+def split(n: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous ranges covering range(n), their lengths differing by at most one."""
+    return [(n * j // parts, n * (j + 1) // parts) for j in range(parts)]
+
+
+class EngineGroup:
+    """The Generator protocol (exactrl/rollout/generator.py) over rollout engine actors."""
+
+    synced = False  # each engine decodes alone
+    logprobs_over = HFEngine.logprobs_over  # the engines' convention (exactrl/rollout/generator.py)
+
+    def __init__(self, actors: list, tokenizer, ready: list):
+        self.actors, self.tok, self._ready, self.weights_version = actors, tokenizer, ready, 0
+        self.names = [f"rollout engine {j} of {len(actors)}" for j in range(len(actors))]
+
+    def __getstate__(self):  # sent to the policy's ranks for the push: handles and names, not the tokenizer
+        return {**self.__dict__, "tok": None, "_ready": []}
+
+    def wait(self) -> None:
+        if self._ready:
+            results(self._ready, self.names, "building the rollout engines")
+            self._ready = []
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams | None = None, seeds=None, **kwargs):
+        """Prompt i keeps seeds[i] (by default its position in ``prompt_ids``) on whichever engine samples it."""
+        self.wait()
+        p = params or SamplingParams(**kwargs)
+        seeds = list(prompt_seeds(positions=range(len(prompt_ids)))) if seeds is None else list(seeds)
+        parts = [(j, a, b) for j, (a, b) in enumerate(split(len(prompt_ids), len(self.actors))) if a < b]
+        refs = [self.actors[j].call.remote("engine", "generate", prompt_ids[a:b], p, seeds[a:b]) for j, a, b in parts]
+        done = results(refs, [self.names[j] for j, _, _ in parts], "a rollout")
+        return [replace(g, prompt_index=g.prompt_index + a) for (_, a, _), gens in zip(parts, done) for g in gens]
+
+    def load_weights(self, named) -> int | None:
+        """Called by every rank of the policy (Worker.push_weights): all take part in the export's gathers; rank 0
+        sends the tensors once to every engine, each of which copies them in and compares (HFEngine.load_weights).
+        Returns the engines' new version (None on the other ranks)."""
+        if rank() != 0:
+            for _ in named:
+                pass
+            return None
+        ray = import_ray()
+        sent = ray.put([(name, t.detach().cpu()) for name, t in named])
+        versions = results([e.call.remote("engine", "load_weights", sent) for e in self.actors], self.names,
+                           "a weight push")
+        if len(set(versions)) != 1:
+            raise WeightSyncError(f"the rollout engines hold different weights versions after a push: "
+                                  f"{dict(zip(self.names, versions))}")
+        self.weights_version = versions[0]
+        return self.weights_version
+
+
+class RayRoles:
+    """The roles of an RL run as Ray actor groups (exactrl/workers/placement.py's interface)."""
+
+    def __init__(self, cfg, run_dir: Path, phase: str):
+        r, self.cfg, self.run_dir, self.phase = cfg.ray, cfg, run_dir, phase
+        self.cluster = Cluster.connect(r.address, bundles_needed(r.placement, r.ranks, r.engines, r.engine_tp))
+        self.gpu = self.cluster.gpu(cfg.distributed.device)
+        self.actors, self.groups, self.policy_path = [], [], None
+        # colocated: one set of bundles every role shares, rank i (and engine i) on bundle i
+        self.shared = reserve(max(r.ranks, r.engines * r.engine_tp), self.gpu, "colocated") \
+            if r.placement == "colocated" else None
+        if self.shared is not None:
+            self.groups.append(self.shared)
+        record_fact(run_dir, "ray", {"address": r.address, "placement": r.placement, "ranks": r.ranks,
+                                     "engines": r.engines, "engine_tp": r.engine_tp, "gpu": self.gpu,
+                                     "nodes": len(import_ray().nodes())})
+
+    def _start(self, what: str, count: int, stride: int = 1) -> list:
+        """``count`` actors, the i-th on bundle i x ``stride`` of the shared set or of a set of their own."""
+        if self.shared is not None:
+            group, share = self.shared, SHARE
+        else:
+            group, share = reserve(count * stride, self.gpu, what), 1.0
+            self.groups.append(group)
+        remote = import_ray().remote(RoleActor)
+        actors = [remote.options(**actor_options(group, i * stride, self.gpu, share)).remote() for i in range(count)]
+        self.actors += actors
+        return actors
+
+    def worker(self, role: str, path: str, policy: WorkerGroup | None = None, **kwargs) -> WorkerGroup:
+        """``role``'s ranks, built as Worker.build builds one (returns at once; the group waits at its first call)."""
+        if role == "policy":
+            self.policy_path = path
+        if role == "reference" and self.cfg.model.lora.rank > 0:  # the policy's own model, adapters off
+            return WorkerGroup(role, policy.actors, [a.build.remote(role, self.cfg, path, kwargs, in_policy=True)
+                                                     for a in policy.actors])
+        actors, world = self._start(role, self.cfg.ray.ranks), self.cfg.ray.ranks
+        where = actors[0].rendezvous.remote()  # resolved by each join: nothing here waits
+        for i, a in enumerate(actors):
+            a.join.remote(i, world, where, self.cfg.distributed.device)
+        return WorkerGroup(role, actors, [a.build.remote(role, self.cfg, path, kwargs) for a in actors])
+
+    def generator(self, policy: WorkerGroup, tokenizer) -> EngineGroup:
+        """The rollout engines, each loading the policy's starting model (its weights are pushed before any rollout)."""
+        r = self.cfg.ray
+        actors = self._start("rollout engines", r.engines, stride=r.engine_tp)
+        ready = [a.build_engine.remote(self.cfg, self.policy_path, tokenizer, self.run_dir, self.phase, j)
+                 for j, a in enumerate(actors)]
+        return EngineGroup(actors, tokenizer, ready)
+
+    def close(self) -> None:
+        """End every actor and release every bundle of the run, then leave a cluster this run joined."""
+        ray = import_ray()
+        from ray.util.placement_group import remove_placement_group
+
+        for a in self.actors:
+            ray.kill(a)
+        for g in self.groups:
+            remove_placement_group(g)
+        self.cluster.close()

@@ -1,0 +1,162 @@
+"""`exactrl rl` as Ray actor groups (ray.enabled) on a local CPU cluster, one per module (ray.init
+costs ~3 s; every actor runs one thread). Placement cannot change the maths: sampling is keyed per
+prompt and sample, the trainer ranks split each step by its plan, so the same seeded run ends with
+the same weights as the plain one-process run, to 1e-5 (fp32, max abs difference), whatever the
+placement (colocated, split), the trainer world size (1, 2) and the number of rollout engines (1,
+2). PPO's critic and the reference run as groups of their own. A rollout engine that dies stops the
+run at once, naming it, and the run's actors and bundles are released."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import ray
+from safetensors.torch import load_file
+
+from exactrl.algorithms.rl import train_rl
+from exactrl.config import ConfigError, RLConfig, load_config
+from exactrl.distributed.ray_cluster import RoleDied
+from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin
+from exactrl.workers.groups import RayRoles
+
+SPEC = BuiltinSpec(n_sft=20, n_rl=40, n_eval=10)
+TOL = 1e-5
+CPUS = 8  # a scheduling count: the largest placement here (split, 2 ranks of 3 roles, 2 engines) takes 8 bundles
+COMMON = ["data.eval=null", "train.global_batch_size=8", "train.micro_batch_size=2", "algo.group_size=4",
+          "train.max_steps=2", "train.log_every=1", "rollout.max_new_tokens=8", "model.dtype=fp32",
+          # SGD: Adam's first step moves an element with a near-zero gradient by a whole lr in its sign, so a rounding
+          # difference between summation orders (FSDP2 vs one process) could flip it
+          "optim.name=sgd", "optim.lr=0.05",
+          "reward.fn=reward_fixtures:varied"]
+ALGOS = {"grpo": ["algo.name=grpo"],
+         "ppo": ["algo.name=ppo", "algo.kl_coef=0.05", "critic.warmup_rollouts=0", "critic.optim.name=sgd",
+                 "critic.optim.lr=0.05"]}
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory):
+    """The module's cluster and built-in task cache."""
+    root = tmp_path_factory.mktemp("ray")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EXACTRL_CACHE", str(root / "cache"))
+        ray.init(num_cpus=CPUS, include_dashboard=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+        try:
+            yield root
+        finally:
+            ray.shutdown()
+
+
+def layout(placement: str, ranks: int, engines: int) -> list[str]:
+    backend = "fsdp2" if ranks > 1 else "single"
+    return ["ray.enabled=true", f"ray.placement={placement}", f"ray.ranks={ranks}", f"ray.engines={engines}",
+            f"distributed.backend={backend}"]
+
+
+def run(tmp: Path, algo: str, *extra: str) -> dict:
+    """One run (cached by its settings); its rollouts' statistics per step and its final weights (and critic's)."""
+    out = tmp / "-".join([algo, *extra]).replace("=", "_")
+    if not (out / "final").exists():
+        train_rl(load_config(RLConfig, None, [*COMMON, *ALGOS[algo], *extra, f"output_dir={out}"]), spec=SPEC)
+    keys = ("reward_mean", "reward_std", "response_length", "generated_tokens")
+    rows = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "reward_mean" in r]
+    weights = {f"policy.{k}": v for k, v in load_file(out / "final" / "model.safetensors").items()}
+    if (out / "final-critic").exists():
+        weights |= {f"critic.{k}": v for k, v in load_file(out / "final-critic" / "model.safetensors").items()}
+    return {"rollouts": [{k: r.get(k) for k in keys} for r in rows], "weights": weights, "dir": out}
+
+
+def max_diff(a: dict, b: dict) -> float:
+    """Over the tensors both saved (FSDP2 writes a tied lm_head.weight that the single engine leaves out)."""
+    common = a.keys() & b.keys()
+    assert len(common) >= len(a) - 1 and len(common) >= len(b) - 1, (a.keys() ^ b.keys())
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in common)
+
+
+def check(tmp: Path, algo: str, placement: str, ranks: int, engines: int) -> float:
+    plain, placed = run(tmp, algo), run(tmp, algo, *layout(placement, ranks, engines))
+    assert placed["rollouts"] == plain["rollouts"]  # the same responses, so the same rewards and lengths
+    diff = max_diff(placed["weights"], plain["weights"])
+    start = load_file(ensure_builtin(SPEC).model / "model.safetensors")
+    moved = max((placed["weights"][f"policy.{k}"] - v).abs().max().item() for k, v in start.items())
+    print(f"{algo} ray {placement} ranks={ranks} engines={engines} vs plain: max |weight difference| {diff:.3g} "
+          f"(the policy moved {moved:.3g})")
+    assert moved > 1e-4 and diff <= TOL
+    manifest = json.loads((placed["dir"] / "manifest.json").read_text())
+    assert manifest["ray"]["placement"] == placement and manifest["ray"]["engines"] == engines
+    assert {f"generation/rl/engine{j}" for j in range(engines)} <= set(manifest["checks"])  # each engine self-checked
+    return diff
+
+
+# Each placement once, both world sizes, one and two engines; PPO's critic and reference as groups of their own.
+CI = [("grpo", "colocated", 2, 2), ("ppo", "split", 1, 1)]
+
+
+@pytest.mark.parametrize("algo,placement,ranks,engines", CI, ids=["-".join(map(str, c)) for c in CI])
+def test_a_ray_run_ends_with_the_plain_runs_weights(tmp, algo, placement, ranks, engines):
+    check(tmp, algo, placement, ranks, engines)
+    assert ray.available_resources().get("CPU") == CPUS  # every actor and bundle of the runs released
+
+
+MATRIX = [(algo, placement, ranks, engines) for algo in ALGOS for placement in ("colocated", "split")
+          for ranks in (1, 2) for engines in (1, 2)]
+
+
+@pytest.mark.slow
+def test_the_whole_placement_matrix(tmp):
+    rows = [(*case, check(tmp, *case)) for case in MATRIX]
+    print("\n| algorithm | placement | trainer ranks | engines | max weight diff vs plain |\n|---|---|---|---|---|")
+    for algo, placement, ranks, engines, diff in rows:
+        print(f"| {algo} | {placement} | {ranks} | {engines} | {diff:.2e} |")
+
+
+def test_an_engine_that_dies_mid_rollout_stops_the_run_naming_it(tmp, monkeypatch):
+    """Engine 1 of 2 exits in the middle of the first rollout (its generate ends the process): the run
+    stops with RoleDied naming it within seconds, and releases every actor and bundle."""
+    made = RayRoles.generator
+
+    def with_a_dying_engine(self, policy, tokenizer):
+        group = made(self, policy, tokenizer)
+        group.wait()
+
+        def install(actor):  # runs in the engine's process: pickled by value with what it needs
+            import os as os_
+
+            class Dying:
+                def __init__(self, engine):
+                    self.engine = engine
+
+                def __getattr__(self, name):
+                    return getattr(self.engine, name)
+
+                def generate(self, *args, **kwargs):
+                    os_._exit(1)
+
+            actor.held["engine"] = Dying(actor.held["engine"])
+
+        ray.get(group.actors[1].__ray_call__.remote(install))
+        return group
+
+    monkeypatch.setattr(RayRoles, "generator", with_a_dying_engine)
+    t0 = time.perf_counter()
+    with pytest.raises(RoleDied, match=r"rollout engine 1 of 2 died during a rollout") as died:
+        run(tmp, "grpo", *layout("colocated", 1, 2), "train.seed=7")
+    print(f"{died.value} ({time.perf_counter() - t0:.1f}s after the run started)")
+    deadline = time.monotonic() + 30  # ray.kill and the bundles' release are asynchronous
+    while ray.available_resources().get("CPU") != CPUS and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ray.available_resources().get("CPU") == CPUS
+
+
+def test_what_a_ray_run_cannot_honour_is_refused():
+    with pytest.raises(ConfigError, match="Ray starts the trainer ranks itself; set ray.ranks"):
+        load_config(RLConfig, None, ["ray.enabled=true", "distributed.nproc_per_node=2",
+                                     "distributed.backend=fsdp2"])
+    with pytest.raises(ConfigError, match="has no tensor parallelism"):
+        load_config(RLConfig, None, ["ray.enabled=true", "ray.engine_tp=2"])
+    with pytest.raises(ConfigError, match=r"ray.engines=2 has no effect: Ray is off"):
+        load_config(RLConfig, None, ["ray.engines=2"])
+    with pytest.raises(ConfigError, match="2 processes need a distributed backend"):
+        load_config(RLConfig, None, ["ray.enabled=true", "ray.ranks=2"])

@@ -76,8 +76,8 @@ class RoleActor:
 
 
 # The Worker methods a group runs on every rank (rank 0's result comes back).
-CALLS = frozenset({"forward", "forward_fields", "train_step", "step", "save", "save_state", "load_state", "apply", "check_generation",
-                   "canary_summary"})
+CALLS = frozenset({"forward", "forward_fields", "train_step", "step", "save", "save_state", "load_state", "apply",
+                   "check_generation", "canary_summary"})
 
 
 class WorkerGroup:

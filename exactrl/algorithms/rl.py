@@ -39,6 +39,7 @@ from exactrl.algorithms.resume import prepare_resume
 from exactrl.algorithms.sft import resolve
 from exactrl.algorithms.sft_rl import SFTBuffer, relift_sft
 from exactrl.checks.on_policy import on_policy_check
+from exactrl.checks.weight_sync import SyncCheck
 from exactrl.compute import FlopsCounter, count_parameters
 from exactrl.config.schema_rl import RLConfig
 from exactrl.data.batch import Sample
@@ -53,6 +54,7 @@ from exactrl.losses.token_losses import kl_penalty
 from exactrl.models.loading import load_tokenizer
 from exactrl.rewards import load_rewards, require_answers
 from exactrl.rollout.hf import HFEngine
+from exactrl.rollout.vllm_generator import vllm_generator
 from exactrl.run.context import RunContext
 from exactrl.run.evaluation import eval_data, load_eval_set
 from exactrl.tasks.builtin import BuiltinSpec
@@ -295,7 +297,9 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     model, engine = policy.model, policy.engine
     # Several ranks holding shards of the parameters must run every forward together
     # (generate's synced_gpus keeps a rank whose responses have all ended stepping with the others).
-    generator = HFEngine(model, tok, cfg.rollout.batch_size, synced=engine.synced_decoding)
+    generator = (vllm_generator(cfg, model_path, tok, ctx.run_dir, rank()) if cfg.rollout.engine == "vllm" else
+                 HFEngine(model, tok, cfg.rollout.batch_size, synced=engine.synced_decoding))
+    sync_check = SyncCheck(cfg.rollout.sync_check, cfg.model.dtype, cfg.rollout.probe_tol)
 
     sampler = StepSampler(len(prompts), prompts_per_rollout, t.seed)
     group_rng = random.Random(f"{t.seed}-minibatches")
@@ -312,15 +316,17 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
         flops.load(position)
     # After the resume: FSDP2 leaves a forward-only call's root parameters unsharded, which a
     # sharded optimizer state cannot be loaded against.
-    check_generator(cfg, model, tok, ctx.run_dir, phase, sampled=True, synced=generator.synced)
+    check_generator(cfg, model, tok, ctx.run_dir, phase, sampled=True, synced=engine.synced_decoding)
 
     gen_tokens, t0, step = 0, time.perf_counter(), first_rollout * steps_per_rollout
     ctx.start(steps, step)
     for rollout in range(first_rollout, rollouts):
         # 1. sample and score a rollout with the policy's current weights
-        policy.push_weights(generator)
+        sync = policy.push_weights(generator, sync_check)  # verified: digest, probe, weights state
         tg = time.perf_counter()
         samples, rstats = alg.rollout(generator, prompts, sampler.batch(rollout), rollout, reward_fns, cfg)
+        rstats |= {"weights_version": sync.version, "weights_digest": sync.digest, "sync_seconds": sync.seconds,
+                   "sync_probe_error": sync.probe_error}
         gen_seconds = time.perf_counter() - tg
         gen_tokens += rstats["generated_tokens"]
         # dynamic sampling (refill rounds) generated more responses than it kept: those count as generated too
@@ -363,6 +369,7 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
                            "kl_coef": kl_control.coef, "sft_buffer": buffer and buffer.pending, **flops.state()},
                           {"reward": f"{rstats['reward_mean']:.3f}"})
     seconds = time.perf_counter() - t0
+    getattr(generator, "close", lambda: None)()  # an engine process of its own
     final = ctx.finish({final_name: policy, f"{final_name}-critic": critic})
     reward_fns.close()
     return RLResult(ctx.run_dir, final, steps, seconds, gen_tokens, flops.record())

@@ -54,8 +54,8 @@ class HFBackend:
         return self.state_.kind, self.state_.version, self.state_.digest
 
     def rpc(self, method: str):
-        if method == "reload_weights":  # what vLLM's own reload from disk would do, guarded as the extension guards it
-            self.state_.reload_base(method)
+        if method == "reload_weights":  # vLLM's reload from disk, guarded as the worker extension guards it
+            self.state_.reload_base("reload_weights from disk")
         return None
 
     def probe(self, ids: list[int]) -> list[float]:

@@ -102,8 +102,8 @@ def test_a_parameter_skipped_on_the_way_is_named(model_dir, shared, monkeypatch)
 def test_a_base_reload_after_a_sync_is_refused_in_the_engine(model_dir, shared):
     tok, gen = model_dir[1], shared
     trainer(tok).push_weights(gen)
-    with pytest.raises(WeightSyncError, match=r"vllm engine 0 .*reload_weights would load the base weights over "
-                                              r"the synced weights of version \d+ .*TRL issue #5312"):
+    with pytest.raises(WeightSyncError, match=r"vllm engine 0 .*reload_weights from disk would load the base weights "
+                                              r"over the synced weights of version \d+ .*TRL issue #5312"):
         gen._request("rpc", "reload_weights")
     assert gen.generate([[5, 6, 7]], SamplingParams(greedy=True, max_new_tokens=3))  # still synced, still serving
 

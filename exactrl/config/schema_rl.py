@@ -81,8 +81,8 @@ class RolloutConfig(Section):
                                                              "the generator, the version and the first differing "
                                                              "tensor; warn only warns.")
     probe_tol: float | None = Field(None, gt=0,
-                                    description="Allowed largest absolute log-prob difference on the sync probe; unset = by "
-                                                "model.dtype: fp32 1e-3, bf16 0.1.")
+                                    description="Allowed largest absolute log-prob difference on the sync probe; "
+                                                "unset = by model.dtype: fp32 1e-3, bf16 0.1.")
 
     @model_validator(mode="after")
     def _stops_are_text(self):

@@ -20,7 +20,18 @@ import os
 import traceback
 from multiprocessing.connection import Client
 
+from exactrl.rollout.vllm_worker import SYNC_MARK
+
 WORKER_EXTENSION = "exactrl.rollout.vllm_worker.WeightSyncExtension"
+
+
+def error_answer(e: BaseException) -> tuple[str, str, str]:
+    """("error", type, first line of the message); a refused sync inside vLLM's worker comes back
+    as a plain Exception whose message carries SYNC_MARK: it is a WeightSyncError again."""
+    text = str(e).strip()
+    if SYNC_MARK in text:
+        return "error", "WeightSyncError", text.split(SYNC_MARK, 1)[1].split("', please check")[0]
+    return "error", type(e).__name__, text.splitlines()[0] if text else ""
 
 
 class VLLMBackend:
@@ -105,7 +116,7 @@ def serve(conn, backend) -> None:
             conn.send(("ok", getattr(backend, op)(*args)))
         except BaseException as e:
             traceback.print_exc()
-            conn.send(("error", type(e).__name__, str(e).strip().splitlines()[0] if str(e).strip() else ""))
+            conn.send(error_answer(e))
 
 
 def main() -> None:
@@ -115,7 +126,7 @@ def main() -> None:
     try:
         backend = getattr(importlib.import_module(module), cls)(**spec["args"])
     except BaseException as e:
-        conn.send(("error", type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else ""))
+        conn.send(error_answer(e))
         raise
     conn.send(("ok", backend.info()))
     serve(conn, backend)

@@ -13,8 +13,21 @@ from __future__ import annotations
 
 import torch
 
-from exactrl.checks.weight_sync import WeightsDigest, WeightsState, digest_of
+from exactrl.checks.weight_sync import WeightsDigest, WeightsState, WeightSyncError, digest_of
 from exactrl.rollout import weight_channel
+
+# vLLM hands a worker's exception back to the engine as a plain Exception with its message: the mark
+# lets the engine process tell a refused sync from any other failure (vllm_server.py).
+SYNC_MARK = "[weight sync] "
+
+
+def _marked(fn):
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except WeightSyncError as e:
+            raise WeightSyncError(SYNC_MARK + str(e)) from None
+    return call
 
 
 def hf_pieces(model: torch.nn.Module, module_name: str, leaf: str, t: torch.Tensor):
@@ -86,6 +99,7 @@ class WeightSyncExtension:
         # disk -- the base weights, which a sync must never be overwritten with (TRL issue #5312).
         self.exactrl_reload = self.reload_weights
 
+        @_marked
         def guarded(weights_iterator=None, *args, **kwargs):
             if weights_iterator is None:
                 self.exactrl_weights.reload_base("reload_weights from disk")
@@ -97,6 +111,7 @@ class WeightSyncExtension:
         store = weight_channel.join_store(host, port, timeout)
         self.exactrl_group = weight_channel.open_group(store, 1, timeout)
 
+    @_marked
     def exactrl_load(self, version: int, timeout: float) -> dict:
         """Receive a whole sync into vLLM's in-place reload (which also redoes what loading does
         after the weights are in: the CPU backend's repacking for its kernels), digest what the

@@ -56,6 +56,8 @@ class HFBackend:
     def rpc(self, method: str):
         if method == "reload_weights":  # vLLM's reload from disk, guarded as the worker extension guards it
             self.state_.reload_base("reload_weights from disk")
+        if method == "restart":  # an engine restarted behind the client's back (a supervisor, a Ray actor restart)
+            self.state_ = WeightsState(self.state_.engine)
         return None
 
     def probe(self, ids: list[int]) -> list[float]:

@@ -108,6 +108,15 @@ def test_a_base_reload_after_a_sync_is_refused_in_the_engine(model_dir, shared):
     assert gen.generate([[5, 6, 7]], SamplingParams(greedy=True, max_new_tokens=3))  # still synced, still serving
 
 
+def test_an_engine_back_on_its_base_weights_is_refused_at_the_next_generate(model_dir, shared):
+    tok, gen = model_dir[1], shared
+    version = trainer(tok).push_weights(gen).version
+    gen._request("rpc", "restart")  # now base(0) in the engine, synced(version) in the client
+    with pytest.raises(WeightSyncError, match=rf"vllm engine 0 \(pid \d+\) holds weights base\(0, digest None\) "
+                                              rf"but was synced to synced\({version}, digest [0-9a-f]{{12}}\)"):
+        gen.generate([[5, 6, 7]], SamplingParams(greedy=True, max_new_tokens=3))
+
+
 def test_an_engine_that_dies_mid_rollout_is_named_at_once(model_dir, tmp_path):
     tok = model_dir[1]
     gen = fake(model_dir, tmp_path, generate_seconds=30)

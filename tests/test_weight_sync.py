@@ -43,14 +43,14 @@ def policy(tok, seed=3, **over) -> Worker:
 
 
 def reference_digest(named) -> str:
-    """The digest written out by hand: blake2b of each tensor's bytes through numpy (bf16 as int16),
-    one line per tensor in sorted name order, blake2b of the lines."""
+    """The digest written out by hand: SHA-256 of each tensor's bytes through numpy (bf16 as int16),
+    one line per tensor in sorted name order, SHA-256 of the lines (each cut to 32 hex digits)."""
     lines = []
     for name, t in sorted(named, key=lambda nt: nt[0]):
         raw = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).detach().contiguous().numpy().tobytes()
         dtype = str(t.dtype).split(".")[1]
-        lines.append(f"{name}|{dtype}|{list(t.shape)}|{hashlib.blake2b(raw, digest_size=16).hexdigest()}\n")
-    return hashlib.blake2b("".join(lines).encode(), digest_size=16).hexdigest()
+        lines.append(f"{name}|{dtype}|{list(t.shape)}|{hashlib.sha256(raw).hexdigest()[:32]}\n")
+    return hashlib.sha256("".join(lines).encode()).hexdigest()[:32]
 
 
 def test_the_digest_is_the_hand_written_one_and_sees_every_change():

@@ -13,6 +13,7 @@ The error names the engine, its process and the last lines of its log.
 from __future__ import annotations
 
 import atexit
+import itertools
 import json
 import os
 import secrets
@@ -35,6 +36,7 @@ from exactrl.rollout.hf import StopStrings, response_ends
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: on the engine's PYTHONPATH
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_STARTS = itertools.count()  # each engine this process starts logs to a file of its own
 
 
 class VLLMGenerator:
@@ -50,7 +52,8 @@ class VLLMGenerator:
         self.weights_dtype = DTYPES[dtype]
         self.sync_timeout, self.request_timeout, self.bucket_bytes = sync_timeout, request_timeout, bucket_mb << 20
         self._group, self._store, self._digest, self.conn = None, None, None, None
-        self.log = Path(log_dir or os.environ.get("TMPDIR", "/tmp")) / f"vllm-engine-{index}-{os.getpid()}.log"
+        where = Path(log_dir or os.environ.get("TMPDIR", "/tmp"))
+        self.log = where / f"vllm-engine-{index}-{os.getpid()}-{next(_STARTS)}.log"
         self.name = f"vllm engine {index}"
         args = {"model": str(model_dir), "name": self.name, "dtype": {"fp32": "float32", "bf16": "bfloat16"}[dtype],
                 "seed": seed, "max_model_len": max_model_len, "enforce_eager": enforce_eager,

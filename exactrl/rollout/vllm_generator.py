@@ -224,8 +224,10 @@ def vllm_generator(cfg, model_dir: str, tokenizer, run_dir: Path, index: int = 0
     """The run's vLLM engine (``index``: this rank's) from rollout.vllm.*, logging into ``run_dir``."""
     v = cfg.rollout.vllm
     env = {"VLLM_CPU_KVCACHE_SPACE": str(v.cpu_kv_cache_gb)} if v.cpu_kv_cache_gb else {}
+    longest = cfg.data.max_length + cfg.rollout.max_new_tokens
+    positions = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
     return VLLMGenerator(model_dir, tokenizer, python=v.python, dtype=cfg.model.dtype, seed=cfg.train.seed,
-                         max_model_len=cfg.data.max_length + cfg.rollout.max_new_tokens, index=index,
+                         max_model_len=min(longest, positions or longest), index=index,
                          enforce_eager=v.enforce_eager, gpu_memory_utilization=v.gpu_memory_utilization,
                          start_timeout=v.start_timeout, sync_timeout=v.sync_timeout,
                          request_timeout=v.request_timeout, bucket_mb=v.bucket_mb, log_dir=run_dir, env=env)

@@ -31,7 +31,8 @@ def error_answer(e: BaseException) -> tuple[str, str, str]:
     text = str(e).strip()
     if SYNC_MARK in text:
         return "error", "WeightSyncError", text.split(SYNC_MARK, 1)[1].split("', please check")[0]
-    return "error", type(e).__name__, text.splitlines()[0] if text else ""
+    # one line: a validation error gives its reason on the second
+    return "error", type(e).__name__, " ".join(text.split())[:400]
 
 
 class VLLMBackend:

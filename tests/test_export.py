@@ -59,13 +59,13 @@ def test_the_in_process_generator_shares_the_model_and_gathers_nothing(tok, monk
     policy = worker(tok)
     monkeypatch.setattr(policy.engine, "full_tensor", lambda t: pytest.fail("a shared model was gathered"))
     generator = HFEngine(policy.model, tok, batch_size=4)
-    assert policy.push_weights(generator) == 1 and generator.model is policy.model
+    assert policy.push_weights(generator).version == 1 and generator.model is policy.model
 
 
 def test_a_generator_with_its_own_model_loads_the_export_and_verifies_it(tok):
     policy, copy = worker(tok, 3), worker(tok, 11)
     generator = HFEngine(copy.model, tok, batch_size=4)
-    assert policy.push_weights(generator) == 1
+    assert policy.push_weights(generator).version == 1
     assert all(torch.equal(a, b) for a, b in zip(policy.model.state_dict().values(),
                                                  generator.model.state_dict().values()))
     partial = [(n, t) for n, t in policy.export_weights() if n != "model.norm.weight"]

@@ -127,8 +127,8 @@ def test_a_generator_over_the_kept_set_is_matched_by_the_workers_replay(tokenize
     assert not compares_kept_set(HFEngine(model, tokenizer, 8), 0.7, 6)
     samples = sampled(tokenizer, engine, **cut)
     worker = Worker("policy", model, pad_id=tokenizer.pad_token_id, **cut)
-    fields = worker.forward_fields(samples, ("logprobs", "kept_logprobs"), consecutive(len(samples), 3))
-    alone = worker.forward(samples, "logprobs", [list(range(8))])
+    fields = worker.forward_fields(samples, ("logprobs", "kept_logprobs"), [consecutive(len(samples), 3)])
+    alone = worker.forward(samples, "logprobs", [[list(range(8))]])
     assert max((a - b).abs().max().item() for a, b in zip(fields["logprobs"], alone)) < 1e-5
     resp = [slice(len(s.prompt_ids) - 1, None) for s in samples]
     kept_err = max((k[r] - s.gen_logprobs[r]).abs().max().item() for k, s, r in zip(fields["kept_logprobs"], samples,

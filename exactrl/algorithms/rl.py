@@ -44,6 +44,7 @@ from exactrl.algorithms.sft_rl import SFTBuffer, relift_sft
 from exactrl.audit.manifest import record
 from exactrl.checks.on_policy import on_policy_check
 from exactrl.checks.rollout_gap import rollout_gap_metrics
+from exactrl.checks.weight_sync import SyncCheck
 from exactrl.compute import FlopsCounter, count_parameters
 from exactrl.config.schema_rl import RLConfig
 from exactrl.data.batch import Sample
@@ -305,6 +306,7 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
         critic = roles.worker("critic", cfg.critic.path or model_path, total_steps=steps, checkpoint=t.resume_from,
                               **where) if alg.critic else None
         generator = roles.generator(policy, tok)
+        sync_check = SyncCheck(cfg.rollout.sync_check, cfg.model.dtype, cfg.rollout.probe_tol)
         # the rollout-trainer gap, compared in the generator's convention (over the kept set if its log-probs are)
         kept = compares_kept_set(generator, cfg.rollout.top_p, cfg.rollout.top_k)
         gap = gap_spec(cfg, kept)
@@ -333,9 +335,11 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
         ctx.start(steps, step)
         for rollout in range(first_rollout, rollouts):
             # 1. sample and score a rollout with the policy's current weights
-            policy.push_weights(generator)
+            sync = policy.push_weights(generator, sync_check)  # verified: digest, probe, weights state
             tg = time.perf_counter()
             samples, rstats = alg.rollout(generator, prompts, sampler.batch(rollout), rollout, reward_fns, cfg)
+            rstats |= {"weights_version": sync.version, "weights_digest": sync.digest,
+                       "sync_seconds": sync.seconds, "sync_probe_error": sync.probe_error}
             gen_seconds = time.perf_counter() - tg
             gen_tokens += rstats["generated_tokens"]
             # dynamic sampling (refill rounds) generated more responses than it kept: those count as generated too

@@ -48,6 +48,10 @@ def check_ray(cfg) -> None:
     if cfg.distributed.nproc_per_node > 1:
         raise ValueError(f"distributed.nproc_per_node={cfg.distributed.nproc_per_node} with ray.enabled=true: Ray "
                          "starts the trainer ranks itself; set ray.ranks instead (and run one exactrl process)")
+    if cfg.rollout.engine == "vllm":
+        raise ValueError("rollout.engine=vllm with ray.enabled=true: Ray's rollout engines are Hugging Face decode "
+                         "loops for now (a vLLM engine runs beside each trainer rank without Ray); set "
+                         "rollout.engine=hf or ray.enabled=false")
     if r.engine_tp > 1 and cfg.rollout.engine == "hf":
         raise ValueError(f"ray.engine_tp={r.engine_tp}: rollout.engine=hf (the Hugging Face decode loop) has no "
                          "tensor parallelism; set ray.engine_tp=1")

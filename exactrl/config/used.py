@@ -100,6 +100,10 @@ USED_WHEN = [
              "use another algo.policy_loss"),
     UsedWhen("algo.ratio_tol", lambda c: c.algo.ratio_check != "off", "the on-policy check is off "
              "(algo.ratio_check=off)", "set algo.ratio_check=error or warn"),
+    UsedWhen("rollout.vllm.", lambda c: c.rollout.engine == "vllm", "the generator is not vLLM (rollout.engine="
+             "{c.rollout.engine})", "set rollout.engine=vllm"),
+    UsedWhen("rollout.batch_size", lambda c: c.rollout.engine == "hf", "vLLM batches its requests itself "
+             "(rollout.engine={c.rollout.engine})", "set rollout.engine=hf"),
     UsedWhen("reward.fn", lambda c: c.reward.url is None, "reward.url replaces it",
              "list the URL in reward.fn instead"),
     UsedWhen("ray.", lambda c: c.ray.enabled, "Ray is off (ray.enabled=false)", "set ray.enabled=true"),

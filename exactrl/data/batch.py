@@ -48,6 +48,7 @@ class Sample:
     penalty: float = per_sequence(0.0, "overlong shaping included in ``reward``")
     source: Source = "on_policy"
     weights_version: int | None = None  # the generator's weights version that sampled it (on-policy)
+    weights_digest: str | None = None  # the digest of those weights (exactrl/checks/weight_sync.py)
     # 1 on the targets the loss counts (num_targets long); None: every response token, no prompt token
     mask: tuple[int, ...] | None = None
     # who wrote each target, one of ORIGINS per target (num_targets long), for a row that mixes them (a

@@ -58,7 +58,8 @@ def collect_rollout(engine_gen, prompts, rewards_cfg, cfg: RLConfig, rollout: in
         gen_lp = None if g.logprobs is None else torch.tensor([0.0] * (len(g.prompt_ids) - 1) + g.logprobs)
         samples.append(Sample(g.prompt_ids, g.response_ids, rw + pen, g.finished, {k: v[i] for k, v in parts.items()},
                               pen,
-                              weights_version=g.weights_version, gen_logprobs=gen_lp))
+                              weights_version=g.weights_version, weights_digest=g.weights_digest,
+                              gen_logprobs=gen_lp))
     shares = gather((samples, len(failures)))
     samples = [s for part, _ in shares for s in part]
     return samples, rollout_stats(samples, sum(n for _, n in shares), cfg)

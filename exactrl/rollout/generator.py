@@ -1,14 +1,18 @@
 """The generator interface: what the RL loop asks of a rollout engine.
 
     generate(prompt_ids, params, seeds) -> [Generation]   tokens, text and sampling log-probs
-    load_weights(named_tensors) -> version                 the policy's weights, verified on arrival
-    weights_version                                        the version the next generation samples with
+    load_weights(named_tensors) -> version                 the policy's weights (full, Hugging Face-named)
+    weights_digest() -> WeightsDigest                      recomputed from the weights it holds
+    probe_logprobs(ids) -> [float]                         log p(ids[t] | ids[:t]), t >= 1, temperature 1
+    weights_version, weights_state                         what the next generation samples with
     logprobs_over                                          "vocabulary" or "kept": its log-probs' convention
+    name                                                   how errors name it
 
-The Hugging Face decode loop (exactrl/rollout/hf.py) is the first implementation; a vLLM
-engine or a Ray actor holding one is another, with no change to the loop. Every Generation
-carries the weights version it was sampled with, so a sample can always say which policy
-produced it.
+The Hugging Face decode loop (exactrl/rollout/hf.py) and the vLLM engine (exactrl/rollout/vllm_generator.py)
+implement it; a Ray actor holding one is another, with no change to the loop. Every sync is
+verified by the trainer (Worker.push_weights, exactrl/checks/weight_sync.py: digest, probe,
+state), and every Generation carries the weights version and digest it was sampled with, so a
+sample can always say which policy produced it.
 
 Seeds: ``seeds[i]`` keys every random draw of prompt i's ``params.n`` responses; response j
 draws from a stream derived from (seeds[i], j) alone (exactrl's loop: ``row_seed``; vLLM: one
@@ -22,12 +26,12 @@ Log-probs: ``Generation.logprobs[t]`` is log p of response token t under the pol
 sampling temperature, and the generator declares over what (``logprobs_over``):
 - "vocabulary": log_softmax(logits / temperature) over the whole vocabulary, before top-k and
   top-p cut it (the cuts choose which tokens can be drawn, not what a drawn token's log-prob
-  is). The HF loop's convention, and vLLM's raw log-probs; it is what the trainer computes
+  is). The HF loop's convention; it is what the trainer computes
   (exactrl/losses/token_losses.py token_logprobs, which never cuts).
 - "kept": renormalised over the top-k/top-p kept set the token was drawn from (vLLM's
-  logprobs_mode=processed_logprobs). The trainer then replays the kept set on its own logits
-  (token_losses.kept_logprobs) before comparing, or every ratio would be off by the kept mass
-  (TRL issue #6789, PR #7269).
+  logprobs_mode=processed_logprobs: exactrl/rollout/vllm_generator.py). The trainer then
+  replays the kept set on its own logits (token_losses.kept_logprobs) before comparing, or every
+  ratio would be off by the kept mass (TRL issue #6789, PR #7269).
 The on-policy check, the rollout-trainer gap and its correction (exactrl/losses/rollout_gap.py)
 compare like with like either way (``compares_kept_set``).
 """
@@ -41,6 +45,9 @@ from typing import Protocol
 
 import torch
 
+from exactrl.checks.weight_sync import WeightsDigest, WeightsState, WeightSyncError
+
+__all__ = ["Generation", "Generator", "GeneratorError", "SamplingParams", "WeightSyncError", "prompt_seeds", "row_seed"]
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -62,13 +69,14 @@ class Generation:
     finished: bool  # True when the model emitted EOS or a stop string within max_new_tokens
     logprobs: list[float] | None = None  # sampled runs: log p of each response token (the module's convention)
     weights_version: int = 0  # the generator's weights version it was sampled with
+    weights_digest: str | None = None  # the digest of those weights (exactrl/checks/weight_sync.py), once synced
 
 
 LOGPROBS_OVER = ("vocabulary", "kept")
 
 
-class WeightSyncError(RuntimeError):
-    """A generator's weights differ from the trainer's after a load."""
+class GeneratorError(RuntimeError):
+    """A generator stopped answering: its engine process died or did not answer in time."""
 
 
 def _key(*parts) -> int:
@@ -88,7 +96,9 @@ def row_seed(seed: int, sample: int) -> int:
 
 
 class Generator(Protocol):
+    name: str  # how errors and records name it: "hf (in-process)", "vllm engine 0 (pid 1234)"
     weights_version: int
+    weights_state: WeightsState
     logprobs_over: str  # one of LOGPROBS_OVER: the convention of its Generation.logprobs
     tok: object  # the tokenizer of its ids; decodes texts it did not sample (demonstrations, rollout/mixed.py)
 
@@ -96,6 +106,10 @@ class Generator(Protocol):
                  seeds: Sequence[int] | None = None) -> list[Generation]: ...
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int: ...
+
+    def weights_digest(self) -> WeightsDigest: ...
+
+    def probe_logprobs(self, ids: list[int]) -> list[float]: ...
 
 
 def compares_kept_set(generator, top_p: float, top_k: int) -> bool:

@@ -28,9 +28,11 @@ from transformers.cache_utils import (
     LinearAttentionLayer,
 )
 
+from exactrl.checks.weight_sync import WeightsDigest, WeightsState, WeightSyncError, digest_of, shared_digest
 from exactrl.device import device_of
+from exactrl.distributed.export import hf_tensors
 from exactrl.models import packing
-from exactrl.rollout.generator import Generation, SamplingParams, WeightSyncError, prompt_seeds, row_seed
+from exactrl.rollout.generator import Generation, SamplingParams, prompt_seeds, row_seed
 from exactrl.rollout.sampling import KeyedDraw, draw, uniforms
 
 
@@ -295,17 +297,23 @@ class HFEngine:
 
     def __init__(self, model, tokenizer, batch_size: int, synced: bool = False):
         self.model, self.tok, self.batch_size, self.synced = model, tokenizer, batch_size, synced
-        self.weights_version = 0
+        self.name = "hf (in-process)"
+        self.weights_state = WeightsState(self.name)
+        self._digest: WeightsDigest | None = None
+
+    @property
+    def weights_version(self) -> int:
+        return self.weights_state.version
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Take the trainer's weights; returns the new version. Sharing the trainer's model
-        object (the in-process case), what arrives must be that model's own parameters: checked,
-        nothing copied. A model of the generator's own takes full, Hugging Face-named tensors
-        (Worker.export_weights), one at a time: each is copied in and compared after the copy,
-        and every parameter of the generator's model must have arrived."""
+        object (the in-process case), what arrives must be that model's own parameters: checked
+        by identity, nothing copied. A model of the generator's own takes full, Hugging Face-named
+        tensors (Worker.export_weights), one at a time, copied in. Either way every parameter must
+        arrive; then the digest is computed from the weights now held (weights_digest)."""
         own = dict(self.model.named_parameters())
         buffers = dict(self.model.named_buffers())  # a persistent buffer is part of the saved weights too
-        missing = set(own)
+        missing, shared = set(own), True
         for name, tensor in named:
             param = own.get(name, buffers.get(name))
             if param is None:
@@ -313,18 +321,42 @@ class HFEngine:
             missing.discard(name)
             if param is tensor:
                 continue
+            shared = False
             if param.shape != tensor.shape:
                 raise WeightSyncError(f"'{name}' arrived with shape {tuple(tensor.shape)}; the generator's is "
                                       f"{tuple(param.shape)}")
             with torch.no_grad():
                 param.copy_(tensor)
-            if not torch.equal(param, tensor.to(param.device, param.dtype)):
-                raise WeightSyncError(f"'{name}' differs from the trainer's after loading it into the generator")
         if missing:
             raise WeightSyncError(f"the trainer sent no '{min(missing)}' ({len(missing)} of the generator's parameters "
                                   "did not arrive)")
-        self.weights_version += 1
+        self._digest = self._held_digest(shared)
+        self.weights_state.synced(self.weights_state.version + 1, self._digest.value)
         return self.weights_version
+
+    def _held_digest(self, shared: bool) -> WeightsDigest:
+        """Its own model: the Hugging Face-named tensors as the trainer exports them. The trainer's:
+        its parameters as handed over (exactrl/checks/weight_sync.py shared_digest)."""
+        if shared:
+            return shared_digest(self.model.named_parameters(), self.synced)
+        return digest_of(hf_tensors(self.model, lambda t: t))
+
+    def weights_digest(self) -> WeightsDigest:
+        """The digest computed from the weights held after the last load (None before any)."""
+        return self._digest
+
+    @torch.no_grad()
+    def probe_logprobs(self, ids: list[int]) -> list[float]:
+        """log p(ids[t] | ids[:t]) for t >= 1 at temperature 1, as the generator's model computes
+        it (eval mode, one sequence, no padding)."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            x = torch.tensor([ids], device=device_of(self.model))
+            logits = self.model(input_ids=x).logits[0, :-1].float()
+        finally:
+            self.model.train(was_training)
+        return torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None])[:, 0].tolist()
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams | None = None,
@@ -364,5 +396,6 @@ class HFEngine:
             # What follows the end is padding: never in the response, its mask or the loss.
             response, finished = row[:end], end is not None
             out.append(Generation(idx, ids, response, self.tok.decode(response, skip_special_tokens=True), finished,
-                                  None if lp is None else lp[: len(response)], self.weights_version))
+                                  None if lp is None else lp[: len(response)], self.weights_version,
+                                  self.weights_state.digest))
         return out

@@ -126,7 +126,7 @@ def hinted_rollout(engine_gen, prompts, indices: list[int], rollout: int, reward
         # target t predicts token t + 1: the prompt's targets, then the prefix's, then the continuation's
         origin = ("policy",) * (len(p.input_ids) - 1) + ("demonstration",) * h + ("policy",) * len(g.response_ids)
         samples.append(Sample(p.input_ids, response, rw + pen, g.finished, {k: v[i] for k, v in parts.items()}, pen,
-                              weights_version=g.weights_version, origin=origin))
+                              weights_version=g.weights_version, weights_digest=g.weights_digest, origin=origin))
     shares = gather((samples, len(failures)))
     samples = [s for part, _ in shares for s in part]
     hinted = [s.origin_tokens.get("demonstration", 0) for s in samples]

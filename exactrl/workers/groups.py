@@ -19,10 +19,12 @@ from __future__ import annotations
 import functools
 import os
 import socket
+import time
 from dataclasses import replace
 from pathlib import Path
 
 from exactrl.audit.manifest import record_fact
+from exactrl.checks.weight_sync import WeightsDigest
 from exactrl.device import place, use_device
 from exactrl.distributed.launch import init_process_group, rank
 from exactrl.distributed.ray_cluster import SHARE, Cluster, actor_options, bundles_needed, import_ray, reserve, results
@@ -105,11 +107,13 @@ class WorkerGroup:
             raise AttributeError(f"a Ray group of {self.__dict__.get('role')} ranks has no '{method}'")
         return functools.partial(self._all, method)
 
-    def push_weights(self, generator) -> int:
-        """Worker.push_weights on every rank: they export together, rank 0 sends (EngineGroup.load_weights)."""
+    def push_weights(self, generator, check=None):
+        """Worker.push_weights on every rank: they export together, rank 0 sends (EngineGroup.load_weights)
+        and verifies (digest, probe); its SyncReport comes back."""
         generator.wait()
-        generator.weights_version = self._all("push_weights", generator)
-        return generator.weights_version
+        report = self._all("push_weights", generator, check)
+        generator.weights_version = report.version
+        return report
 
 
 def split(n: int, parts: int) -> list[tuple[int, int]]:
@@ -126,6 +130,7 @@ class EngineGroup:
     def __init__(self, actors: list, tokenizer, ready: list):
         self.actors, self.tok, self._ready, self.weights_version = actors, tokenizer, ready, 0
         self.names = [f"rollout engine {j} of {len(actors)}" for j in range(len(actors))]
+        self.name = f"the {len(actors)} Ray rollout engine{'s' if len(actors) > 1 else ''}"
 
     def __getstate__(self):  # sent to the policy's ranks for the push: handles and names, not the tokenizer
         return {**self.__dict__, "tok": None, "_ready": []}
@@ -162,6 +167,20 @@ class EngineGroup:
                                   f"{dict(zip(self.names, versions))}")
         self.weights_version = versions[0]
         return self.weights_version
+
+    def weights_digest(self) -> WeightsDigest:
+        """Each engine's digest of the weights it holds (HFEngine.load_weights computes it); they must be one."""
+        digests = results([e.call.remote("engine", "weights_digest") for e in self.actors], self.names,
+                          "a weights digest")
+        for name, d in zip(self.names[1:], digests[1:]):
+            diff = digests[0].first_difference(d, self.names[0], name)
+            if diff is not None:
+                raise WeightSyncError(f"the rollout engines hold different weights after a push: {diff}")
+        return digests[0]
+
+    def probe_logprobs(self, ids: list[int]) -> list[float]:
+        """Engine 0's log-probs of the probe sequence (every engine's digest equals what was sent)."""
+        return results([self.actors[0].call.remote("engine", "probe_logprobs", ids)], self.names[:1], "the probe")[0]
 
 
 class RayRoles:
@@ -217,10 +236,15 @@ class RayRoles:
     def close(self) -> None:
         """End every actor and release every bundle of the run, then leave a cluster this run joined."""
         ray = import_ray()
-        from ray.util.placement_group import remove_placement_group
+        from ray.util.placement_group import placement_group_table, remove_placement_group
 
         for a in self.actors:
             ray.kill(a)
         for g in self.groups:
             remove_placement_group(g)
+        # removal is asynchronous: a run started next on the same cluster must find the bundles free
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(placement_group_table(g).get("state") != "REMOVED"
+                                                  for g in self.groups):
+            time.sleep(0.1)
         self.cluster.close()

@@ -6,7 +6,7 @@ the run's config by role, and is driven the same way:
     worker = Worker.build(cfg, "policy", path, ...)              # model, self-checks, engine
     fields = worker.forward(samples, "logprobs", micro_batches)   # per-token, no gradient
     result = worker.train_step(batch, plan, objective)           # one verified optimizer step
-    worker.push_weights(generator)                               # to a rollout engine
+    worker.push_weights(generator, check)                        # to a rollout engine, verified
     worker.save(path, tokenizer)                                 # Hugging Face format
 
 Nothing outside a worker needs its model or engine: checkpoints go through ``save_state`` /
@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
+from exactrl.checks.weight_sync import Digesting, SyncCheck, SyncReport, probe_ids
 from exactrl.data.batch import Sample, collate
 from exactrl.device import process_device
 from exactrl.distributed.collectives import gather
@@ -43,6 +45,7 @@ from exactrl.losses.objective import Metrics, Objective, micro_batch_loss
 from exactrl.losses.token_losses import kept_logprobs, token_entropy, token_logprobs
 from exactrl.models.lora import reference_mode
 from exactrl.models.packing import model_batch
+from exactrl.rollout.hf import base_model
 from exactrl.workers.load import check_generator, load_model
 
 # role -> the worker class that builds it, as "module:Class" (imported when a run asks for the
@@ -231,14 +234,40 @@ class Worker:
         ``adapters`` its adapters only). Every rank takes part when the weights are sharded."""
         return self.engine.export_weights(adapters)
 
-    def push_weights(self, generator) -> int:
-        """Make ``generator`` sample with this worker's current weights; returns its new version.
+    def push_weights(self, generator, check: SyncCheck | None = None) -> SyncReport | None:
+        """Make ``generator`` sample with this worker's current weights, verified
+        (exactrl/checks/weight_sync.py): the generator's digest of what it now holds must equal
+        the digest of what was sent, and its log-probs of the probe sequence this worker's.
         A generator holding this very model object (the in-process HF loop) is handed the
-        model's own parameters, which it checks by identity: nothing gathered or copied. Any
-        other receives export_weights()."""
+        model's own parameters, which it checks by identity: nothing gathered or copied, and the
+        digest computed once (both sides hold the same tensors). Any other receives
+        export_weights(), digested as it passes. Every rank takes part; a generator that only
+        rank 0 sends to (the Ray engine group: load_weights gives the other ranks None) is
+        verified there, and the other ranks return None."""
+        check, t0 = check or SyncCheck(), time.perf_counter()
         if getattr(generator, "model", None) is self.model:
-            return generator.load_weights(self.model.named_parameters())
-        return generator.load_weights(self.export_weights())
+            version = generator.load_weights(self.model.named_parameters())
+            sent = loaded = generator.weights_digest()
+        else:  # in the dtype the generator holds them (vLLM in bf16 from an fp32 trainer), digested as sent
+            dtype = getattr(generator, "weights_dtype", None)
+            stream = Digesting((n, t if dtype is None else t.to(dtype)) for n, t in self.export_weights())
+            version = generator.load_weights(stream)
+            sent, loaded = stream.digest(), version is not None and generator.weights_digest()
+        ids = probe_ids(base_model(self.model).config.vocab_size, avoid=(self.pad_id,))
+        mine = self.probe_logprobs(ids)  # every rank: a sharded model's forward runs on all of them
+        if version is None:
+            return None
+        check.digests(generator.name, version, sent, loaded)
+        error = check.probe(generator.name, version, mine, generator.probe_logprobs(ids))
+        return SyncReport(version, loaded.value, time.perf_counter() - t0, error, len(sent.tensors))
+
+    @torch.no_grad()
+    def probe_logprobs(self, ids: list[int]) -> torch.Tensor:
+        """log p(ids[t] | ids[:t]), t >= 1, at temperature 1, from this worker's forward (the weight-sync probe)."""
+        batch = self.model_batch([Sample(ids[:1], ids[1:])])
+        with self.mode(), self.autocast():
+            logits = self.model(**batch.inputs).logits
+        return batch.repad(token_logprobs(logits, batch.inputs["input_ids"], 1.0))[0, : len(ids) - 1]
 
     def save(self, path: Path, tokenizer) -> Path:
         """The model in Hugging Face format at ``path`` (every rank takes part; the main process writes)."""

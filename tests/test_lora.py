@@ -275,15 +275,15 @@ def test_lora_rl_resumes_to_the_same_adapter_and_its_reference_is_the_base(tmp_p
     from exactrl.workers.worker import Worker
 
     calls = []
-    forward = Worker.forward
+    forward_fields = Worker.forward_fields  # the RL loop's no-gradient pass (Worker.forward goes through it too)
 
-    def recording(self, samples, name, micro_batches):
-        out = forward(self, samples, name, micro_batches)
-        if self.role == "reference":
-            calls.append((copy.deepcopy(samples), micro_batches, out, self))
+    def recording(self, samples, names, micro_batches):
+        out = forward_fields(self, samples, names, micro_batches)
+        if self.role == "reference" and "logprobs" in names:
+            calls.append((copy.deepcopy(samples), micro_batches, out["logprobs"], self))
         return out
 
-    monkeypatch.setattr(Worker, "forward", recording)
+    monkeypatch.setattr(Worker, "forward_fields", recording)
     common = ["data.eval=null", "train.global_batch_size=8", "train.micro_batch_size=4", "algo.group_size=4",
               "train.max_steps=4", "algo.mini_batches=2", "algo.kl_coef=0.1", "rollout.max_new_tokens=8",
               "algo.kl_target=0.05", "algo.kl_horizon=20", "optim.lr=1e-2", "reward.fn=reward_fixtures:varied",

@@ -134,7 +134,7 @@ def _run(kind: str, config: Path | None, overrides: list[str] | None, fn) -> Non
     from exactrl.data.jsonl import DataError
     from exactrl.distributed.checkpoint import CheckpointError
     from exactrl.distributed.engine import NonFiniteError
-    from exactrl.distributed.launch import shutdown, under_launcher
+    from exactrl.distributed.launch import end_rank, shutdown, under_launcher
     from exactrl.distributed.ray_cluster import RoleDied
     from exactrl.models.loading import ModelLoadError
     from exactrl.pipelines.pipeline import PhaseError
@@ -198,6 +198,7 @@ def _run(kind: str, config: Path | None, overrides: list[str] | None, fn) -> Non
             signal.signal(s, handler)
         _signalled = None
         forget_current()
+    end_rank()  # a rank of a multi-process run that succeeded: no interpreter teardown to abort in
 
 
 def _say_final(path) -> None:

@@ -20,7 +20,7 @@ import traceback
 
 import torch
 
-from exactrl.distributed.launch import shutdown
+from exactrl.distributed.launch import end_rank, shutdown
 
 MICRO, DIM = 4, 16
 
@@ -118,6 +118,7 @@ def main(configs: list[dict]) -> None:
         if rank == 0:
             print("AUDIT " + json.dumps(row), flush=True)
     shutdown()
+    end_rank()
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from exactrl.data.encode import encode_sft
 from exactrl.data.jsonl import Row
 from exactrl.distributed.deepspeed_engine import ds_config
 from exactrl.distributed.engine import build_engine
-from exactrl.distributed.launch import shutdown
+from exactrl.distributed.launch import end_rank, shutdown
 from exactrl.distributed.step_plan import plan_step
 from exactrl.tasks.arithmetic import Problem, worked_solution
 from exactrl.tasks.tiny_model import build_tiny_model
@@ -222,6 +222,7 @@ def main(backend: str, world: int, out_path: str) -> None:
     if dist.get_rank() == 0:
         json.dump({"cases": results, "faults": faults}, open(out_path, "w"))
     shutdown()
+    end_rank()
 
 
 if __name__ == "__main__":

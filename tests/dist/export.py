@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from exactrl.config import SFTConfig, load_config
 from exactrl.config.schema import LoraConfig
 from exactrl.distributed.engine import build_engine
-from exactrl.distributed.launch import shutdown
+from exactrl.distributed.launch import end_rank, shutdown
 from exactrl.models.lora import apply_lora
 from exactrl.rollout.hf import HFEngine
 from exactrl.tasks.tiny_model import build_tiny_model
@@ -100,6 +100,7 @@ def main(backend: str, world: int, out_path: str) -> None:
     if world == 1 or dist.get_rank() == 0:
         Path(out_path).write_text(json.dumps(results))
     shutdown()
+    end_rank()
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from equivalence import full_state, relative_error
 from variable_micro import DIM, LR, MICRO, Regression, config
 
 from exactrl.distributed.engine import build_engine
-from exactrl.distributed.launch import shutdown
+from exactrl.distributed.launch import end_rank, shutdown
 from exactrl.distributed.step_plan import plan_step
 
 K = 4
@@ -67,6 +67,7 @@ def main(which: str, world: int, out_path: str) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         Path(out_path).write_text(json.dumps({"cases": results}))
     shutdown()
+    end_rank()
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from exactrl.config.schema import LoraConfig
 from exactrl.data.encode import encode_sft
 from exactrl.data.jsonl import Row
 from exactrl.distributed.engine import build_engine
-from exactrl.distributed.launch import shutdown
+from exactrl.distributed.launch import end_rank, shutdown
 from exactrl.models.lora import apply_lora
 from exactrl.tasks.tiny_model import build_tiny_model
 from exactrl.tasks.tokenizer import build_tokenizer
@@ -108,6 +108,7 @@ def main(backend: str, world: int, out_path: str) -> None:
     if dist.get_rank() == 0:
         json.dump({"cases": results, "checkpoints": checkpoints, "faults": faults, "rl": rl}, open(out_path, "w"))
     shutdown()
+    end_rank()
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from exactrl.config import SFTConfig, load_config
 from exactrl.data.encode import encode_sft
 from exactrl.data.jsonl import Row
 from exactrl.distributed.engine import NonFiniteError, build_engine
-from exactrl.distributed.launch import shutdown
+from exactrl.distributed.launch import end_rank, shutdown
 from exactrl.distributed.step_plan import plan_step
 from exactrl.tasks.tiny_model import build_tiny_model
 from exactrl.tasks.tokenizer import build_tokenizer
@@ -65,6 +65,7 @@ def main(backend: str, world: int, out_path: str) -> None:
     if dist.get_rank() == 0:
         json.dump(out, open(out_path, "w"))
     shutdown()
+    end_rank()
 
 
 if __name__ == "__main__":

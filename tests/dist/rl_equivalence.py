@@ -56,7 +56,7 @@ from exactrl.distributed.collectives import gather, shard
 from exactrl.config import RLConfig, load_config
 from exactrl.data.encode import Prompt
 from exactrl.distributed.engine import build_engine
-from exactrl.distributed.launch import shutdown
+from exactrl.distributed.launch import end_rank, shutdown
 from exactrl.rewards import load_rewards
 from exactrl.rollout.generator import Generation, SamplingParams
 from exactrl.tasks.tiny_model import build_tiny_model
@@ -380,6 +380,7 @@ def main(backend: str, world: int, out_path: str) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         json.dump({"cases": results, "sharing": sharing, "synced_generation": synced}, open(out_path, "w"))
     shutdown()
+    end_rank()
 
 
 if __name__ == "__main__":

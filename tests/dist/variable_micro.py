@@ -29,7 +29,7 @@ from equivalence import relative_error
 from exactrl.checks.canary import CanaryError
 from exactrl.config import SFTConfig, load_config
 from exactrl.distributed.engine import SampleAccountingError, build_engine
-from exactrl.distributed.launch import shutdown
+from exactrl.distributed.launch import end_rank, shutdown
 from exactrl.distributed.step_plan import plan_step
 
 COUNTS = (1, 3, 4, 2)  # micro-batches per rank in each step; DeepSpeed is configured with 2
@@ -121,6 +121,7 @@ def main(which: str, world: int, out_path: str) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         Path(out_path).write_text(json.dumps({"cases": results, "unequal": unequal}))
     shutdown()
+    end_rank()
 
 
 if __name__ == "__main__":

@@ -181,9 +181,9 @@ def test_config_check_plans_a_study_per_method(tmp_path):
     lines = out.output.splitlines()
     assert lines[0].endswith("a valid `exactrl study` config")
     heads = [line for line in lines if not line.startswith(" ")][1:]
-    assert heads[:5] == ["base: 800 optimizer steps of 32 samples", "sft: 800 optimizer steps of 32 samples",
+    assert heads[:5] == ["base: 800 optimizer steps of 32 samples", "sft: 400 optimizer steps of 32 samples",
                          "sft_rl: rl: 40 optimizer steps of 128 samples (40 rollouts of 16 prompts x 8 responses)",
                          "sft_rl_truncated: rl: 3 optimizer steps of 128 samples (3 rollouts of 16 prompts x 8 "
                          "responses)",
-                         "grpo: rl: 800 optimizer steps of 128 samples (800 rollouts of 32 prompts x 4 responses)"]
+                         "grpo: rl: 400 optimizer steps of 128 samples (400 rollouts of 32 prompts x 4 responses)"]
     assert "x 2 for the whole study" in out.output

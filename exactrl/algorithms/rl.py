@@ -386,8 +386,9 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
                                "kl_coef": kl_control.coef, "sft_buffer": buffer and buffer.pending, **flops.state()},
                               {"reward": f"{rstats['reward_mean']:.3f}"})
         seconds = time.perf_counter() - t0
+        getattr(generator, "close", lambda: None)()  # a vLLM engine's memory back before the final save and eval
         final = ctx.finish({final_name: policy, f"{final_name}-critic": critic})
     finally:
         roles.close()
-    reward_fns.close()
+        reward_fns.close()
     return RLResult(ctx.run_dir, final, steps, seconds, gen_tokens, flops.record())

@@ -36,8 +36,8 @@ class RayConfig(Section):
                                      "split changes no response).")
     engine_tp: int = Field(1, ge=1,
                            description="Devices per rollout engine (vLLM's tensor_parallel_size): each engine gets "
-                                       "this many bundles. The Hugging Face decode loop (rollout.engine=hf) has no "
-                                       "tensor parallelism and takes 1.")
+                                       "this many bundles. 1 until vLLM runs under Ray: the Hugging Face decode loop "
+                                       "(rollout.engine=hf) has no tensor parallelism.")
 
 
 def check_ray(cfg) -> None:

@@ -65,7 +65,7 @@ class RolloutConfig(Section):
     top_k: int = Field(0, ge=0,
                        description="Top-k sampling: draw among the k most likely tokens (after temperature, before "
                                    "top_p, as Hugging Face and vLLM apply them); 0 = off. Log-probs as for top_p: "
-                                   "before the cut.")
+                                   "in the generator's convention (logprobs_over), compared over the same set.")
     stop: Annotated[list[str], BeforeValidator(lambda v: [v] if isinstance(v, str) else v)] = Field(
         [],
         description="Stop strings (rollout.stop='</answer>' is a list of one): a response ends with the token that "

@@ -125,6 +125,7 @@ class EngineGroup:
     """The Generator protocol (exactrl/rollout/generator.py) over rollout engine actors."""
 
     synced = False  # each engine decodes alone
+    rank0_sends = True  # the policy's other ranks take part in the export's gathers only (load_weights)
     logprobs_over = HFEngine.logprobs_over  # the engines' convention (exactrl/rollout/generator.py)
 
     def __init__(self, actors: list, tokenizer, ready: list):
@@ -189,11 +190,15 @@ class RayRoles:
     def __init__(self, cfg, run_dir: Path, phase: str):
         r, self.cfg, self.run_dir, self.phase = cfg.ray, cfg, run_dir, phase
         self.cluster = Cluster.connect(r.address, bundles_needed(r.placement, r.ranks, r.engines, r.engine_tp))
-        self.gpu = self.cluster.gpu(cfg.distributed.device)
         self.actors, self.groups, self.policy_path = [], [], None
-        # colocated: one set of bundles every role shares, rank i (and engine i) on bundle i
-        self.shared = reserve(max(r.ranks, r.engines * r.engine_tp), self.gpu, "colocated") \
-            if r.placement == "colocated" else None
+        try:
+            self.gpu = self.cluster.gpu(cfg.distributed.device)
+            # colocated: one set of bundles every role shares, rank i (and engine i) on bundle i
+            self.shared = reserve(max(r.ranks, r.engines * r.engine_tp), self.gpu, "colocated") \
+                if r.placement == "colocated" else None
+        except BaseException:  # the run never starts: leave the cluster as it was found
+            self.close()
+            raise
         if self.shared is not None:
             self.groups.append(self.shared)
         record_fact(run_dir, "ray", {"address": r.address, "placement": r.placement, "ranks": r.ranks,

@@ -242,17 +242,21 @@ class Worker:
         model's own parameters, which it checks by identity: nothing gathered or copied, and the
         digest computed once (both sides hold the same tensors). Any other receives
         export_weights(), digested as it passes. Every rank takes part; a generator that only
-        rank 0 sends to (the Ray engine group: load_weights gives the other ranks None) is
-        verified there, and the other ranks return None."""
+        rank 0 sends to (the Ray engine group, ``rank0_sends``: load_weights gives the other
+        ranks None, and they digest nothing) is verified there, and the other ranks return None."""
         check, t0 = check or SyncCheck(), time.perf_counter()
         if getattr(generator, "model", None) is self.model:
             version = generator.load_weights(self.model.named_parameters())
             sent = loaded = generator.weights_digest()
         else:  # in the dtype the generator holds them (vLLM in bf16 from an fp32 trainer), digested as sent
             dtype = getattr(generator, "weights_dtype", None)
-            stream = Digesting((n, t if dtype is None else t.to(dtype)) for n, t in self.export_weights())
-            version = generator.load_weights(stream)
-            sent, loaded = stream.digest(), version is not None and generator.weights_digest()
+            named = ((n, t if dtype is None else t.to(dtype)) for n, t in self.export_weights())
+            if getattr(generator, "rank0_sends", False) and self.rank != 0:  # this rank only takes part in the gathers
+                version = generator.load_weights(named)
+            else:
+                stream = Digesting(named)
+                version = generator.load_weights(stream)
+                sent, loaded = stream.digest(), generator.weights_digest()
         ids = probe_ids(base_model(self.model).config.vocab_size, avoid=(self.pad_id,))
         mine = self.probe_logprobs(ids)  # every rank: a sharded model's forward runs on all of them
         if version is None:

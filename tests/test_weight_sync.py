@@ -77,6 +77,16 @@ def test_the_digest_is_the_hand_written_one_and_sees_every_change():
     assert d.num_bytes == (12 + 5) * 4 + 6 * 2
 
 
+def test_digesting_a_tensor_leaves_its_storage_resizable():
+    """FSDP2 frees an unsharded parameter by resizing its storage to 0; a digest that left a numpy
+    view on it made every later backward of a two-rank FSDP2 RL run fail ("Trying to resize
+    storage that is not resizable")."""
+    for t in (torch.randn(4, 3), torch.randn(6).bfloat16(), torch.randn(3, 4).t()):
+        value = weight_sync.tensor_bytes_digest(t)
+        assert value == weight_sync.tensor_bytes_digest(t.clone())
+        t.untyped_storage().resize_(0)  # raises if the digest pinned it
+
+
 def test_digesting_digests_exactly_the_stream_and_refuses_a_name_twice():
     named = [("x", torch.ones(2)), ("y", torch.zeros(3))]
     stream = Digesting(iter(named))

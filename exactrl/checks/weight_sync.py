@@ -49,6 +49,11 @@ def tensor_bytes_digest(t: torch.Tensor) -> str:
     if t.device.type != "cpu":
         t = t.cpu()
     flat = t.contiguous().reshape(-1).view(torch.uint8)  # numpy has no bf16: hash the bytes
+    if flat.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+        # A numpy view of a tensor's storage makes that storage non-resizable for good, and FSDP2
+        # frees an unsharded parameter by resizing its storage to 0 ("Trying to resize storage that
+        # is not resizable" in the next backward): hash a copy (a memcpy, far cheaper than the hash).
+        flat = flat.clone()
     return hashlib.sha256(flat.numpy()).hexdigest()[:32]
 
 

@@ -1,13 +1,18 @@
 """A throw-away environment with DeepSpeed 0.18.5 (inside the affected range 0.15.2-0.18.9 of
-the CPU-offload accumulation bug), cached under .venv-cache/. It holds exactrl's other pins
-too, so both `exactrl audit stack --python` and a real `exactrl sft` can run there (with the
-checkout on PYTHONPATH). First build: about 3 minutes, mostly DeepSpeed compiling its
-shared-memory op on first use; then it is reused."""
+the CPU-offload accumulation bug), cached under .venv-cache/. It is an overlay on the project's
+.venv: its own site-packages hold only DeepSpeed 0.18.5 (installed without dependencies, and found
+first), and a .pth line adds the .venv's site-packages behind it, so torch, transformers and every
+other pin are the very files the suite tests, and exactrl itself resolves to this checkout. Both
+`exactrl audit stack --python` and a real `exactrl sft` run there. Building it takes seconds (it
+took three minutes as a full second install of every pin); DeepSpeed compiles its CPU ops on first
+use, cached per version (ds_env)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,15 +22,21 @@ VERSION = "0.18.5"
 def old_deepspeed_python() -> str:
     env = ROOT / ".venv-cache" / f"ds-{VERSION}"
     python = env / "bin" / "python"
-    ready = env / ".ready-with-exactrl-pins"
+    ready = env / ".ready-overlay"
     if not ready.exists():
         if not python.exists():
             subprocess.run([sys.executable, "-m", "venv", str(env)], check=True)
-        pip = [str(python), "-m", "pip", "install", "-q"]
-        subprocess.run([*pip, "torch==2.13.0"], check=True)  # the CPU wheel; pinned first, as in the Makefile
-        pins = [line.strip() for line in (ROOT / "requirements.txt").read_text().splitlines()
-                if line.strip() and not line.startswith("#") and not line.startswith("deepspeed")]
-        subprocess.run([*pip, *pins, f"deepspeed=={VERSION}"], check=True)
+        own = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             check=True, capture_output=True, text=True).stdout.strip()
+        base = sysconfig.get_paths()["purelib"]  # this interpreter's: the suite's .venv
+        # "import" lines of a .pth file run at start-up; addsitedir also reads base's own .pth files
+        # (the editable install of exactrl), which a bare path line would not.
+        Path(own, "zz_exactrl_base.pth").write_text(f"import site; site.addsitedir({base!r})\n")
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                        f"deepspeed=={VERSION}"], check=True)
+        found = subprocess.run([str(python), "-c", "import deepspeed; print(deepspeed.__version__)"],
+                               check=True, capture_output=True, text=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+        assert found.stdout.strip().splitlines()[-1] == VERSION, found.stdout
         ready.touch()
     return str(python)
 

@@ -26,9 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def audit(*args) -> tuple[int, dict]:
     proc = subprocess.run([sys.executable, "-m", "exactrl.cli", "audit", "stack", "--json", *args], capture_output=True,
                           text=True, timeout=900, cwd=ROOT,
-                          # DeepSpeed's compiled ops cached per version under .venv-cache/exactrl/torch_extensions
-                          env={**os.environ, "OMP_NUM_THREADS": "1",
-                               "EXACTRL_CACHE": str(ROOT / ".venv-cache" / "exactrl")})
+                          # DeepSpeed's compiled ops cached per version under .venv-cache/torch_extensions, where
+                          # the other DeepSpeed tests find them (old_deepspeed.ds_env): each version compiles once
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "EXACTRL_CACHE": str(ROOT / ".venv-cache")})
     return proc.returncode, json.loads(proc.stdout)
 
 
@@ -54,7 +54,9 @@ def test_broken_rows_get_the_known_bug_only_where_the_rule_says():
 
 
 def test_real_bug_on_deepspeed_0_18_5_is_reported_broken_with_its_explanation():
-    code, report = audit("--python", old_deepspeed_python())
+    # World size 1 only: the bug is in one process's accumulation, and the world-2 rows of the same matrix
+    # (which it also breaks, measured) doubled this test's time; the installed stack is audited at both.
+    code, report = audit("--python", old_deepspeed_python(), "--world", "1")
     assert code == 1 and report["versions"]["deepspeed"] == "0.18.5"
     rows = {(r["configuration"], r["world"], r["k"]): r for r in report["rows"]}
     for k in (3, 4):
@@ -63,3 +65,4 @@ def test_real_bug_on_deepspeed_0_18_5_is_reported_broken_with_its_explanation():
     for cfg in ("deepspeed ZeRO-1 offload=cpu", "deepspeed ZeRO-2 offload=none", "torch"):
         assert all(rows[(cfg, 1, k)]["verdict"] == "EXACT" for k in (1, 3, 4)), cfg
     assert rows[("deepspeed ZeRO-2 offload=cpu", 1, 1)]["verdict"] == "EXACT"
+    assert {r["world"] for r in report["rows"]} == {1}

@@ -59,6 +59,7 @@ from exactrl.losses.token_losses import kl_penalty
 from exactrl.models.loading import load_tokenizer
 from exactrl.rewards import load_rewards, require_answers
 from exactrl.rollout.generator import compares_kept_set
+from exactrl.rollout.schedule import RolloutSchedule
 from exactrl.run.context import RunContext
 from exactrl.run.evaluation import eval_data, load_eval_set
 from exactrl.seeding import seed_everything
@@ -193,12 +194,13 @@ def first_pass_micro_batches(samples: list[Sample], cfg: RLConfig, world_size: i
             for r in range(world_size)]
 
 
-def reuses_first_forward(cfg: RLConfig, samples: list[Sample]) -> bool:
+def reuses_first_forward(cfg: RLConfig, samples: list[Sample], stale: bool = False) -> bool:
     """Whether the update's own forward can stand for the old log-probs: the rollout feeds one
     optimizer step, nothing needs them before it (no KL to a reference), the forward runs in
-    fp32 as generation does, and the generator recorded what it sampled with."""
+    fp32 as generation does, and the generator recorded what it sampled with, with the weights
+    that train on it (not ``stale``: an asynchronous rollout's were an update older)."""
     a = cfg.algo
-    return (a.ppo_epochs * a.mini_batches == 1 and a.kl_coef == 0 and cfg.model.dtype == "fp32"
+    return (a.ppo_epochs * a.mini_batches == 1 and a.kl_coef == 0 and cfg.model.dtype == "fp32" and not stale
             and all(s.gen_logprobs is not None for s in samples))
 
 
@@ -220,13 +222,13 @@ def mini_batches(samples: list[Sample], cfg: RLConfig, world_size: int,
 
 
 def attach_fields(samples: list[Sample], cfg: RLConfig, policy: Worker, reference: Worker | None,
-                  critic: Critic | None, kept: bool = False) -> bool:
+                  critic: Critic | None, kept: bool = False, stale: bool = False) -> bool:
     """The per-token fields fixed for the rollout (old log-probs -- also over the top-p/top-k
     kept set when ``kept``, from the same forward --, reference log-probs, the critic's values),
     each computed once in the first update's micro-batches and shared by every rank. Returns
     whether the old-log-prob pass was skipped (the update's own forward stands for it)."""
     first_pass = first_pass_micro_batches(samples, cfg, policy.world_size)
-    reused = reuses_first_forward(cfg, samples)
+    reused = reuses_first_forward(cfg, samples, stale)
     old = {"logprobs": "old_logprobs", **({"kept_logprobs": "old_kept_logprobs"} if kept else {})}
     for worker, fields in ((None if reused else policy, old), (reference, {"logprobs": "ref_logprobs"}),
                            (critic, {"values": "old_values"})):
@@ -297,7 +299,7 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     longest, pad = cfg.data.max_length + cfg.rollout.max_new_tokens, tok.pad_token_id
     where = {"run_dir": ctx.run_dir, "phase": phase, "longest": longest, "pad_id": pad}
     warmup = min(cfg.critic.warmup_rollouts, rollouts) * steps_per_rollout if alg.critic else 0
-    roles = place(cfg, ctx.run_dir, phase)
+    roles, schedule = place(cfg, ctx.run_dir, phase), None
     try:
         # the policy's schedule starts after the critic's warm-up
         policy = roles.worker("policy", model_path, total_steps=max(1, steps - warmup), checkpoint=t.resume_from,
@@ -331,22 +333,22 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
         # sharded optimizer state cannot be loaded against.
         policy.check_generation(cfg, tok, ctx.run_dir, phase, sampled=True)
 
+        r = cfg.ray
+        schedule = RolloutSchedule(policy, generator, sync_check, lambda n: alg.rollout(
+            generator, prompts, sampler.batch(n), n, reward_fns, cfg), r.max_staleness if r.async_rollouts else None,
+            overlap=r.enabled)
         gen_tokens, t0, step = 0, time.perf_counter(), first_rollout * steps_per_rollout
         ctx.start(steps, step)
         for rollout in range(first_rollout, rollouts):
-            # 1. sample and score a rollout with the policy's current weights
-            sync = policy.push_weights(generator, sync_check)  # verified: digest, probe, weights state
-            tg = time.perf_counter()
-            samples, rstats = alg.rollout(generator, prompts, sampler.batch(rollout), rollout, reward_fns, cfg)
-            rstats |= {"weights_version": sync.version, "weights_digest": sync.digest,
-                       "sync_seconds": sync.seconds, "sync_probe_error": sync.probe_error}
-            gen_seconds = time.perf_counter() - tg
+            # 1. a rollout sampled and scored with the weights its schedule pushed (verified: digest, probe, weights
+            # state): the policy's current ones, or asynchronously the ones before its last update
+            samples, rstats, gen_seconds = schedule.take(rollout, rollouts)
             gen_tokens += rstats["generated_tokens"]
             # dynamic sampling (refill rounds) generated more responses than it kept: those count as generated too
             flops.generated(samples, rstats["generated_tokens"] if "refill_rounds" in rstats else None)
 
             # 2. per-token fields fixed for the rollout, computed in the first update's micro-batches
-            reused = attach_fields(samples, cfg, policy, reference, critic, kept)
+            reused = attach_fields(samples, cfg, policy, reference, critic, kept, stale=rstats["staleness"] > 0)
             if not reused:  # else the update's forward measures it (checks/rollout_gap.py)
                 rstats |= rollout_gap_metrics(samples, gap)
 
@@ -389,6 +391,8 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
         getattr(generator, "close", lambda: None)()  # a vLLM engine's memory back before the final save and eval
         final = ctx.finish({final_name: policy, f"{final_name}-critic": critic})
     finally:
+        if schedule is not None:
+            schedule.close()
         roles.close()
         reward_fns.close()
     return RLResult(ctx.run_dir, final, steps, seconds, gen_tokens, flops.record())

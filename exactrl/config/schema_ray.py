@@ -38,11 +38,33 @@ class RayConfig(Section):
                            description="Devices per rollout engine (vLLM's tensor_parallel_size): each engine gets "
                                        "this many bundles. 1 until vLLM runs under Ray: the Hugging Face decode loop "
                                        "(rollout.engine=hf) has no tensor parallelism.")
+    async_rollouts: bool = Field(False,
+                                 description="Sample rollout n+1 while the policy trains on rollout n (the engines "
+                                             "are other actors than the trainer's ranks): each rollout after the "
+                                             "first is sampled one update behind the weights that train on it, and "
+                                             "algo.rollout_correction (required) weights it. One rollout is in "
+                                             "flight, weights move only between rollouts (no rollout spans a "
+                                             "sync); the staleness of each rollout is in metrics.jsonl. Without "
+                                             "ray.enabled the same schedule runs in sequence: the same numbers, "
+                                             "nothing overlaps (exactrl/rollout/schedule.py).")
+    max_staleness: int = Field(1, ge=1,
+                               description="With ray.async_rollouts: the most updates (rollouts trained on) a "
+                                           "rollout may be sampled behind the weights that train on it. 1 pushes "
+                                           "the weights before every rollout; k > 1 skips pushes while the next "
+                                           "rollout stays within k (fewer syncs, staler samples).")
 
 
 def check_ray(cfg) -> None:
     """What a Ray run cannot honour, refused when the config loads."""
     r = cfg.ray
+    if r.async_rollouts and cfg.algo.rollout_correction == "none":
+        raise ValueError("ray.async_rollouts=true samples each rollout after the first with weights an update behind "
+                         "the ones that train on it: set algo.rollout_correction (tis, icepop or seq_mask) to weight "
+                         "those stale samples")
+    if r.async_rollouts and cfg.train.resume_from:
+        raise ValueError(f"train.resume_from={cfg.train.resume_from} with ray.async_rollouts=true: the rollout in "
+                         "flight at the checkpoint was sampled with weights the checkpoint no longer holds, so the "
+                         "run cannot continue exactly; resume with ray.async_rollouts=false")
     if not r.enabled:
         return
     if cfg.distributed.nproc_per_node > 1:

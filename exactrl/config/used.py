@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from exactrl.config.schema import CommonConfig, OptimConfig
+from exactrl.config.schema_ray import RayConfig
 
 # Which algorithms use which settings (algorithms/registry.py declares the same; tests check they agree).
 CRITIC_ALGOS = ("ppo",)  # train a critic (critic.*) and estimate advantages with GAE (algo.gae.*)
@@ -106,7 +107,11 @@ USED_WHEN = [
              "(rollout.engine={c.rollout.engine})", "set rollout.engine=hf"),
     UsedWhen("reward.fn", lambda c: c.reward.url is None, "reward.url replaces it",
              "list the URL in reward.fn instead"),
-    UsedWhen("ray.", lambda c: c.ray.enabled, "Ray is off (ray.enabled=false)", "set ray.enabled=true"),
+    # the asynchronous schedule has an effect without Ray too (it runs in sequence: rollout/schedule.py)
+    *(UsedWhen(f"ray.{key}", lambda c: c.ray.enabled, "Ray is off (ray.enabled=false)", "set ray.enabled=true")
+      for key in RayConfig.model_fields if key not in ("async_rollouts", "max_staleness")),
+    UsedWhen("ray.max_staleness", lambda c: c.ray.async_rollouts, "rollouts are synchronous (ray.async_rollouts="
+             "false)", "set ray.async_rollouts=true"),
     UsedWhen("deepspeed.", lambda c: c.distributed.backend == "deepspeed", "the train engine is not DeepSpeed "
              "(distributed.backend={c.distributed.backend})", "set distributed.backend=deepspeed"),
     UsedWhen("distributed.fsdp_cpu_offload", lambda c: c.distributed.backend == "fsdp2", "the train engine is not "

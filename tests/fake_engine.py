@@ -1,5 +1,6 @@
 """A stand-in for the vLLM engine process (exactrl/rollout/vllm_server.py's backend protocol) that
-runs a Hugging Face model with exactrl's decode loop, in this environment: the client, the
+runs a Hugging Face model with exactrl's decode loop, in this environment (reporting log-probs in
+vLLM's convention, over the top-k/top-p kept set): the client, the
 engine process, the weight channel, the digests, the weights state and every timeout are tested
 by the fast suite without vLLM (tests/test_vllm_generator.py). The real engine is tested there
 too when its environment exists. Test-only faults come from $EXACTRL_FAKE_ENGINE (JSON: hang_on_load,
@@ -16,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from exactrl.checks.weight_sync import WeightsState, digest_of
 from exactrl.distributed.export import hf_tensors
+from exactrl.losses.token_losses import kept_logprobs
 from exactrl.rollout import weight_channel
 from exactrl.rollout.generator import SamplingParams
 from exactrl.rollout.hf import HFEngine, StopStrings
@@ -23,7 +25,7 @@ from exactrl.rollout.hf import HFEngine, StopStrings
 
 class HFBackend:
     def __init__(self, model: str, name: str, dtype: str, seed: int, max_model_len: int, enforce_eager: bool,
-                 gpu_memory_utilization: float):
+                 gpu_memory_utilization: float, trust_remote_code: bool = False):
         torch.set_num_threads(1)
         faults = json.loads(os.environ.get("EXACTRL_FAKE_ENGINE", "{}"))
         hang_on_load, generate_seconds = faults.get("hang_on_load", False), faults.get("generate_seconds", 0.0)
@@ -69,4 +71,15 @@ class HFBackend:
         stop = StopStrings(self.engine.tok, p.stop) if p.stop else None
         # the requests' seeds are already each response's own (row_seed): drawn with as they are
         gens = self.engine._generate_batch([(i, ids, seed) for i, (ids, seed) in enumerate(requests)], p, stop)
-        return {"rows": [(g.response_ids, g.logprobs) for g in gens], "state": self.state()}
+        return {"rows": [(g.response_ids, self.kept(ids, g, p)) for (ids, _), g in zip(requests, gens)],
+                "state": self.state()}
+
+    @torch.no_grad()
+    def kept(self, prompt: list[int], g, p: SamplingParams):
+        """The log-probs in vLLM's convention (the client declares logprobs_over="kept"): sampled with top-k or
+        top-p, renormalised over the kept set; the decode loop's are over the vocabulary."""
+        if g.logprobs is None or p.greedy or (p.top_k == 0 and p.top_p >= 1.0):
+            return g.logprobs
+        ids = torch.tensor([list(prompt) + list(g.response_ids)])
+        lp = kept_logprobs(self.model(input_ids=ids).logits.float(), ids, p.temperature, p.top_p, p.top_k)
+        return lp[0, len(prompt) - 1 :].tolist()

@@ -174,6 +174,10 @@ def test_what_a_ray_run_cannot_honour_is_refused():
                                      "distributed.backend=fsdp2"])
     with pytest.raises(ConfigError, match="has no tensor parallelism"):
         load_config(RLConfig, None, ["ray.enabled=true", "ray.engine_tp=2"])
+    with pytest.raises(ConfigError, match="tensor-parallel shards are not verified yet"):
+        load_config(RLConfig, None, ["ray.enabled=true", "ray.engine_tp=2", "rollout.engine=vllm"])
+    with pytest.raises(ConfigError, match="ray.max_staleness=2 has no effect: rollouts are synchronous"):
+        load_config(RLConfig, None, ["ray.enabled=true", "ray.max_staleness=2"])
     with pytest.raises(ConfigError, match=r"ray.engines=2 has no effect: Ray is off"):
         load_config(RLConfig, None, ["ray.engines=2"])
     with pytest.raises(ConfigError, match="2 processes need a distributed backend"):

@@ -171,6 +171,43 @@ def test_a_lora_sync_skipped_while_the_version_moves_is_caught(tokenizer):
     assert gen.weights_version == 1  # the engine took the version: only the digest saw it
 
 
+class TwoEngines:
+    """Two engines behind one generator, as Ray's EngineGroup: each loads what is sent, and each one's digest
+    is handed to the check by its name (engine_digests)."""
+
+    name = "the 2 engines"
+
+    def __init__(self, *engines):
+        self.engines, self.names = engines, [f"engine {j} of 2" for j in range(2)]
+
+    def load_weights(self, named):
+        named = list(named)
+        versions = [e.load_weights(iter(named)) for e in self.engines]
+        return versions[0]
+
+    def engine_digests(self):
+        return [(n, e.weights_digest()) for n, e in zip(self.names, self.engines)]
+
+    def probe_logprobs(self, ids):
+        return self.engines[0].probe_logprobs(ids)
+
+
+def test_each_engine_of_a_group_is_checked_by_name_under_the_runs_sync_policy(tokenizer):
+    """Engine 1 of 2 keeps a tensor: the error names it (engine 0 is right, and its probe passes), and
+    rollout.sync_check=warn turns it into a warning as for one engine."""
+    trainer, skipped = policy(tokenizer, 3), "model.layers.0.mlp.up_proj.weight"
+
+    def group():
+        return TwoEngines(HFEngine(model(tokenizer, 11), tokenizer, batch_size=4),
+                          SkippingEngine(model(tokenizer, 11), tokenizer, batch_size=4, skip=lambda n: n == skipped))
+
+    with pytest.raises(WeightSyncError, match=rf"weight sync to engine 1 of 2, version 1: .*'{skipped}' has other"):
+        trainer.push_weights(group())
+    with pytest.warns(UserWarning, match=r"weight sync to engine 1 of 2, version 1") as caught:
+        report = trainer.push_weights(group(), SyncCheck("warn"))
+    assert len(caught) == 1 and report.version == 1 and report.probe_error <= 1e-6
+
+
 def test_right_bytes_read_wrongly_pass_the_digest_and_fail_the_probe(tokenizer):
     trainer = policy(tokenizer, 3)
     gen = HFEngine(model(tokenizer, 11, hidden_act="relu"), tokenizer, batch_size=4)  # an MLP read otherwise

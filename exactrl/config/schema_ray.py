@@ -36,8 +36,9 @@ class RayConfig(Section):
                                      "split changes no response).")
     engine_tp: int = Field(1, ge=1,
                            description="Devices per rollout engine (vLLM's tensor_parallel_size): each engine gets "
-                                       "this many bundles. 1 until vLLM runs under Ray: the Hugging Face decode loop "
-                                       "(rollout.engine=hf) has no tensor parallelism.")
+                                       "this many bundles. 1 for now: the Hugging Face decode loop "
+                                       "(rollout.engine=hf) has no tensor parallelism, and a vLLM engine's sync "
+                                       "is verified on whole weights (TP shards are not yet).")
     async_rollouts: bool = Field(False,
                                  description="Sample rollout n+1 while the policy trains on rollout n (the engines "
                                              "are other actors than the trainer's ranks): each rollout after the "
@@ -70,13 +71,13 @@ def check_ray(cfg) -> None:
     if cfg.distributed.nproc_per_node > 1:
         raise ValueError(f"distributed.nproc_per_node={cfg.distributed.nproc_per_node} with ray.enabled=true: Ray "
                          "starts the trainer ranks itself; set ray.ranks instead (and run one exactrl process)")
-    if cfg.rollout.engine == "vllm":
-        raise ValueError("rollout.engine=vllm with ray.enabled=true: Ray's rollout engines are Hugging Face decode "
-                         "loops for now (a vLLM engine runs beside each trainer rank without Ray); set "
-                         "rollout.engine=hf or ray.enabled=false")
     if r.engine_tp > 1 and cfg.rollout.engine == "hf":
         raise ValueError(f"ray.engine_tp={r.engine_tp}: rollout.engine=hf (the Hugging Face decode loop) has no "
                          "tensor parallelism; set ray.engine_tp=1")
+    if r.engine_tp > 1:
+        raise ValueError(f"ray.engine_tp={r.engine_tp}: a vLLM engine's weight sync is verified on one worker's "
+                         "whole weights (its digest and probe); tensor-parallel shards are not verified yet, so "
+                         "set ray.engine_tp=1 and scale with ray.engines")
     if cfg.train.resume_from:
         raise ValueError(f"train.resume_from={cfg.train.resume_from} with ray.enabled=true: a Ray run writes "
                          "checkpoints but cannot resume from one yet; resume without Ray (same ranks under "

@@ -51,7 +51,8 @@ class VLLMGenerator:
                  max_model_len: int = 2048, index: int = 0, enforce_eager: bool = True,
                  gpu_memory_utilization: float = 0.9, start_timeout: float = 600.0, sync_timeout: float = 300.0,
                  request_timeout: float = 3600.0, bucket_mb: int = 256, log_dir: Path | None = None,
-                 backend: str = "exactrl.rollout.vllm_server:VLLMBackend", env: dict | None = None):
+                 backend: str = "exactrl.rollout.vllm_server:VLLMBackend", env: dict | None = None,
+                 trust_remote_code: bool = False):
         self.tok, self.index = tokenizer, index
         self.weights_dtype = DTYPES[dtype]
         self.sync_timeout, self.request_timeout, self.bucket_bytes = sync_timeout, request_timeout, bucket_mb << 20
@@ -61,7 +62,7 @@ class VLLMGenerator:
         self.name = f"vllm engine {index}"
         args = {"model": str(model_dir), "name": self.name, "dtype": {"fp32": "float32", "bf16": "bfloat16"}[dtype],
                 "seed": seed, "max_model_len": max_model_len, "enforce_eager": enforce_eager,
-                "gpu_memory_utilization": gpu_memory_utilization}
+                "gpu_memory_utilization": gpu_memory_utilization, "trust_remote_code": trust_remote_code}
         self._start(python or sys.executable, backend, args, env or {}, start_timeout)
         self.name = f"vllm engine {index} (pid {self.proc.pid})"
         self.weights_state = WeightsState(self.name)
@@ -233,4 +234,5 @@ def vllm_generator(cfg, model_dir: str, tokenizer, run_dir: Path, index: int = 0
                          max_model_len=min(longest, positions or longest), index=index,
                          enforce_eager=v.enforce_eager, gpu_memory_utilization=v.gpu_memory_utilization,
                          start_timeout=v.start_timeout, sync_timeout=v.sync_timeout,
-                         request_timeout=v.request_timeout, bucket_mb=v.bucket_mb, log_dir=run_dir, env=env)
+                         request_timeout=v.request_timeout, bucket_mb=v.bucket_mb, log_dir=run_dir, env=env,
+                         trust_remote_code=cfg.model.trust_remote_code)

@@ -39,13 +39,14 @@ class VLLMBackend:
     """What the engine process does with each request, on a ``vllm.LLM``."""
 
     def __init__(self, model: str, name: str, dtype: str, seed: int, max_model_len: int, enforce_eager: bool,
-                 gpu_memory_utilization: float):
+                 gpu_memory_utilization: float, trust_remote_code: bool = False):
         from vllm import LLM
 
         # processed_logprobs: after temperature (and top-k/top-p, which then renormalise them over the
         # kept set); raw_logprobs would be at temperature 1 whatever the sampling temperature.
         self.llm = LLM(model=model, dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=enforce_eager,
-                       gpu_memory_utilization=gpu_memory_utilization, logprobs_mode="processed_logprobs",
+                       gpu_memory_utilization=gpu_memory_utilization, trust_remote_code=trust_remote_code,
+                       logprobs_mode="processed_logprobs",
                        worker_extension_cls=WORKER_EXTENSION)
         self._rpc("exactrl_start", name)
 

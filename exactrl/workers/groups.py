@@ -31,6 +31,7 @@ from exactrl.distributed.ray_cluster import SHARE, Cluster, actor_options, bundl
 from exactrl.models.loading import load_causal_lm
 from exactrl.rollout.generator import SamplingParams, WeightSyncError, prompt_seeds
 from exactrl.rollout.hf import HFEngine
+from exactrl.rollout.vllm_generator import VLLMGenerator, vllm_generator
 from exactrl.seeding import seed_everything
 from exactrl.workers.load import check_generator
 from exactrl.workers.worker import Worker
@@ -66,7 +67,12 @@ class RoleActor:
 
     def build_engine(self, cfg, path: str, tokenizer, run_dir: Path, phase: str, index: int) -> None:
         """A rollout engine: the decode loop over a model of its own (in fp32, as the policy's), whose
-        decoding is self-checked like the policy's (recorded as generation/<phase>/engine<index>)."""
+        decoding is self-checked like the policy's (recorded as generation/<phase>/engine<index>); or
+        with rollout.engine=vllm, a vLLM engine process this actor starts and speaks to (from
+        rollout.vllm.python's environment), checked at every sync by its digest and probe."""
+        if cfg.rollout.engine == "vllm":
+            self.held["engine"] = vllm_generator(cfg, path, tokenizer, run_dir, index)
+            return
         m = cfg.model
         model = place(load_causal_lm(path, trainable=False, attn=m.attn_implementation,
                                      trust_remote_code=m.trust_remote_code), use_device(cfg.distributed.device))
@@ -75,6 +81,10 @@ class RoleActor:
 
     def call(self, role: str, method: str, *args, **kwargs):
         return getattr(self.held[role], method)(*args, **kwargs)
+
+    def close_engine(self) -> None:
+        """End what the engine holds outside this process (a vLLM engine's own processes)."""
+        getattr(self.held.get("engine"), "close", lambda: None)()
 
 
 # The Worker methods a group runs on every rank (rank 0's result comes back).
@@ -126,10 +136,10 @@ class EngineGroup:
 
     synced = False  # each engine decodes alone
     rank0_sends = True  # the policy's other ranks take part in the export's gathers only (load_weights)
-    logprobs_over = HFEngine.logprobs_over  # the engines' convention (exactrl/rollout/generator.py)
 
-    def __init__(self, actors: list, tokenizer, ready: list):
+    def __init__(self, actors: list, tokenizer, ready: list, logprobs_over: str = HFEngine.logprobs_over):
         self.actors, self.tok, self._ready, self.weights_version = actors, tokenizer, ready, 0
+        self.logprobs_over = logprobs_over  # the engines' convention (exactrl/rollout/generator.py)
         self.names = [f"rollout engine {j} of {len(actors)}" for j in range(len(actors))]
         self.name = f"the {len(actors)} Ray rollout engine{'s' if len(actors) > 1 else ''}"
 
@@ -170,18 +180,24 @@ class EngineGroup:
         return self.weights_version
 
     def weights_digest(self) -> WeightsDigest:
-        """Each engine's digest of the weights it holds (HFEngine.load_weights computes it); they must be one."""
+        """Engine 0's digest of the weights it holds (engine_digests has every engine's)."""
+        return self.engine_digests()[0][1]
+
+    def engine_digests(self) -> list[tuple[str, WeightsDigest]]:
+        """Each engine's digest of the weights it holds (HFEngine.load_weights computes it), by name: the sync
+        check compares every one with what was sent (Worker.push_weights), under rollout.sync_check."""
         digests = results([e.call.remote("engine", "weights_digest") for e in self.actors], self.names,
                           "a weights digest")
-        for name, d in zip(self.names[1:], digests[1:]):
-            diff = digests[0].first_difference(d, self.names[0], name)
-            if diff is not None:
-                raise WeightSyncError(f"the rollout engines hold different weights after a push: {diff}")
-        return digests[0]
+        return list(zip(self.names, digests))
 
     def probe_logprobs(self, ids: list[int]) -> list[float]:
         """Engine 0's log-probs of the probe sequence (every engine's digest equals what was sent)."""
         return results([self.actors[0].call.remote("engine", "probe_logprobs", ids)], self.names[:1], "the probe")[0]
+
+    def close(self) -> None:
+        """Stop the engines' own processes (vLLM's) before the run's final save; the actors end with the run."""
+        if not self._ready:
+            results([a.close_engine.remote() for a in self.actors], self.names, "closing the rollout engines")
 
 
 class RayRoles:
@@ -232,11 +248,15 @@ class RayRoles:
 
     def generator(self, policy: WorkerGroup, tokenizer) -> EngineGroup:
         """The rollout engines, each loading the policy's starting model (its weights are pushed before any rollout)."""
-        r = self.cfg.ray
+        r, cfg = self.cfg.ray, self.cfg
+        if cfg.rollout.engine == "vllm" and cfg.rollout.vllm.python:  # where this process finds it, not the actor
+            vllm = cfg.rollout.vllm.model_copy(update={"python": os.path.abspath(cfg.rollout.vllm.python)})
+            cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"vllm": vllm})})
         actors = self._start("rollout engines", r.engines, stride=r.engine_tp)
-        ready = [a.build_engine.remote(self.cfg, self.policy_path, tokenizer, self.run_dir, self.phase, j)
+        ready = [a.build_engine.remote(cfg, self.policy_path, tokenizer, self.run_dir, self.phase, j)
                  for j, a in enumerate(actors)]
-        return EngineGroup(actors, tokenizer, ready)
+        return EngineGroup(actors, tokenizer, ready, VLLMGenerator.logprobs_over if self.cfg.rollout.engine == "vllm"
+                           else HFEngine.logprobs_over)
 
     def close(self) -> None:
         """End every actor and release every bundle of the run, then leave a cluster this run joined."""

@@ -247,7 +247,8 @@ class Worker:
         check, t0 = check or SyncCheck(), time.perf_counter()
         if getattr(generator, "model", None) is self.model:
             version = generator.load_weights(self.model.named_parameters())
-            sent = loaded = generator.weights_digest()
+            sent = generator.weights_digest()
+            held = [(generator.name, sent)]
         else:  # in the dtype the generator holds them (vLLM in bf16 from an fp32 trainer), digested as sent
             dtype = getattr(generator, "weights_dtype", None)
             named = ((n, t if dtype is None else t.to(dtype)) for n, t in self.export_weights())
@@ -256,14 +257,18 @@ class Worker:
             else:
                 stream = Digesting(named)
                 version = generator.load_weights(stream)
-                sent, loaded = stream.digest(), generator.weights_digest()
+                sent = stream.digest()
+                # a group of engines (Ray's) gives each one's digest, checked by its name
+                held = generator.engine_digests() if hasattr(generator, "engine_digests") else [
+                    (generator.name, generator.weights_digest())]
         ids = probe_ids(base_model(self.model).config.vocab_size, avoid=(self.pad_id,))
         mine = self.probe_logprobs(ids)  # every rank: a sharded model's forward runs on all of them
         if version is None:
             return None
-        check.digests(generator.name, version, sent, loaded)
+        for name, loaded in held:
+            check.digests(name, version, sent, loaded)
         error = check.probe(generator.name, version, mine, generator.probe_logprobs(ids))
-        return SyncReport(version, loaded.value, time.perf_counter() - t0, error, len(sent.tensors))
+        return SyncReport(version, held[0][1].value, time.perf_counter() - t0, error, len(sent.tensors))
 
     @torch.no_grad()
     def probe_logprobs(self, ids: list[int]) -> torch.Tensor:

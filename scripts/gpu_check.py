@@ -5,13 +5,18 @@
    two or more GPUs);
 2. a short SFT and a short GRPO run in fp32 and bf16, at world size 1 and, with several GPUs,
    2 (FSDP2 over NCCL), each checked by the canary at every step;
+3. a short GRPO run under Ray (`ray-<dtype>`: trainer ranks and a rollout engine as actors, split
+   over two GPUs or colocated on one) sampling with vLLM when this environment or --vllm-python
+   has it (else Hugging Face engines), every weight sync verified (digest, probe), the
+   rollout-trainer gap measured at every rollout;
 then a PASS/FAIL table with the figures (equivalence errors, tokens/s, peak GPU memory). Exit
 code 1 on any FAIL.
 
 --dry-run: the same on the CPU (distributed.device=cpu, gloo, world size 1, fewer steps), so
 the script itself is tested where there is no GPU (tests/test_gpu_check.py).
 
-usage: python scripts/gpu_check.py [--dry-run] [--steps N] [--runs sft-fp32,grpo-bf16,...]
+usage: python scripts/gpu_check.py [--dry-run] [--steps N] [--runs sft-fp32,grpo-bf16,ray-fp32,...]
+                                   [--vllm-python PATH]
 """
 
 from __future__ import annotations
@@ -47,35 +52,67 @@ def run_tests(dry: bool, work: Path) -> list[tuple]:
     return rows
 
 
-def run_training(kind: str, dtype: str, world: int, dry: bool, steps: int, work: Path) -> tuple:
+def vllm_python(given: str | None) -> str | None:
+    """The interpreter whose environment has vLLM: --vllm-python, this one, or `make vllm`'s .venv-vllm."""
+    import importlib.util
+
+    if given:
+        return given
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    built = ROOT / ".venv-vllm" / "bin" / "python"
+    return str(built) if built.exists() else None
+
+
+def run_training(kind: str, dtype: str, world: int, dry: bool, steps: int, work: Path, vllm: str | None = None,
+                 gpus: int = 0) -> tuple:
     out = work / f"{kind}-{dtype}-w{world}.json"
-    child = [str(Path(__file__).resolve()), "--child", kind, dtype, "cpu" if dry else "cuda", str(steps), str(out)]
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"] if world > 1 else []
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    child = [str(Path(__file__).resolve()), "--child", kind, dtype, "cpu" if dry else "cuda", str(steps), str(out),
+             vllm or "", str(gpus)]
+    # Ray starts its trainer ranks itself
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"] \
+        if world > 1 and kind != "ray" else []
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           "EXACTRL_GPU_CHECK_WORLD": str(world)}
     proc = subprocess.run([sys.executable, *launcher, *child], cwd=work, env=env, capture_output=True, text=True)
-    name = f"{kind} {dtype} world {world}"
+    name = f"{kind} {dtype} world {world}" + (f" ({'vllm' if vllm else 'hf'} engine)" if kind == "ray" else "")
     if proc.returncode or not out.exists():
         print(f"--- {name} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
         return (name, "FAIL", f"exit code {proc.returncode}", "")
     r = json.loads(out.read_text())
     ok = math.isfinite(r["loss"]) and all(abs(c - 1) <= 1e-5 for c in r["canary"])
     memory = "n/a (cpu)" if r["peak_memory_gb"] is None else f"{r['peak_memory_gb']:.2f} GB peak"
+    sync = "" if r.get("probe_error") is None else (f", sync probe {r['probe_error']:.2g}, rollout gap "
+                                                    f"{r['gap_abs_max']:.2g}")
     return (name, "PASS" if ok else "FAIL", f"loss {r['loss']:.4f}, canary {min(r['canary'], default=1):.7f}, "
-            f"{r['tokens_per_s']:.0f} tokens/s", memory)
+            f"{r['tokens_per_s']:.0f} tokens/s{sync}", memory)
 
 
-def child(kind: str, dtype: str, device: str, steps: int, out: str) -> None:
-    """One short run in this process (one rank of it under torchrun); rank 0 writes the figures."""
+def ray_settings(world: int, vllm: str, gpus: int) -> list[str]:
+    """A Ray run: `world` trainer ranks and one engine, split over their own GPUs when there are enough, else
+    colocated on them (vLLM then takes a third of the memory the trainer also uses)."""
+    split = gpus >= world + 1
+    out = ["ray.enabled=true", f"ray.ranks={world}", "ray.engines=1",
+           f"ray.placement={'split' if split else 'colocated'}"]
+    if vllm:
+        out += ["rollout.engine=vllm", f"rollout.vllm.python={vllm}"] + ([] if split else [
+            "rollout.vllm.gpu_memory_utilization=0.3"])
+    return out
+
+
+def child(kind: str, dtype: str, device: str, steps: int, out: str, vllm: str = "", gpus: int = 0) -> None:
+    """One short run in this process (one rank of it under torchrun; a Ray run's driver); rank 0 writes the figures."""
     import torch
 
     from exactrl.config import RLConfig, SFTConfig, load_config
     from exactrl.distributed.launch import is_main, shutdown, world_size
     from exactrl.tasks.builtin import BuiltinSpec
 
-    world = world_size()
+    world = int(os.environ.get("EXACTRL_GPU_CHECK_WORLD", "1")) if kind == "ray" else world_size()
     common = [f"distributed.device={device}", f"model.dtype={dtype}", f"train.max_steps={steps}", "train.log_every=1",
-              "data.eval=null", f"output_dir={Path(out).with_suffix('')}", f"distributed.nproc_per_node={world}",
+              "data.eval=null", f"output_dir={Path(out).with_suffix('')}",
               f"distributed.backend={'fsdp2' if world > 1 else 'single'}"]
+    common += ray_settings(world, vllm, gpus) if kind == "ray" else [f"distributed.nproc_per_node={world}"]
     spec = BuiltinSpec(n_sft=64, n_rl=64, n_eval=8)
     if kind == "sft":
         from exactrl.algorithms.sft import train_sft
@@ -97,9 +134,11 @@ def child(kind: str, dtype: str, device: str, steps: int, out: str) -> None:
         lines = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
         logged = [x for x in lines if "loss" in x]
         peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+        sync = {"probe_error": max(x["sync_probe_error"] for x in logged),
+                "gap_abs_max": max(x.get("rollout_gap/abs_max", 0.0) for x in logged)} if kind == "ray" else {}
         Path(out).write_text(json.dumps({"loss": logged[-1]["loss"], "canary": [x["canary"] for x in logged if x.get(
             "canary") is not None],
-                                         "tokens_per_s": tokens / result.seconds, "peak_memory_gb": peak}))
+                                         "tokens_per_s": tokens / result.seconds, "peak_memory_gb": peak, **sync}))
     shutdown()
 
 
@@ -113,13 +152,16 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dry-run", action="store_true", help="run everything on the CPU (gloo, world size 1)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps of each run (default 20 on GPU, 2 dry)")
-    p.add_argument("--runs", default="sft-fp32,sft-bf16,grpo-fp32,grpo-bf16",
-                   help="which training runs (kind-dtype, comma-separated)")
-    p.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
+    p.add_argument("--runs", default="sft-fp32,sft-bf16,grpo-fp32,grpo-bf16,ray-fp32,ray-bf16",
+                   help="which training runs (kind-dtype, comma-separated; kind sft, grpo or ray)")
+    p.add_argument("--vllm-python", default=None,
+                   help="interpreter of an environment with vLLM for the ray runs (default: this one if it has vLLM, "
+                        "else .venv-vllm's, else Hugging Face engines)")
+    p.add_argument("--child", nargs=7, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        kind, dtype, device, steps, out = args.child
-        child(kind, dtype, device, int(steps), out)
+        kind, dtype, device, steps, out, vllm, gpus = args.child
+        child(kind, dtype, device, int(steps), out, vllm, int(gpus))
         return 0
     import torch
 
@@ -138,7 +180,8 @@ def main() -> int:
         for world in [1, 2] if gpus >= 2 else [1]:
             for run in args.runs.split(","):
                 kind, dtype = run.split("-")
-                rows.append(run_training(kind, dtype, world, args.dry_run, steps, work))
+                rows.append(run_training(kind, dtype, world, args.dry_run, steps, work,
+                                         vllm_python(args.vllm_python) if kind == "ray" else None, gpus))
     print_table(rows)
     failed = [r[0] for r in rows if r[1] == "FAIL"]
     print(f"gpu-check: {'FAIL: ' + ', '.join(failed) if failed else 'PASS'}")

@@ -139,3 +139,37 @@ def test_exactrl_rl_samples_with_the_engine_end_to_end(vllm_python, tmp_path, mo
     assert [r["weights_version"] for r in rows] == [1, 2, 3]
     assert all(r["sync_probe_error"] < 1e-5 and r["ratio_dev_first"] < 1e-5 for r in rows)
     assert len({r["weights_digest"] for r in rows}) == 3  # the policy moved every step, and the engine with it
+
+
+@pytest.mark.parametrize("lagged", [False, True], ids=["sync", "async"])
+def test_vllm_engines_under_ray_end_at_the_weights_of_the_engine_beside_the_trainer(vllm_python, tmp_path,
+                                                                                    monkeypatch, lagged):
+    """rollout.engine=vllm with ray.enabled (split: the engine an actor of its own, which starts its vLLM process
+    from .venv-vllm): the same samples and, to 1e-5, the same final weights as the run whose vLLM engine runs
+    beside the trainer without Ray; every sync verified; asynchronously too (ray.async_rollouts, in sequence
+    without Ray)."""
+    from safetensors.torch import load_file
+
+    from exactrl.algorithms.rl import train_rl
+    from exactrl.config import RLConfig
+    from exactrl.tasks.builtin import BuiltinSpec
+
+    monkeypatch.setenv("EXACTRL_CACHE", str(tmp_path / "cache"))
+    common = ["data.eval=null", "train.global_batch_size=16", "train.micro_batch_size=16", "algo.group_size=8",
+              "train.max_steps=3", "train.log_every=1", "rollout.max_new_tokens=16", "optim.name=sgd",
+              "optim.lr=0.05", "rollout.engine=vllm", f"rollout.vllm.python={vllm_python}",
+              "rollout.vllm.cpu_kv_cache_gb=1", "reward.fn=reward_fixtures:varied"]
+    if lagged:
+        common += ["ray.async_rollouts=true", "algo.rollout_correction=tis"]
+    spec, runs = BuiltinSpec(n_sft=20, n_rl=40, n_eval=10), {}
+    for name, extra in (("beside", []), ("ray", ["ray.enabled=true", "ray.placement=split"])):
+        result = train_rl(load_config(RLConfig, None, [*common, *extra, f"output_dir={tmp_path / name}"]), spec=spec)
+        rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+        runs[name] = ([r for r in rows if "loss" in r], load_file(result.final_model / "model.safetensors"))
+    (beside, a), (placed, b) = runs["beside"], runs["ray"]
+    keys = ("reward_mean", "generated_tokens", "weights_digest", "staleness")
+    assert [[r.get(k) for k in keys] for r in placed] == [[r.get(k) for k in keys] for r in beside]
+    assert all(r["sync_probe_error"] < 1e-5 for r in placed)
+    diff = max((a[k] - b[k]).abs().max().item() for k in a)
+    print(f"vllm {'async' if lagged else 'sync'}: ray split vs beside the trainer, max |weight difference| {diff:.3g}")
+    assert diff <= 1e-5

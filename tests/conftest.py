@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +18,15 @@ from exactrl.tasks.tiny_model import build_tiny_model
 from exactrl.tasks.tokenizer import build_tokenizer
 
 SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, intermediate_size=64)
+
+# DeepSpeed compiles its CPU ops on first use (~50 s on two cores): one cache per DeepSpeed version under .venv-cache/
+# (kept between runs, as tests/old_deepspeed.ds_env names it), for every test, in this process and the ones it starts;
+# without it a test that leaves it unset compiles again into ~/.cache.
+try:
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".venv-cache" /
+                                                      "torch_extensions" / f"deepspeed-{version('deepspeed')}"))
+except PackageNotFoundError:
+    pass
 
 
 @pytest.fixture(scope="session")

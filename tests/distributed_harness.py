@@ -40,6 +40,15 @@ LAYOUTS = [("fsdp2", 1), ("fsdp2", 2), ("deepspeed", 1), ("deepspeed", 2)]
 LAYOUT_IDS = ["fsdp2-world1", "fsdp2-world2", "deepspeed-world1", "deepspeed-world2"]
 
 
+def layout_params(slow: tuple[str, ...] = ()) -> list:
+    """LAYOUTS as fixture parameters, those named in ``slow`` (ids of LAYOUT_IDS) behind the slow marker: a
+    layout another test of the same engine already holds to its reference in the CI suite."""
+    import pytest
+
+    return [pytest.param(layout, id=name, marks=[pytest.mark.slow] if name in slow else [])
+            for layout, name in zip(LAYOUTS, LAYOUT_IDS)]
+
+
 def layout_results(request, tmp_path_factory, script: Path, tag: str) -> tuple[str, int, dict]:
     """(backend, world, results) of ``script`` run on the layout ``request.param`` (one of LAYOUTS)."""
     import pytest

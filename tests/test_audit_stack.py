@@ -28,7 +28,9 @@ def audit(*args) -> tuple[int, dict]:
                           text=True, timeout=900, cwd=ROOT,
                           # DeepSpeed's compiled ops cached per version under .venv-cache/torch_extensions, where
                           # the other DeepSpeed tests find them (old_deepspeed.ds_env): each version compiles once
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "EXACTRL_CACHE": str(ROOT / ".venv-cache")})
+                          # (the audit picks each version's directory itself: not the suite's, tests/conftest.py)
+                          env={**{k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"},
+                               "OMP_NUM_THREADS": "1", "EXACTRL_CACHE": str(ROOT / ".venv-cache")})
     return proc.returncode, json.loads(proc.stdout)
 
 

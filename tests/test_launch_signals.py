@@ -77,7 +77,7 @@ def kill(proc: subprocess.Popen, seen: dict) -> None:
 
 
 @pytest.mark.parametrize("sig, when", [(signal.SIGTERM, "start-up"), (signal.SIGTERM, "training"),
-                                       (signal.SIGINT, "start-up")])
+                                       pytest.param(signal.SIGINT, "start-up", marks=pytest.mark.slow)])
 def test_a_signal_stops_every_rank(tmp_path, env, sig, when):
     out = tmp_path / "run"
     proc = launch(tmp_path, env, "train.max_steps=1000", "train.save_every=1", f"output_dir={out}")

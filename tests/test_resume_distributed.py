@@ -45,7 +45,9 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+# ZeRO-3 under `slow` (~60 s): tests/test_rl_distributed.py resumes a ZeRO-3 run exactly in CI
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=[pytest.mark.slow] if name == "zero3" else [])
+                                    for name in LAYOUTS])
 def test_resume_reaches_the_uninterrupted_run(tmp_path, layout):
     if layout != "fsdp2":
         pytest.importorskip("deepspeed")

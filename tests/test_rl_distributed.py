@@ -52,7 +52,10 @@ def rl(tmp_path, *overrides):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+# ZeRO-2 + CPU offload under `slow` (~50 s): in CI tests/test_resume_distributed.py resumes it exactly and
+# tests/test_rl_backends.py holds every RL loss on it to the one-pass reference
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=[pytest.mark.slow] if "offload" in name else [])
+                                    for name in LAYOUTS])
 def test_distributed_rl_runs_with_the_canary_and_resumes_exactly(tmp_path, layout):
     if "zero" in layout:
         pytest.importorskip("deepspeed")

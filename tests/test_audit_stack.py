@@ -34,13 +34,17 @@ def audit(*args) -> tuple[int, dict]:
     return proc.returncode, json.loads(proc.stdout)
 
 
-def test_installed_stack_is_exact_everywhere():
+# World size 1 under `slow` (~45 s): in CI the real-bug test below runs the audit at world size 1 (on the other
+# DeepSpeed), and tests/test_deepspeed.py and tests/test_fsdp2.py hold the installed engines to the full-batch update
+# at both world sizes.
+@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.slow), 2])
+def test_installed_stack_is_exact_everywhere(world):
     pytest.importorskip("deepspeed")
-    code, report = audit()
+    code, report = audit("--world", str(world))
     rows = report["rows"]
     assert code == 0 and report["all_exact"]
-    # 3 torch + 3 FSDP2 + 18 DeepSpeed configurations, at world size 1 and 2.
-    assert len(rows) == 48 and {r["world"] for r in rows} == {1, 2}
+    # 3 torch + 3 FSDP2 + 18 DeepSpeed configurations
+    assert len(rows) == 24 and {r["world"] for r in rows} == {world}
     assert all(r["verdict"] == "EXACT" and r["rel_err"] <= 1e-5 for r in rows)
 
 

@@ -118,6 +118,7 @@ def test_demo_smoke_writes_complete_run_directory(workdir):
     assert "Setting accelerator" not in proc.stdout + proc.stderr  # DeepSpeed's probe line (issue 21)
 
 
+@pytest.mark.slow  # ~21 s: tests/test_resume_distributed.py relaunches the CLI under torchrun with FSDP2 in CI
 def test_sft_relaunches_itself_under_torchrun_with_fsdp2(workdir):
     cwd, cache = workdir
     out = cwd / "fsdp2"

@@ -14,11 +14,11 @@ SCRIPT = Path(__file__).parent.parent / "scripts" / "gpu_check.py"
 def test_dry_run_passes_and_prints_the_table():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--steps", "1", "--runs",
-                           "sft-bf16,grpo-fp32,ray-fp32"], capture_output=True, text=True, timeout=600, env=env)
+                           "sft-bf16,ray-fp32"], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "gpu-check: PASS" in out and "tests -m gpu" in out and "rel_err = " in out and "packed_error = " in out
-    assert "sft bf16 world 1" in out and "grpo fp32 world 1" in out and "tokens/s" in out
+    assert "sft bf16 world 1" in out and "tokens/s" in out  # grpo-<dtype> is the ray run's loop without Ray
     ray_row = next(line for line in out.splitlines() if line.startswith("ray fp32 world 1"))
     assert "PASS" in ray_row and "sync probe " in ray_row and "rollout gap " in ray_row, ray_row
 

@@ -133,6 +133,9 @@ def test_sft_relaunches_itself_under_torchrun_with_fsdp2(workdir):
     AutoModelForCausalLM.from_pretrained(out / "final")
 
 
+# ~65 s (two 2-rank DeepSpeed launches): under `slow`. In CI, DeepSpeed under torchrun is held to the full-batch
+# update (tests/test_deepspeed.py) and the launcher's appended --local_rank is dropped (below).
+@pytest.mark.slow
 def test_the_deepspeed_launcher_runs_exactrl_as_torchrun_does(workdir):
     """`deepspeed --num_gpus 2 --module exactrl.cli sft ...` (which appends --local_rank=N)
     trains the same model, bit for bit, as exactrl relaunching itself under torchrun."""
@@ -153,3 +156,16 @@ def test_the_deepspeed_launcher_runs_exactrl_as_torchrun_does(workdir):
     assert [(r["micro_batches"], r["samples"], r["canary"]) for r in steps] == [(2, 4, 1.0), (2, 4, 1.0)]
     a, b = (load_file(cwd / d / "final" / "model.safetensors") for d in ("ds-launcher", "ds-torchrun"))
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+
+
+def test_the_local_rank_flag_a_deepspeed_launcher_appends_is_dropped(monkeypatch):
+    """`deepspeed --module exactrl.cli ...` appends --local_rank=N (or --local_rank N) to the arguments; every
+    launcher sets LOCAL_RANK, which exactrl reads, so the command line the app parses is the user's own."""
+    from exactrl import cli
+
+    seen = []
+    monkeypatch.setattr(cli, "app", lambda: seen.append(list(cli.sys.argv[1:])))
+    for tail in (["--local_rank=1"], ["--local_rank", "1"], []):
+        monkeypatch.setattr(cli.sys, "argv", ["exactrl", "sft", "--config", "x.yaml", *tail, "train.max_steps=2"])
+        cli.main()
+    assert seen == [["sft", "--config", "x.yaml", "train.max_steps=2"]] * 3

@@ -22,7 +22,9 @@ def run(tmp_path, cache, *args) -> subprocess.CompletedProcess:
                           env=env, capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize("algo", ["luffy", "srft"])
+# srft under `slow` (~17 s): the same mixed rollout and CLI path as luffy; its loss is held to the one-pass
+# reference on every backend in tests/test_rl_backends.py
+@pytest.mark.parametrize("algo", ["luffy", pytest.param("srft", marks=pytest.mark.slow)])
 def test_mixed_policy_method_trains_through_the_cli(algo, tmp_path, cli_cache):
     proc = run(tmp_path, cli_cache, f"algo.name={algo}", *STEP)
     assert proc.returncode == 0, proc.stderr[-3000:]

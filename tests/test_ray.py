@@ -130,6 +130,28 @@ def test_asynchronous_rollouts_under_ray_are_the_schedule_run_in_sequence(tmp):
     assert stale == [0, 1, 1] and diff <= TOL
 
 
+# PPO (its critic and reference groups resumed too) under `slow` (~75 s); GRPO in CI
+@pytest.mark.parametrize("algo", ["grpo", pytest.param("ppo", marks=pytest.mark.slow)])
+def test_a_ray_run_resumes_from_its_checkpoint_to_the_uninterrupted_weights(tmp, algo):
+    """Two FSDP2 ranks (SGD: an optimizer without state tensors): resumed from the checkpoint after step 1, the
+    run ends at the uninterrupted Ray run's weights (policy and critic), and both at the plain run's, to 1e-5."""
+    def config(out, *extra):
+        return load_config(RLConfig, None, [*COMMON, *ALGOS[algo], *layout("colocated", 2, 1), "train.save_every=1",
+                                             *extra, f"output_dir={out}"])
+
+    full, resumed = tmp / f"resume-full-{algo}", tmp / f"resume-resumed-{algo}"
+    train_rl(config(full), spec=SPEC)
+    train_rl(config(resumed, f"train.resume_from={full / 'checkpoint-1'}"), spec=SPEC)
+    rows = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    assert [r["step"] for r in rows] == [2]  # only the step after the checkpoint ran again
+    a, b = ({f"{role}.{k}": v for role, d in (("policy", "final"), ("critic", "final-critic"))
+             if (out / d).exists() for k, v in load_file(out / d / "model.safetensors").items()}
+            for out in (full, resumed))
+    diff, plain = max_diff(a, b), max_diff(b, run(tmp, algo)["weights"])
+    print(f"{algo} ray colocated 2 ranks: resumed vs uninterrupted {diff:.3g}, vs the plain run {plain:.3g}")
+    assert diff <= TOL and plain <= TOL
+
+
 def test_an_engine_that_dies_mid_rollout_stops_the_run_naming_it(tmp, monkeypatch):
     """Engine 1 of 2 exits in the middle of the first rollout (its generate ends the process): the run
     stops with RoleDied naming it within seconds, and releases every actor and bundle."""

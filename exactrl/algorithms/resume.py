@@ -75,7 +75,8 @@ def prepare_resume(cfg, command: str, steps: int) -> bool:
 def check_resume(cfg, command: str, steps: int) -> None:
     """Refuse, before anything is written, a resume that could not continue the run exactly."""
     p = Path(cfg.train.resume_from)
-    state = check_resumable(p)
+    ray = getattr(cfg, "ray", None)
+    state = check_resumable(p, ray.ranks if ray is not None and ray.enabled else None)
     extra = state.get("extra", {})
     # The command that wrote it; a checkpoint from before it was stored is an rl one when it holds a rollout position.
     was = state.get("command") or ("rl" if "rollout" in extra else "sft")

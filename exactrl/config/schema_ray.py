@@ -78,7 +78,3 @@ def check_ray(cfg) -> None:
         raise ValueError(f"ray.engine_tp={r.engine_tp}: a vLLM engine's weight sync is verified on one worker's "
                          "whole weights (its digest and probe); tensor-parallel shards are not verified yet, so "
                          "set ray.engine_tp=1 and scale with ray.engines")
-    if cfg.train.resume_from:
-        raise ValueError(f"train.resume_from={cfg.train.resume_from} with ray.enabled=true: a Ray run writes "
-                         "checkpoints but cannot resume from one yet; resume without Ray (same ranks under "
-                         "distributed.nproc_per_node)")

@@ -140,8 +140,9 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(found, key=lambda d: int(d.name.removeprefix("checkpoint-")))
 
 
-def check_resumable(path: str | Path) -> dict:
-    """The checkpoint's state file, once it is known to fit this run (before anything is written)."""
+def check_resumable(path: str | Path, world: int | None = None) -> dict:
+    """The checkpoint's state file, once it is known to fit this run (before anything is written) of ``world``
+    trainer processes (default: this process's world; a Ray run's driver gives its groups' ranks)."""
     p = Path(path)
     if p.name.startswith(".") and p.name.endswith((".tmp", ".old")):
         done = [d.name for d in complete_checkpoints(p.parent)]
@@ -159,9 +160,10 @@ def check_resumable(path: str | Path) -> dict:
     except Exception as e:  # truncated or foreign file: torch raises a zoo of types
         raise CheckpointError(f"train.resume_from: '{p / STATE_FILE}' cannot be read ({type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''}); resume from another checkpoint") from None
-    if state.get("world_size", 1) != world_size():
+    world = world_size() if world is None else world
+    if state.get("world_size", 1) != world:
         raise CheckpointError(f"train.resume_from: '{p}' was written by {state.get('world_size', 1)} processes; "
-                              f"this run has {world_size()}. Resume with the same number of processes.")
+                              f"this run has {world}. Resume with the same number of processes.")
     return state
 
 
@@ -171,8 +173,9 @@ def resume(path: str | Path, workers: dict) -> dict:
     with it. The model weights are loaded by the caller, from the same directory, with
     from_pretrained (a LoRA run's adapter: exactrl.models.lora.apply_lora)."""
     p = Path(path)
+    world = next(iter(workers.values())).world_size  # a Ray group's ranks are not this process's world
     for i, (name, worker) in enumerate(workers.items()):
         d = p / name if i else p
-        worker.load_state(d, check_resumable(d)["engine"])
+        worker.load_state(d, check_resumable(d, world)["engine"])
     _set_rng_state(torch.load(p / f"rng-rank{rank()}.pt", weights_only=True))
-    return check_resumable(p)["extra"]
+    return check_resumable(p, world)["extra"]

@@ -77,8 +77,14 @@ class FSDP2Engine(SingleEngine):
         return model_sd, {"optimizer": optim_sd, "scheduler": self.scheduler.state_dict(), "step": self.step_count}
 
     def load_state_dict(self, state: dict, directory: Path | None = None) -> None:
-        # Every rank read the full state from the checkpoint; each keeps its own shard of it.
-        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"],
-                                 options=StateDictOptions(full_state_dict=True))
+        # Every rank read the full state from the checkpoint; each keeps its own shard of it. An optimizer without
+        # per-parameter tensors (SGD without momentum) has only its groups' settings to restore: torch's loader
+        # finds no tensor to place the state by and refuses ("Expected device to be set").
+        optim = state["optimizer"]
+        if any(torch.is_tensor(v) and v.dim() > 0 for s in optim.get("state", {}).values() for v in s.values()):
+            set_optimizer_state_dict(self.model, self.optimizer, optim, options=StateDictOptions(full_state_dict=True))
+        else:
+            for group, saved in zip(self.optimizer.param_groups, optim["param_groups"], strict=True):
+                group.update({k: v for k, v in saved.items() if k != "params"})
         self.scheduler.load_state_dict(state["scheduler"])
         self.step_count = state["step"]

@@ -22,10 +22,14 @@ $(STAMP): requirements.txt pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/exactrl demo
 
-# ruff first: a lint finding fails in seconds, before the suite's twenty minutes.
+# ruff first: a lint finding fails in seconds, before the suite's twenty minutes. The suite runs on
+# TEST_WORKERS pytest-xdist workers of one thread each (tests/conftest.py), a test file per worker at a
+# time; TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
 	$(VENV)/bin/ruff check
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # On a GPU machine: the gradient-equivalence subset, SFT and GRPO in fp32 and bf16 on CUDA
 # (scripts/gpu_check.py). Needs a CUDA torch, e.g. make gpu-check TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"

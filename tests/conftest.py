@@ -12,7 +12,15 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import pytest
-import torch
+
+# Under pytest-xdist (make test: two workers on two cores) each worker, and every process its tests
+# start, computes on one thread: two threads per worker would put four on two cores, and torch's
+# spinning thread pools slow each other down many times.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(name, "1")
+
+import torch  # after the thread count above
 
 from exactrl.tasks.tiny_model import build_tiny_model
 from exactrl.tasks.tokenizer import build_tokenizer

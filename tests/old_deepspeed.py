@@ -15,6 +15,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
+from filelock import FileLock
+
 ROOT = Path(__file__).resolve().parents[1]
 VERSION = "0.18.5"
 
@@ -23,7 +25,12 @@ def old_deepspeed_python() -> str:
     env = ROOT / ".venv-cache" / f"ds-{VERSION}"
     python = env / "bin" / "python"
     ready = env / ".ready-overlay"
-    if not ready.exists():
+    if ready.exists():
+        return str(python)
+    env.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(env.parent / f".ds-{VERSION}.lock"):  # test workers in parallel build it once
+        if ready.exists():
+            return str(python)
         if not python.exists():
             subprocess.run([sys.executable, "-m", "venv", str(env)], check=True)
         own = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],

@@ -20,7 +20,7 @@ import traceback
 
 import torch
 
-from exactrl.distributed.launch import end_rank, shutdown
+from exactrl.distributed.launch import end_rank, shutdown, single_process_env
 
 MICRO, DIM = 4, 16
 
@@ -99,9 +99,7 @@ def torch_update(backend: str, k: int, world: int, rank: int) -> torch.Tensor:
 
 def main(configs: list[dict]) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29519", "RANK": "0", "WORLD_SIZE": "1",
-                       "LOCAL_RANK": "0"}.items():
-        os.environ.setdefault(key, value)
+    single_process_env()  # a free port: audits running side by side do not collide
     torch.distributed.init_process_group("gloo")
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     for c in configs:

@@ -4,7 +4,12 @@ vLLM's convention, over the top-k/top-p kept set): the client, the
 engine process, the weight channel, the digests, the weights state and every timeout are tested
 by the fast suite without vLLM (tests/test_vllm_generator.py). The real engine is tested there
 too when its environment exists. Test-only faults come from $EXACTRL_FAKE_ENGINE (JSON: hang_on_load,
-generate_seconds), never from product code."""
+generate_seconds, wake_with_base: a wake-up from sleep that brings back the base weights, TRL issue
+#5312), never from product code.
+
+Sleep mode as vLLM's: level 1 keeps the weights in host memory (here: a copy, the model's own zeroed,
+as freed memory would be), level 2 discards them; the weights state and the wake-up's check are the
+real engine's (exactrl/checks/weight_sync.py WeightsState, exactrl/rollout/vllm_worker.py)."""
 
 from __future__ import annotations
 
@@ -21,11 +26,12 @@ from exactrl.losses.token_losses import kept_logprobs
 from exactrl.rollout import weight_channel
 from exactrl.rollout.generator import SamplingParams
 from exactrl.rollout.hf import HFEngine, StopStrings
+from exactrl.rollout.vllm_worker import resident_digest
 
 
 class HFBackend:
     def __init__(self, model: str, name: str, dtype: str, seed: int, max_model_len: int, enforce_eager: bool,
-                 gpu_memory_utilization: float, trust_remote_code: bool = False):
+                 gpu_memory_utilization: float, trust_remote_code: bool = False, sleep_level: int = 0):
         torch.set_num_threads(1)
         faults = json.loads(os.environ.get("EXACTRL_FAKE_ENGINE", "{}"))
         hang_on_load, generate_seconds = faults.get("hang_on_load", False), faults.get("generate_seconds", 0.0)
@@ -33,6 +39,10 @@ class HFBackend:
         self.engine = HFEngine(self.model, AutoTokenizer.from_pretrained(model), batch_size=64)
         self.state_ = WeightsState(name)
         self.group, self.hang_on_load, self.generate_seconds = None, hang_on_load, generate_seconds
+        self.path, self.wake_with_base, self.sleeps, self.host = model, faults.get("wake_with_base", False), \
+            sleep_level > 0, None
+        if self.sleeps:
+            self.state_.resident = resident_digest(self.model)
 
     def info(self) -> dict:
         return {"pid": os.getpid()}
@@ -49,11 +59,34 @@ class HFBackend:
                 for name, t in bucket:
                     own[name].copy_(t)
         digest = digest_of(hf_tensors(self.model, lambda t: t))
-        self.state_.synced(version, digest.value)
+        self.state_.synced(version, digest.value, resident_digest(self.model) if self.sleeps else None)
         return digest.tensors
 
     def state(self):
-        return self.state_.kind, self.state_.version, self.state_.digest
+        return self.state_.kind, self.state_.version, self.state_.digest, self.state_.asleep
+
+    @torch.no_grad()
+    def sleep(self, level: int):
+        self.state_.slept(level)
+        print(f"sleep({level})", flush=True)  # the engine's log: tests count the sleeps of a run
+        self.host = {n: p.detach().clone() for n, p in self.model.named_parameters()} if level == 1 else None
+        for p in self.model.parameters():
+            p.zero_()
+        return self.state()
+
+    @torch.no_grad()
+    def wake_up(self):
+        kept = self.state_.asleep == 1 and self.state_.kind != "dropped"
+        own = dict(self.model.named_parameters())
+        if self.host is not None and self.wake_with_base:  # TRL #5312: the base weights come back from disk
+            base = AutoModelForCausalLM.from_pretrained(self.path, dtype=next(self.model.parameters()).dtype)
+            self.host = {n: p.detach() for n, p in base.named_parameters()}
+        for name, t in (self.host or {}).items():
+            own[name].copy_(t)
+        self.host = None
+        self.state_.woke(resident_digest(self.model) if kept else None)
+        print("woke", flush=True)
+        return self.state()
 
     def rpc(self, method: str):
         if method == "reload_weights":  # vLLM's reload from disk, guarded as the worker extension guards it

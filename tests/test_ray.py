@@ -86,6 +86,7 @@ def check(tmp: Path, algo: str, placement: str, ranks: int, engines: int) -> flo
     assert moved > 1e-4 and diff <= TOL
     manifest = json.loads((placed["dir"] / "manifest.json").read_text())
     assert manifest["ray"]["placement"] == placement and manifest["ray"]["engines"] == engines
+    assert (manifest["ray"]["async_rollouts"], manifest["ray"]["max_staleness"]) == (False, 0)
     assert {f"generation/rl/engine{j}" for j in range(engines)} <= set(manifest["checks"])  # each engine self-checked
     return diff
 
@@ -128,6 +129,8 @@ def test_asynchronous_rollouts_under_ray_are_the_schedule_run_in_sequence(tmp):
     print(f"async grpo ray split 1/1 vs in sequence: max |weight difference| {diff:.3g}; staleness {stale}; waited "
           f"{[round(r['rollout_wait_seconds'], 3) for r in rows if 'staleness' in r]} s for each rollout")
     assert stale == [0, 1, 1] and diff <= TOL
+    fact = json.loads((placed["dir"] / "manifest.json").read_text())["ray"]
+    assert (fact["async_rollouts"], fact["max_staleness"]) == (True, 1)
 
 
 # PPO (its critic and reference groups resumed too) under `slow` (~75 s); GRPO in CI

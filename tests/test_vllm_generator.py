@@ -160,8 +160,10 @@ def test_a_run_through_the_engine_ends_where_the_in_process_run_ends(tmp_path, m
     first one the starting model's file."""
     monkeypatch.setenv("EXACTRL_CACHE", str(tmp_path / "cache"))
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": TESTS + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    # sleeping between rollouts (vLLM's sleep mode, level 1): each push wakes the engine first
     monkeypatch.setattr(placement, "vllm_generator", lambda cfg, path, tok, run_dir, index: VLLMGenerator(
-        path, tok, backend=FAKE, start_timeout=120, sync_timeout=30, request_timeout=120, log_dir=run_dir, env=env))
+        path, tok, backend=FAKE, start_timeout=120, sync_timeout=30, request_timeout=120, log_dir=run_dir, env=env,
+        sleep_level=1))
     spec, runs = BuiltinSpec(n_sft=20, n_rl=40, n_eval=10), {}
     for engine in ("hf", "vllm"):
         cfg = load_config(RLConfig, None, ["data.eval=null", "train.global_batch_size=8", "train.micro_batch_size=4",
@@ -178,3 +180,86 @@ def test_a_run_through_the_engine_ends_where_the_in_process_run_ends(tmp_path, m
     assert [r["weights_digest"] for r in runs["hf"][0]] == [r["weights_digest"] for r in runs["vllm"][0]]
     hf, vllm = runs["hf"][1], runs["vllm"][1]
     assert max((hf[k] - vllm[k]).abs().max().item() for k in hf) < 1e-6 and any(not start[k].equal(hf[k]) for k in hf)
+    log = next((tmp_path / "vllm").rglob("vllm-engine-0-*.log")).read_text().split()
+    assert log.count("sleep(1)") == 2 and log.count("woke") == 1  # after each rollout; woken by the second push
+
+
+def sleeping(model_dir, tmp_path, level: int, **faults) -> VLLMGenerator:
+    path, tok = model_dir
+    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "EXACTRL_FAKE_ENGINE": json.dumps(faults)}
+    return VLLMGenerator(str(path), tok, backend=FAKE, start_timeout=120, sync_timeout=30, request_timeout=60,
+                         log_dir=tmp_path, env=env, sleep_level=level)
+
+
+GREEDY = SamplingParams(greedy=True, max_new_tokens=6)
+
+
+def test_sleep_keeps_the_synced_weights_and_a_wake_up_with_others_stops_the_rollout(model_dir, tmp_path):
+    """Level 1: the weights wait in host memory while the engine sleeps and generation after it is what it
+    was; an engine that wakes with its base weights (TRL issue #5312) is caught by its digest of what it
+    woke with, before it samples, and serves nothing until the next sync."""
+    tok, prompts = model_dir[1], [[5, 6, 7], [8, 9]]
+    policy = trainer(tok)
+    for fault in (False, True):
+        gen = sleeping(model_dir, tmp_path, 1, wake_with_base=fault)
+        try:
+            report = policy.push_weights(gen)
+            before = gen.generate(prompts, GREEDY)
+            gen.sleep()
+            assert gen._request("state")[3] == 1 and gen.weights_state.asleep == 1
+            if not fault:
+                after = gen.generate(prompts, GREEDY)
+                assert [g.response_ids for g in after] == [g.response_ids for g in before]
+                assert {(g.weights_version, g.weights_digest) for g in after} == {(1, report.digest)}
+                gen.sleep()
+                assert policy.push_weights(gen).version == 2  # the push wakes it
+                continue
+            with pytest.raises(WeightSyncError, match=r"vllm engine 0 \(pid \d+\): wake_up failed in the engine: .*"
+                                                      r"after waking from sleep it holds other weights than the synced "
+                                                      r"weights of version 1 it went to sleep with .*TRL issue #5312"):
+                gen.generate(prompts, GREEDY)
+            with pytest.raises(WeightSyncError, match=r"a rollout with its weights released"):
+                gen.generate(prompts, GREEDY)
+            assert policy.push_weights(gen).version == 2 and gen.generate(prompts, GREEDY)
+        finally:
+            gen.close()
+
+
+def test_a_level_2_sleep_drops_the_weights_until_the_next_verified_sync(model_dir, tmp_path):
+    tok = model_dir[1]
+    policy, gen = trainer(tok), sleeping(model_dir, tmp_path, 2)
+    try:
+        policy.push_weights(gen)
+        want = gen.generate([[5, 6, 7]], GREEDY)
+        gen.sleep()
+        with pytest.raises(WeightSyncError, match=r"vllm engine 0 \(pid \d+\): a rollout with its weights released "
+                                                  r"\(dropped\(sleep\(level=2\)\), sleep\(2\), wake\); sync the "
+                                                  r"weights first"):
+            gen.generate([[5, 6, 7]], GREEDY)
+        report = policy.push_weights(gen)  # wakes it, then the usual digest and probe
+        assert report.version == 2 and report.probe_error < 1e-5
+        assert [g.response_ids for g in gen.generate([[5, 6, 7]], GREEDY)] == [g.response_ids for g in want]
+    finally:
+        gen.close()
+
+
+def test_sleep_level_auto_and_its_refusals(monkeypatch):
+    from exactrl.rollout.vllm_generator import sleep_level
+
+    def cfg(*overrides):
+        return load_config(RLConfig, None, ["rollout.engine=vllm", *overrides])
+
+    for cuda, extra, want in [(True, [], 1), (False, [], 0),
+                              (True, ["ray.enabled=true", "ray.placement=split"], 0),
+                              (True, ["ray.enabled=true", "ray.placement=colocated"], 1),
+                              (True, ["ray.enabled=true", "ray.async_rollouts=true", "algo.rollout_correction=tis"], 0),
+                              (True, ["rollout.vllm.sleep_level=2"], 2), (True, ["rollout.vllm.sleep_level=0"], 0)]:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        assert sleep_level(cfg(*extra)) == want, (cuda, extra)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"rollout.vllm.sleep_level=1: vLLM's sleep mode needs a GPU"):
+        sleep_level(cfg("rollout.vllm.sleep_level=1"))
+    with pytest.raises(Exception, match=r"rollout.vllm.sleep_level=1 with ray.async_rollouts=true"):
+        cfg("rollout.vllm.sleep_level=1", "ray.async_rollouts=true", "algo.rollout_correction=tis")
+

@@ -120,6 +120,32 @@ def test_an_engine_that_dies_mid_rollout_is_named_at_once(setup):
     assert time.monotonic() - t0 < 5
 
 
+def test_sleep_and_wake_through_vllms_api_keep_the_synced_weights(vllm_python, tmp_path):
+    """rollout.vllm.sleep_level=1 on the real engine (tests/vllm_cpu_sleep.py lets vLLM's CPU platform take
+    enable_sleep_mode; its CPU worker's sleep then frees nothing): the sleep, the wake-up and the engine's
+    check of what it woke with go through vLLM's own LLM.sleep / LLM.wake_up and the worker extension, and
+    generation after waking is the same as before."""
+    tok = save_tokenizer(tmp_path)
+    save_tiny_model(tmp_path, tok, seed=11, **SIZE)
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    gen = VLLMGenerator(str(tmp_path), tok, python=vllm_python, max_model_len=96, start_timeout=900,
+                        sync_timeout=120, request_timeout=300, log_dir=tmp_path, env=env, sleep_level=1,
+                        backend="vllm_cpu_sleep:SleepOnCPU")
+    try:
+        policy, greedy = trainer(tok), SamplingParams(greedy=True, max_new_tokens=12)
+        policy.push_weights(gen)
+        before = gen.generate(prompts(tok), greedy)
+        for _ in range(2):
+            gen.sleep()
+            assert gen._request("state")[3] == 1
+            assert [g.response_ids for g in gen.generate(prompts(tok), greedy)] == [g.response_ids for g in before]
+        gen.sleep()
+        report = policy.push_weights(gen)  # woken by the push, then verified as always
+        assert report.version == 2 and report.probe_error < 1e-4
+    finally:
+        gen.close()
+
+
 def test_exactrl_rl_samples_with_the_engine_end_to_end(vllm_python, tmp_path, monkeypatch):
     """`exactrl rl rollout.engine=vllm` on the built-in task: every rollout synced and verified, and the
     one-update rollouts' on-policy check against the engine's log-probs (algo.gen_ratio_tol) at fp32 rounding."""

@@ -237,6 +237,36 @@ def test_the_weights_state_refuses_a_base_reload_after_a_sync():
     assert state.history == ["reload(load_model)", "synced(1)", "dropped(sleep(level=2))", "synced(2)"]
 
 
+def test_the_weights_state_of_a_sleeping_engine():
+    """Level 1 keeps the weights: a wake-up must give back what slept (its resident digest); level 2 drops
+    them: only a sync brings them back. Nothing is served or synced while asleep."""
+    state = WeightsState("engine 0")
+    state.synced(1, "d1", resident="r1")
+    state.slept(1)
+    for what in (lambda: state.require_usable("a rollout"), lambda: state.synced(2, "d2")):
+        with pytest.raises(WeightSyncError, match=r"engine 0: (a rollout|a sync to version 2) while asleep "
+                                                  r"\(level 1\)"):
+            what()
+    state.woke("r1")
+    state.require_usable("a rollout")
+    state.slept(1)
+    with pytest.raises(WeightSyncError, match=r"after waking from sleep it holds other weights than the synced weights "
+                                              r"of version 1 it went to sleep with \(resident digest rbase, was r1; "
+                                              r"TRL issue #5312\)"):
+        state.woke("rbase")
+    with pytest.raises(WeightSyncError, match="with its weights released"):
+        state.require_usable("a rollout")
+    state.synced(2, "d2", resident="r2")
+    state.slept(2)
+    state.woke(None)  # dropped: nothing to compare, the next sync replaces them
+    with pytest.raises(WeightSyncError, match="with its weights released"):
+        state.require_usable("a rollout")
+    state.synced(3, "d3")
+    state.require_usable("a rollout")
+    with pytest.raises(ValueError, match="sleep level 3"):
+        state.slept(3)
+
+
 def test_a_digest_survives_a_round_trip_as_plain_data():
     """An engine's records come back through its RPC serialisation, tuples as lists."""
     d = digest_of([("w", torch.arange(6.0).reshape(2, 3))])

@@ -147,23 +147,37 @@ class Digesting:
 
 @dataclass
 class WeightsState:
-    """Which weights a generator holds: ``base`` (those it started with, version 0) or ``synced``
-    (the trainer's of ``version``); ``dropped`` when they were released (a sleep that discards
-    them), so nothing may be generated until the next sync. A reload from disk after a sync, or a
-    wake-up that would bring back the base weights, is refused: it would overwrite the synced
-    weights with stale ones while the version still says otherwise (TRL issue #5312)."""
+    """Which weights a generator holds: ``base`` (those it started with, version 0), ``synced``
+    (the trainer's of ``version``), or ``dropped`` (released by a sleep that discards them: nothing
+    may be generated until the next sync); and whether it is ``asleep`` (the sleep level, 0 awake).
+
+        base -> synced(1) -> synced(2) ...        a sync: the version moves by one
+        synced -sleep(1)-> asleep -wake-> synced   the weights wait in host memory; on waking they
+                                                   must be the very weights that went to sleep
+        synced -sleep(2)-> dropped -sync-> synced  discarded: only a sync brings weights back
+
+    Refused: a reload from disk after a sync, a wake-up that brings back other weights than those
+    that slept (TRL issue #5312: the base weights came back after sleep/wake and training went on
+    at the same version), generating while asleep or with dropped weights. ``resident`` is the
+    digest of the weights as the engine holds them after a sync (in its own layout), what a wake-up
+    is checked against."""
 
     engine: str
     kind: str = "base"
     version: int = 0
     digest: str | None = None
+    asleep: int = 0
+    resident: str | None = None
     history: list[str] = field(default_factory=list)
 
-    def synced(self, version: int, digest: str | None) -> None:
+    def synced(self, version: int, digest: str | None, resident: str | None = None) -> None:
         if version != self.version + 1:
             raise WeightSyncError(f"{self.engine}: a sync to version {version} after version {self.version}; "
                                   "versions move by one per sync")
-        self.kind, self.version, self.digest = "synced", version, digest
+        if self.asleep:
+            raise WeightSyncError(f"{self.engine}: a sync to version {version} while asleep (level {self.asleep}): "
+                                  "wake it first")
+        self.kind, self.version, self.digest, self.resident = "synced", version, digest, resident
         self.history.append(f"synced({version})")
 
     def reload_base(self, what: str) -> None:
@@ -174,10 +188,33 @@ class WeightsState:
         self.history.append(f"reload({what})")
 
     def dropped(self, what: str) -> None:
-        self.kind = "dropped"
+        self.kind, self.resident = "dropped", None
         self.history.append(f"dropped({what})")
 
+    def slept(self, level: int) -> None:
+        """The engine goes to sleep: level 1 keeps its weights (in host memory), level 2 drops them."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level {level}: 1 (weights kept in host memory) or 2 (weights discarded)")
+        if level == 2:
+            self.dropped("sleep(level=2)")
+        self.asleep = level
+        self.history.append(f"sleep({level})")
+
+    def woke(self, resident: str | None) -> None:
+        """The engine woke holding weights whose resident digest is ``resident`` (None: not
+        recomputed, only allowed when its weights were dropped: the next sync replaces them)."""
+        level, self.asleep = self.asleep, 0
+        self.history.append("wake")
+        if level == 1 and self.kind != "dropped" and self.resident is not None and resident != self.resident:
+            kept = f"the synced weights of version {self.version}" if self.kind == "synced" else "its base weights"
+            self.kind = "dropped"
+            raise WeightSyncError(f"{self.engine}: after waking from sleep it holds other weights than {kept} it "
+                                  f"went to sleep with (resident digest {str(resident)[:12]}, was "
+                                  f"{self.resident[:12]}; TRL issue #5312): sync again before generating")
+
     def require_usable(self, what: str) -> None:
+        if self.asleep:
+            raise WeightSyncError(f"{self.engine}: {what} while asleep (level {self.asleep}); wake it first")
         if self.kind == "dropped":
             raise WeightSyncError(f"{self.engine}: {what} with its weights released ({', '.join(self.history[-3:])}); "
                                   "sync the weights first")

@@ -66,6 +66,10 @@ def check_ray(cfg) -> None:
         raise ValueError(f"train.resume_from={cfg.train.resume_from} with ray.async_rollouts=true: the rollout in "
                          "flight at the checkpoint was sampled with weights the checkpoint no longer holds, so the "
                          "run cannot continue exactly; resume with ray.async_rollouts=false")
+    if r.async_rollouts and cfg.rollout.vllm.sleep_level in (1, 2):
+        raise ValueError(f"rollout.vllm.sleep_level={cfg.rollout.vllm.sleep_level} with ray.async_rollouts=true: the "
+                         "engine samples the next rollout while the trainer trains, so it has no time to sleep; set "
+                         "rollout.vllm.sleep_level=auto (0 here) or ray.async_rollouts=false")
     if not r.enabled:
         return
     if cfg.distributed.nproc_per_node > 1:

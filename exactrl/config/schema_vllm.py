@@ -3,6 +3,8 @@ exactrl/rollout/vllm_generator.py)."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from exactrl.config.schema import Section
@@ -30,3 +32,10 @@ class VLLMConfig(Section):
                                             "stops naming the engine that did not answer.")
     request_timeout: float = Field(3600.0, gt=0,
                                    description="Seconds a generation request (a rank's share of a rollout) may take.")
+    sleep_level: Literal["auto", 0, 1, 2] = Field(
+        "auto", description="vLLM's sleep mode while the trainer trains (synchronous rollouts): 1 moves the engine's "
+                            "weights to host memory and frees its KV cache, 2 discards both (the next sync brings the "
+                            "weights back), 0 never sleeps. auto: 1 when the engine shares the trainer's GPUs (a plain "
+                            "run, ray.placement=colocated), else 0. Every wake-up is checked: weights kept through "
+                            "level 1 must come back unchanged (the engine's digest), dropped ones must be synced "
+                            "before generating (TRL issue #5312). GPU only.")

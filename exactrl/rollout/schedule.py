@@ -85,6 +85,8 @@ class RolloutSchedule:
         t0 = time.perf_counter()
         samples, stats, seconds = future.result()
         self.pending = None
+        if not self.max_staleness:  # synchronous: the engine is idle until the next push (vLLM's sleep mode)
+            getattr(self.generator, "sleep", lambda: None)()
         stats["rollout_wait_seconds"] = time.perf_counter() - t0
         versions = {s.weights_version for s in samples if s.weights_version is not None}
         if versions - {stats["weights_version"]}:

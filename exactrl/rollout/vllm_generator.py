@@ -52,8 +52,8 @@ class VLLMGenerator:
                  gpu_memory_utilization: float = 0.9, start_timeout: float = 600.0, sync_timeout: float = 300.0,
                  request_timeout: float = 3600.0, bucket_mb: int = 256, log_dir: Path | None = None,
                  backend: str = "exactrl.rollout.vllm_server:VLLMBackend", env: dict | None = None,
-                 trust_remote_code: bool = False):
-        self.tok, self.index = tokenizer, index
+                 trust_remote_code: bool = False, sleep_level: int = 0):
+        self.tok, self.index, self.sleep_level = tokenizer, index, sleep_level
         self.weights_dtype = DTYPES[dtype]
         self.sync_timeout, self.request_timeout, self.bucket_bytes = sync_timeout, request_timeout, bucket_mb << 20
         self._group, self._store, self._digest, self.conn = None, None, None, None
@@ -62,7 +62,8 @@ class VLLMGenerator:
         self.name = f"vllm engine {index}"
         args = {"model": str(model_dir), "name": self.name, "dtype": {"fp32": "float32", "bf16": "bfloat16"}[dtype],
                 "seed": seed, "max_model_len": max_model_len, "enforce_eager": enforce_eager,
-                "gpu_memory_utilization": gpu_memory_utilization, "trust_remote_code": trust_remote_code}
+                "gpu_memory_utilization": gpu_memory_utilization, "trust_remote_code": trust_remote_code,
+                "sleep_level": sleep_level}
         self._start(python or sys.executable, backend, args, env or {}, start_timeout)
         self.name = f"vllm engine {index} (pid {self.proc.pid})"
         self.weights_state = WeightsState(self.name)
@@ -170,10 +171,46 @@ class VLLMGenerator:
             self._fail("the weight channel's set-up", f"did not join it ({e})", start, WeightSyncError)
         self._reply("open_channel", self.sync_timeout, "rollout.vllm.sync_timeout")
 
+    def _check_state(self, state, what: str) -> None:
+        """The engine's weights state (kind, version, digest, sleep level) must be the one this
+        generator last recorded: anything else replaced or released its weights behind its back."""
+        kind, version, digest, asleep = state
+        want = self.weights_state
+        if (kind, version, digest, asleep) != (want.kind, want.version, want.digest, want.asleep):
+            raise WeightSyncError(f"{self.name} holds weights {kind}({version}, digest {str(digest)[:12]}"
+                                  f"{', asleep' if asleep else ''}) but was synced to {want.kind}({want.version}, "
+                                  f"digest {str(want.digest)[:12]}{', asleep' if want.asleep else ''}) at {what}: "
+                                  "something in the engine replaced them after the sync")
+
+    def sleep(self) -> None:
+        """Release the engine's accelerator memory while the trainer trains (rollout.vllm.sleep_level:
+        1 keeps its weights in host memory, 2 drops them; 0 does nothing). It wakes by itself at the
+        next sync or request; weights kept through a level-1 sleep are then checked unchanged (the
+        engine's digest of what it holds), dropped ones must be synced before anything is generated."""
+        if not self.sleep_level or self.weights_state.asleep:
+            return
+        state = self._request("sleep", self.sleep_level, timeout=self.sync_timeout)
+        self.weights_state.slept(self.sleep_level)
+        self._check_state(state, "sleep")
+
+    def _wake(self, what: str) -> None:
+        """Wake the engine if it sleeps; it checks what it woke with (a WeightSyncError if changed)."""
+        if not self.weights_state.asleep:
+            return
+        try:
+            state = self._request("wake_up", timeout=self.sync_timeout)
+        except WeightSyncError:
+            self.weights_state.woke(None)
+            self.weights_state.dropped("a wake-up that brought back other weights")
+            raise
+        self.weights_state.woke(None)
+        self._check_state(state, f"waking up for {what}")
+
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Broadcast the trainer's full, Hugging Face-named tensors (Worker.export_weights, in the
         engine's dtype) in buckets; the engine loads them and answers with its digest of what it
         now holds. Returns the new version."""
+        self._wake("a weight sync")
         if self._group is None:
             self._open_channel()
         version, start = self.weights_version + 1, time.monotonic()
@@ -193,6 +230,8 @@ class VLLMGenerator:
         return self._digest
 
     def probe_logprobs(self, ids: list[int]) -> list[float]:
+        self._wake("the probe")
+        self.weights_state.require_usable("the probe")
         return self._request("probe", list(ids))
 
     # -- sampling ------------------------------------------------------------------------------
@@ -206,13 +245,11 @@ class VLLMGenerator:
         if len(seeds) != len(prompt_ids):
             raise ValueError(f"one seed per prompt: {len(prompt_ids)} prompts, {len(seeds)} seeds")
         keys = [(i, j) for i in range(len(prompt_ids)) for j in range(p.n)]
+        self._wake("a rollout")
+        self.weights_state.require_usable("a rollout")
         out = self._request("generate", [(list(prompt_ids[i]), row_seed(seeds[i], j)) for i, j in keys], asdict(p))
-        kind, version, digest = out["state"]
-        want = self.weights_state
-        if (kind, version, digest) != (want.kind, want.version, want.digest):
-            raise WeightSyncError(f"{self.name} holds weights {kind}({version}, digest {str(digest)[:12]}) but was "
-                                  f"synced to {want.kind}({want.version}, digest {str(want.digest)[:12]}): something "
-                                  "in the engine replaced them after the sync")
+        self._check_state(out["state"], "a rollout")
+        _, version, digest, _ = out["state"]
         stop = StopStrings(self.tok, p.stop) if p.stop else None
         gens = []
         for (i, _), (tokens, logprobs) in zip(keys, out["rows"]):
@@ -227,6 +264,7 @@ class VLLMGenerator:
 def vllm_generator(cfg, model_dir: str, tokenizer, run_dir: Path, index: int = 0) -> VLLMGenerator:
     """The run's vLLM engine (``index``: this rank's) from rollout.vllm.*, logging into ``run_dir``."""
     v = cfg.rollout.vllm
+    level = sleep_level(cfg)
     env = {"VLLM_CPU_KVCACHE_SPACE": str(v.cpu_kv_cache_gb)} if v.cpu_kv_cache_gb else {}
     longest = cfg.data.max_length + cfg.rollout.max_new_tokens
     positions = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
@@ -235,4 +273,20 @@ def vllm_generator(cfg, model_dir: str, tokenizer, run_dir: Path, index: int = 0
                          enforce_eager=v.enforce_eager, gpu_memory_utilization=v.gpu_memory_utilization,
                          start_timeout=v.start_timeout, sync_timeout=v.sync_timeout,
                          request_timeout=v.request_timeout, bucket_mb=v.bucket_mb, log_dir=run_dir, env=env,
-                         trust_remote_code=cfg.model.trust_remote_code)
+                         trust_remote_code=cfg.model.trust_remote_code, sleep_level=level)
+
+
+def sleep_level(cfg) -> int:
+    """rollout.vllm.sleep_level, ``auto`` resolved: 1 when the engine shares the trainer's GPUs (a
+    plain run, or Ray's colocated placement) and rollouts are synchronous, else 0. vLLM's sleep
+    mode needs a GPU (its CPU platform refuses it)."""
+    level, ray = cfg.rollout.vllm.sleep_level, getattr(cfg, "ray", None)
+    in_ray = ray is not None and ray.enabled
+    asynchronous = ray is not None and ray.async_rollouts
+    if level == "auto":
+        shared = not in_ray or ray.placement == "colocated"
+        return 1 if shared and not asynchronous and torch.cuda.is_available() else 0
+    if level and not torch.cuda.is_available():
+        raise ValueError(f"rollout.vllm.sleep_level={level}: vLLM's sleep mode needs a GPU (its CPU platform refuses "
+                         "it); use 0 or auto")
+    return int(level)

@@ -39,16 +39,16 @@ class VLLMBackend:
     """What the engine process does with each request, on a ``vllm.LLM``."""
 
     def __init__(self, model: str, name: str, dtype: str, seed: int, max_model_len: int, enforce_eager: bool,
-                 gpu_memory_utilization: float, trust_remote_code: bool = False):
+                 gpu_memory_utilization: float, trust_remote_code: bool = False, sleep_level: int = 0):
         from vllm import LLM
 
         # processed_logprobs: after temperature (and top-k/top-p, which then renormalise them over the
         # kept set); raw_logprobs would be at temperature 1 whatever the sampling temperature.
         self.llm = LLM(model=model, dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=enforce_eager,
                        gpu_memory_utilization=gpu_memory_utilization, trust_remote_code=trust_remote_code,
-                       logprobs_mode="processed_logprobs",
+                       logprobs_mode="processed_logprobs", enable_sleep_mode=sleep_level > 0,
                        worker_extension_cls=WORKER_EXTENSION)
-        self._rpc("exactrl_start", name)
+        self._rpc("exactrl_start", name, sleep_level > 0)
 
     def _rpc(self, method: str, *args):
         return self.llm.collective_rpc(method, args=args)[0]  # TP 1: one worker
@@ -68,8 +68,21 @@ class VLLMBackend:
         self.llm.reset_prefix_cache()
         return records
 
-    def state(self) -> tuple[str, int, str | None]:
+    def state(self) -> tuple[str, int, str | None, int]:
         return self._rpc("exactrl_state")
+
+    def sleep(self, level: int) -> tuple:
+        """Release the accelerator's memory while the trainer trains (vLLM's sleep mode): level 1
+        keeps the weights in host memory, level 2 discards them (the next sync brings them back)."""
+        self._rpc("exactrl_sleep", level)
+        self.llm.sleep(level=level)
+        return self.state()
+
+    def wake_up(self) -> tuple:
+        """Take the memory back; weights kept through a level-1 sleep are checked unchanged."""
+        self.llm.wake_up()
+        self._rpc("exactrl_woke")
+        return self.state()
 
     def rpc(self, method: str) -> object:
         """Any method of vLLM's worker (tests: ``reload_weights``, which the weights state refuses after a sync)."""

@@ -89,12 +89,20 @@ def reload_verified(model: torch.nn.Module, reload) -> WeightsDigest:
     return WeightsDigest(records)
 
 
+def resident_digest(model: torch.nn.Module) -> str:
+    """The digest of ``model``'s parameters as the engine holds them (its own names and layout):
+    what a wake-up from sleep must give back."""
+    return digest_of((n, p.detach()) for n, p in model.named_parameters()).value
+
+
 class WeightSyncExtension:
     """Methods vLLM mixes into its worker class (``self`` is the worker)."""
 
-    def exactrl_start(self, name: str) -> None:
+    def exactrl_start(self, name: str, sleeps: bool = False) -> None:
         self.exactrl_weights = WeightsState(name)
-        self.exactrl_group = None
+        self.exactrl_group, self.exactrl_sleeps = None, sleeps
+        if sleeps:  # each wake-up is checked against what went to sleep
+            self.exactrl_weights.resident = resident_digest(self.model_runner.get_model())
         # vLLM's in-place reload: from an iterator (the sync below) or, without one, from the checkpoint on
         # disk -- the base weights, which a sync must never be overwritten with (TRL issue #5312).
         self.exactrl_reload = self.reload_weights
@@ -119,9 +127,20 @@ class WeightSyncExtension:
         received = (t for bucket in weight_channel.receive(self.exactrl_group, timeout) for t in bucket)
         digest = reload_verified(self.model_runner.get_model(),
                                  lambda: self.exactrl_reload(weights_iterator=received, is_checkpoint_format=True))
-        self.exactrl_weights.synced(version, digest.value)
+        model = self.model_runner.get_model()
+        self.exactrl_weights.synced(version, digest.value, resident_digest(model) if self.exactrl_sleeps else None)
         return digest.tensors
 
-    def exactrl_state(self) -> tuple[str, int, str | None]:
+    def exactrl_sleep(self, level: int) -> None:
+        self.exactrl_weights.slept(level)
+
+    @_marked
+    def exactrl_woke(self) -> None:
+        """After vLLM's wake-up: weights that slept in host memory must be back unchanged."""
         s = self.exactrl_weights
-        return s.kind, s.version, s.digest
+        kept = s.asleep == 1 and s.kind != "dropped"
+        s.woke(resident_digest(self.model_runner.get_model()) if kept else None)
+
+    def exactrl_state(self) -> tuple[str, int, str | None, int]:
+        s = self.exactrl_weights
+        return s.kind, s.version, s.digest, s.asleep

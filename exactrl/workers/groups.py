@@ -82,6 +82,10 @@ class RoleActor:
     def call(self, role: str, method: str, *args, **kwargs):
         return getattr(self.held[role], method)(*args, **kwargs)
 
+    def sleep_engine(self) -> None:
+        """Let a vLLM engine release its memory while the trainer trains (rollout.vllm.sleep_level)."""
+        getattr(self.held.get("engine"), "sleep", lambda: None)()
+
     def close_engine(self) -> None:
         """End what the engine holds outside this process (a vLLM engine's own processes)."""
         getattr(self.held.get("engine"), "close", lambda: None)()
@@ -194,6 +198,11 @@ class EngineGroup:
         """Engine 0's log-probs of the probe sequence (every engine's digest equals what was sent)."""
         return results([self.actors[0].call.remote("engine", "probe_logprobs", ids)], self.names[:1], "the probe")[0]
 
+    def sleep(self) -> None:
+        """Every engine sleeps until the next push or request (a vLLM engine with rollout.vllm.sleep_level > 0;
+        anything else does nothing); each wakes by itself and checks what it woke with."""
+        results([a.sleep_engine.remote() for a in self.actors], self.names, "putting the rollout engines to sleep")
+
     def close(self) -> None:
         """Stop the engines' own processes (vLLM's) before the run's final save; the actors end with the run."""
         if not self._ready:
@@ -219,7 +228,8 @@ class RayRoles:
             self.groups.append(self.shared)
         record_fact(run_dir, "ray", {"address": r.address, "placement": r.placement, "ranks": r.ranks,
                                      "engines": r.engines, "engine_tp": r.engine_tp, "gpu": self.gpu,
-                                     "nodes": len(import_ray().nodes())})
+                                     "nodes": len(import_ray().nodes()), "async_rollouts": r.async_rollouts,
+                                     "max_staleness": r.max_staleness if r.async_rollouts else 0})
 
     def _start(self, what: str, count: int, stride: int = 1) -> list:
         """``count`` actors, the i-th on bundle i x ``stride`` of the shared set or of a set of their own."""

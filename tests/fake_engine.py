@@ -25,7 +25,8 @@ from exactrl.distributed.export import hf_tensors
 from exactrl.losses.token_losses import kept_logprobs
 from exactrl.rollout import weight_channel
 from exactrl.rollout.generator import SamplingParams
-from exactrl.rollout.hf import HFEngine, StopStrings
+from exactrl.rollout.hf import HFEngine
+from exactrl.rollout.stops import StopStrings
 from exactrl.rollout.vllm_worker import resident_digest
 
 

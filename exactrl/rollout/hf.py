@@ -8,14 +8,7 @@ import inspect
 from collections.abc import Iterable
 
 import torch
-from transformers import (
-    DynamicCache,
-    GenerationConfig,
-    LogitsProcessorList,
-    StoppingCriteria,
-    StoppingCriteriaList,
-    StopStringCriteria,
-)
+from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 from transformers.cache_utils import (
     Cache,
     DummyLayer,
@@ -34,6 +27,7 @@ from exactrl.distributed.export import hf_tensors
 from exactrl.models import packing
 from exactrl.rollout.generator import Generation, SamplingParams, prompt_seeds, row_seed
 from exactrl.rollout.sampling import KeyedDraw, draw, uniforms
+from exactrl.rollout.stops import StopStrings, response_ends
 
 
 class _PreallocatedLayer(DynamicLayer):
@@ -128,28 +122,6 @@ def decodes_with_generate(model) -> str | None:
     if reason is None and decode_cache(model, 1) is None:
         reason = f"{type(base_model(model)).__name__} brings a cache of its own"
     return reason
-
-
-class StopStrings:
-    """Which rows' responses so far end with the token that completes one of ``strings``
-    (Hugging Face's StopStringCriteria, which also catches a stop string split over tokens or
-    overhanging the last one), looking at the response tokens only: a stop string is never
-    matched into the prompt."""
-
-    def __init__(self, tokenizer, strings: Iterable[str]):
-        self.criteria = StopStringCriteria(tokenizer, list(strings))
-
-    def __call__(self, response: torch.Tensor) -> torch.Tensor:
-        return self.criteria(response, None)
-
-
-def response_ends(tokens: torch.Tensor, eos: int | None, stop: StopStrings | None) -> list[int | None]:
-    """Where each row of ``tokens`` [rows, new] ends: its length up to and including its first
-    EOS or the token that completes a stop string; None when it reached the length limit."""
-    ends = (tokens == eos) if eos is not None else torch.zeros_like(tokens, dtype=torch.bool)
-    if stop is not None:
-        ends = ends | torch.stack([stop(tokens[:, : t + 1]) for t in range(tokens.shape[1])], 1)
-    return [row.index(True) + 1 if True in row else None for row in ends.tolist()]
 
 
 class _AfterPrompt(StoppingCriteria):

@@ -32,7 +32,7 @@ import torch
 from exactrl.checks.weight_sync import WeightsDigest, WeightsState, WeightSyncError
 from exactrl.rollout import weight_channel
 from exactrl.rollout.generator import Generation, GeneratorError, SamplingParams, prompt_seeds, row_seed
-from exactrl.rollout.hf import StopStrings, response_ends
+from exactrl.rollout.stops import StopStrings, response_ends
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: on the engine's PYTHONPATH
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -32,7 +32,8 @@ from exactrl.rollout.vllm_worker import resident_digest
 
 class HFBackend:
     def __init__(self, model: str, name: str, dtype: str, seed: int, max_model_len: int, enforce_eager: bool,
-                 gpu_memory_utilization: float, trust_remote_code: bool = False, sleep_level: int = 0):
+                 gpu_memory_utilization: float, trust_remote_code: bool = False, sleep_level: int = 0,
+                 tensor_parallel_size: int = 1):
         torch.set_num_threads(1)
         faults = json.loads(os.environ.get("EXACTRL_FAKE_ENGINE", "{}"))
         hang_on_load, generate_seconds = faults.get("hang_on_load", False), faults.get("generate_seconds", 0.0)
@@ -48,8 +49,8 @@ class HFBackend:
     def info(self) -> dict:
         return {"pid": os.getpid()}
 
-    def open_channel(self, host: str, port: int, timeout: float) -> None:
-        self.group = weight_channel.open_group(weight_channel.join_store(host, port, timeout), 1, timeout)
+    def open_channel(self, host: str, port: int, timeout: float, world: int = 2) -> None:
+        self.group = weight_channel.open_group(weight_channel.join_store(host, port, timeout), 1, timeout, world)
 
     def load(self, version: int, timeout: float) -> dict:
         if self.hang_on_load:  # a sync that never completes: the engine never takes the weights

@@ -35,10 +35,10 @@ class RayConfig(Section):
                                      "are split between them (each response keyed by its prompt and sample, so the "
                                      "split changes no response).")
     engine_tp: int = Field(1, ge=1,
-                           description="Devices per rollout engine (vLLM's tensor_parallel_size): each engine gets "
-                                       "this many bundles. 1 for now: the Hugging Face decode loop "
-                                       "(rollout.engine=hf) has no tensor parallelism, and a vLLM engine's sync "
-                                       "is verified on whole weights (TP shards are not yet).")
+                           description="Devices per rollout engine (vLLM's tensor_parallel_size; rollout.engine=vllm "
+                                       "only): each engine gets this many bundles and its sync is verified on the "
+                                       "shards gathered back. On CPU bundles for now: on GPUs an engine actor sees "
+                                       "one GPU, so more is refused there.")
     async_rollouts: bool = Field(False,
                                  description="Sample rollout n+1 while the policy trains on rollout n (the engines "
                                              "are other actors than the trainer's ranks): each rollout after the "
@@ -78,7 +78,3 @@ def check_ray(cfg) -> None:
     if r.engine_tp > 1 and cfg.rollout.engine == "hf":
         raise ValueError(f"ray.engine_tp={r.engine_tp}: rollout.engine=hf (the Hugging Face decode loop) has no "
                          "tensor parallelism; set ray.engine_tp=1")
-    if r.engine_tp > 1:
-        raise ValueError(f"ray.engine_tp={r.engine_tp}: a vLLM engine's weight sync is verified on one worker's "
-                         "whole weights (its digest and probe); tensor-parallel shards are not verified yet, so "
-                         "set ray.engine_tp=1 and scale with ray.engines")

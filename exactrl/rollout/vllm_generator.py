@@ -52,8 +52,8 @@ class VLLMGenerator:
                  gpu_memory_utilization: float = 0.9, start_timeout: float = 600.0, sync_timeout: float = 300.0,
                  request_timeout: float = 3600.0, bucket_mb: int = 256, log_dir: Path | None = None,
                  backend: str = "exactrl.rollout.vllm_server:VLLMBackend", env: dict | None = None,
-                 trust_remote_code: bool = False, sleep_level: int = 0):
-        self.tok, self.index, self.sleep_level = tokenizer, index, sleep_level
+                 trust_remote_code: bool = False, sleep_level: int = 0, tensor_parallel_size: int = 1):
+        self.tok, self.index, self.sleep_level, self.tp = tokenizer, index, sleep_level, tensor_parallel_size
         self.weights_dtype = DTYPES[dtype]
         self.sync_timeout, self.request_timeout, self.bucket_bytes = sync_timeout, request_timeout, bucket_mb << 20
         self._group, self._store, self._digest, self.conn = None, None, None, None
@@ -63,7 +63,8 @@ class VLLMGenerator:
         args = {"model": str(model_dir), "name": self.name, "dtype": {"fp32": "float32", "bf16": "bfloat16"}[dtype],
                 "seed": seed, "max_model_len": max_model_len, "enforce_eager": enforce_eager,
                 "gpu_memory_utilization": gpu_memory_utilization, "trust_remote_code": trust_remote_code,
-                "sleep_level": sleep_level}
+                "sleep_level": sleep_level, "tensor_parallel_size": tensor_parallel_size}
+        env = {**cpu_binding(tensor_parallel_size), **(env or {})}
         self._start(python or sys.executable, backend, args, env or {}, start_timeout)
         self.name = f"vllm engine {index} (pid {self.proc.pid})"
         self.weights_state = WeightsState(self.name)
@@ -163,10 +164,10 @@ class VLLMGenerator:
 
     def _open_channel(self) -> None:
         self._store = weight_channel.serve_store("127.0.0.1", self.sync_timeout)
-        self._send("open_channel", ("127.0.0.1", self._store.port, self.sync_timeout))
+        self._send("open_channel", ("127.0.0.1", self._store.port, self.sync_timeout, 1 + self.tp))
         start = time.monotonic()
         try:
-            self._group = weight_channel.open_group(self._store, 0, self.sync_timeout)
+            self._group = weight_channel.open_group(self._store, 0, self.sync_timeout, 1 + self.tp)
         except RuntimeError as e:
             self._fail("the weight channel's set-up", f"did not join it ({e})", start, WeightSyncError)
         self._reply("open_channel", self.sync_timeout, "rollout.vllm.sync_timeout")
@@ -261,10 +262,26 @@ class VLLMGenerator:
         return gens
 
 
+def cpu_binding(tp: int) -> dict:
+    """On a CPU, a tensor-parallel vLLM engine binds each worker's threads to cores of its own
+    (VLLM_CPU_OMP_THREADS_BIND), and its automatic binding wants a NUMA node per worker: this
+    process's cores split into ``tp`` lists instead (unless the variable is set already)."""
+    if tp <= 1 or torch.cuda.is_available() or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return {}
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < tp:
+        raise ValueError(f"a vLLM engine of tensor-parallel size {tp} on the CPU needs a core per worker; this "
+                         f"process may use {len(cores)}")
+    n = len(cores) // tp
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, cores[i * n : (i + 1) * n])) for i in range(tp))}
+
+
 def vllm_generator(cfg, model_dir: str, tokenizer, run_dir: Path, index: int = 0) -> VLLMGenerator:
     """The run's vLLM engine (``index``: this rank's) from rollout.vllm.*, logging into ``run_dir``."""
     v = cfg.rollout.vllm
     level = sleep_level(cfg)
+    ray = getattr(cfg, "ray", None)
+    tp = ray.engine_tp if ray is not None and ray.enabled else 1
     env = {"VLLM_CPU_KVCACHE_SPACE": str(v.cpu_kv_cache_gb)} if v.cpu_kv_cache_gb else {}
     longest = cfg.data.max_length + cfg.rollout.max_new_tokens
     positions = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
@@ -273,7 +290,8 @@ def vllm_generator(cfg, model_dir: str, tokenizer, run_dir: Path, index: int = 0
                          enforce_eager=v.enforce_eager, gpu_memory_utilization=v.gpu_memory_utilization,
                          start_timeout=v.start_timeout, sync_timeout=v.sync_timeout,
                          request_timeout=v.request_timeout, bucket_mb=v.bucket_mb, log_dir=run_dir, env=env,
-                         trust_remote_code=cfg.model.trust_remote_code, sleep_level=level)
+                         trust_remote_code=cfg.model.trust_remote_code, sleep_level=level,
+                         tensor_parallel_size=tp)
 
 
 def sleep_level(cfg) -> int:

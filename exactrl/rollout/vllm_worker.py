@@ -6,7 +6,9 @@ The digest undoes what vLLM does to Hugging Face's tensors when it loads them: q
 gate/up are fused into one matrix (``packed_modules_mapping``: split back along the output
 dimension by the layer's ``output_sizes``), the vocabulary of embeddings and head is padded
 (cut back to ``org_vocab_size``), a tied head is the embeddings' own parameter (kept once under
-its first name, as Hugging Face saves it). Tensor parallelism would shard them too: TP 1 only.
+its first name, as Hugging Face saves it). Under tensor parallelism every rank takes the whole
+tensors from the channel (vLLM's loaders keep their shard) and the shards are gathered back before
+digesting (hf_pieces).
 """
 
 from __future__ import annotations
@@ -30,16 +32,58 @@ def _marked(fn):
     return call
 
 
+def _tp_size(module: torch.nn.Module) -> int:
+    return getattr(module, "tp_size", 1) or 1
+
+
+def _gather(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Every tensor-parallel rank's ``t``, joined along ``dim`` in rank order (a collective: every rank
+    calls it, in the same order)."""
+    from vllm.distributed import get_tp_group
+
+    return get_tp_group().all_gather(t.contiguous(), dim)
+
+
+def _local_sizes(module: torch.nn.Module, tp: int) -> list[int]:
+    """The rows of each fused part (q/k/v, gate/up) in this rank's shard of a fused layer."""
+    if hasattr(module, "num_kv_heads") and hasattr(module, "head_size"):  # QKVParallelLinear
+        v_head = getattr(module, "v_head_size", module.head_size)
+        return [module.num_heads * module.head_size, module.num_kv_heads * module.head_size,
+                module.num_kv_heads * v_head]
+    return [size // tp for size in module.output_sizes]
+
+
+def _whole(module: torch.nn.Module, part: int, piece: torch.Tensor, tp: int) -> torch.Tensor:
+    """Part ``part`` of a fused column-parallel layer, gathered from every rank's piece; k and v heads
+    that several ranks hold alike (fewer kv heads than ranks) kept once."""
+    full = _gather(piece, 0)
+    replicas = getattr(module, "num_kv_head_replicas", 1) if part > 0 else 1
+    return torch.cat(full.chunk(tp)[::replicas]) if replicas > 1 else full
+
+
 def hf_pieces(model: torch.nn.Module, module_name: str, leaf: str, t: torch.Tensor):
     """(Hugging Face name, tensor) of the vLLM parameter ``module_name.leaf`` holding ``t``: a
-    fused one split back, a padded vocabulary cut."""
+    fused one split back, a padded vocabulary cut, and under tensor parallelism the whole tensor
+    gathered from every rank's shard (column-parallel layers and the vocabulary by rows, row-parallel
+    layers by columns; norms and other replicated tensors as they are). A layer sharded another way
+    gives a tensor of another shape than was sent: the digest names it, the run stops."""
     module = model.get_submodule(module_name)
     packed = getattr(model, "packed_modules_mapping", {}) or {}
     parent, _, fused = module_name.rpartition(".")
+    tp = _tp_size(module)
     if fused in packed and len(packed[fused]) > 1:
-        for part, piece in zip(packed[fused], torch.split(t, list(module.output_sizes), dim=0)):
-            yield f"{parent}.{part}.{leaf}", piece
+        sizes = list(module.output_sizes) if tp == 1 else _local_sizes(module, tp)
+        for i, (part, piece) in enumerate(zip(packed[fused], torch.split(t, sizes, dim=0))):
+            yield f"{parent}.{part}.{leaf}", piece if tp == 1 else _whole(module, i, piece, tp)
         return
+    if tp > 1:
+        from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+        from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            t = _gather(t, 0)
+        elif isinstance(module, RowParallelLinear) and t.dim() == 2:  # its bias is whole on every rank
+            t = _gather(t, 1)
     vocab = getattr(module, "org_vocab_size", None)
     yield f"{module_name}.{leaf}", t[:vocab] if vocab is not None and t.shape[0] > vocab else t
 
@@ -54,10 +98,21 @@ def reload_verified(model: torch.nn.Module, reload) -> WeightsDigest:
     A layer the reload put back without processing it is processed now: vLLM 0.32 skips a head
     tied to the embeddings (no checkpoint tensor of its own), and on the CPU its kernel then keeps
     the old weights packed -- a stale head that the probe caught (log-probs off by 0.59 on a tiny
-    Llama while every digest agreed)."""
+    Llama while every digest agreed).
+
+    Under tensor parallelism each rank keeps its shards as they stand and gathers them after the
+    reload, in sorted order: the ranks process their layers in different orders, and a gather is a
+    collective every rank must enter alike."""
     names = {id(m): n for n, m in model.named_modules()}
     params = dict(model.named_parameters())  # a tied head once, under its first name
-    records, done, processed = {}, set(), set()
+    records, done, processed, shards = {}, set(), set(), {}
+    sharded = any(_tp_size(m) > 1 for m in model.modules())
+
+    def digest(module_name: str, leaf: str, t: torch.Tensor) -> None:
+        if sharded:
+            shards[(module_name, leaf)] = t
+        else:
+            records.update(digest_of(hf_pieces(model, module_name, leaf, t)).tensors)
 
     def capturing(original):
         def process(layer, *args, **kwargs):
@@ -65,7 +120,7 @@ def reload_verified(model: torch.nn.Module, reload) -> WeightsDigest:
             processed.add(id(layer))
             for leaf, t in layer.named_parameters(recurse=False):
                 if prefix is not None and f"{prefix}.{leaf}" in params:
-                    records.update(digest_of(hf_pieces(model, prefix, leaf, t.detach())).tensors)
+                    digest(prefix, leaf, t.detach())
                     done.add(f"{prefix}.{leaf}")
             return original(layer, *args, **kwargs)
         return process
@@ -79,13 +134,15 @@ def reload_verified(model: torch.nn.Module, reload) -> WeightsDigest:
     finally:
         for method in methods.values():
             del method.process_weights_after_loading  # the class's own again
-    for layer in layers:
+    for layer in layers:  # digested before processing, as the reload's own (a skipped layer holds its old weights)
         if id(layer) not in processed:
-            layer.quant_method.process_weights_after_loading(layer)
+            capturing(layer.quant_method.process_weights_after_loading)(layer)
     for name, param in model.named_parameters():
         if name not in done:
             module_name, _, leaf = name.rpartition(".")
-            records.update(digest_of(hf_pieces(model, module_name, leaf, param.detach())).tensors)
+            digest(module_name, leaf, param.detach())
+    for (module_name, leaf), t in sorted(shards.items(), key=lambda item: item[0]):
+        records.update(digest_of(hf_pieces(model, module_name, leaf, t)).tensors)
     return WeightsDigest(records)
 
 
@@ -115,9 +172,12 @@ class WeightSyncExtension:
 
         self.reload_weights = guarded
 
-    def exactrl_open_channel(self, host: str, port: int, timeout: float) -> None:
+    def exactrl_open_channel(self, host: str, port: int, timeout: float, world: int = 2) -> None:
+        """Join the channel as member 1 + this worker's tensor-parallel rank (the trainer is 0)."""
+        from vllm.distributed import get_tensor_model_parallel_rank
+
         store = weight_channel.join_store(host, port, timeout)
-        self.exactrl_group = weight_channel.open_group(store, 1, timeout)
+        self.exactrl_group = weight_channel.open_group(store, 1 + get_tensor_model_parallel_rank(), timeout, world)
 
     @_marked
     def exactrl_load(self, version: int, timeout: float) -> dict:

@@ -1,5 +1,5 @@
 """The channel the policy's weights take from the trainer to an engine process: a process group
-of two (the trainer rank 0, the engine's worker rank 1) of its own, never the run's default one,
+(the trainer rank 0, the engine's workers 1..TP) of its own, never the run's default one,
 so it can be opened from any process (a torchrun rank, a Ray actor) to any engine.
 
 On the CPU it is gloo; on GPUs the same protocol runs over NCCL (not built yet: vLLM's
@@ -39,9 +39,10 @@ def join_store(host: str, port: int, timeout: float) -> dist.TCPStore:
     return dist.TCPStore(host, port, world_size=2, is_master=False, timeout=timedelta(seconds=timeout))
 
 
-def open_group(store: dist.Store, rank: int, timeout: float) -> dist.ProcessGroup:
-    """Rank ``rank`` of the two-member gloo group over ``store`` (both ranks call it together)."""
-    return dist.ProcessGroupGloo(dist.PrefixStore("exactrl-weights", store), rank, 2, timedelta(seconds=timeout))
+def open_group(store: dist.Store, rank: int, timeout: float, world: int = 2) -> dist.ProcessGroup:
+    """Rank ``rank`` of the gloo group of ``world`` members over ``store`` (all call it together): the
+    trainer's end (0) and the engine's workers (one per tensor-parallel rank)."""
+    return dist.ProcessGroupGloo(dist.PrefixStore("exactrl-weights", store), rank, world, timedelta(seconds=timeout))
 
 
 def _broadcast(group: dist.ProcessGroup, t: torch.Tensor, timeout: float) -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from exactrl.audit.manifest import record_fact
 from exactrl.checks.weight_sync import WeightsDigest
+from exactrl.config.loader import ConfigError
 from exactrl.device import place, use_device
 from exactrl.distributed.launch import init_process_group, rank
 from exactrl.distributed.ray_cluster import SHARE, Cluster, actor_options, bundles_needed, import_ray, reserve, results
@@ -218,6 +219,10 @@ class RayRoles:
         self.actors, self.groups, self.policy_path = [], [], None
         try:
             self.gpu = self.cluster.gpu(cfg.distributed.device)
+            if self.gpu and r.engine_tp > 1:
+                raise ConfigError(f"ray.engine_tp={r.engine_tp} on GPUs: an engine actor sees the one GPU of its "
+                                  "bundle, so its vLLM process cannot take more (tensor-parallel engines run on CPU "
+                                  "bundles for now); set ray.engine_tp=1 and scale with ray.engines")
             # colocated: one set of bundles every role shares, rank i (and engine i) on bundle i
             self.shared = reserve(max(r.ranks, r.engines * r.engine_tp), self.gpu, "colocated") \
                 if r.placement == "colocated" else None

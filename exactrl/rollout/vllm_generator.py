@@ -220,8 +220,9 @@ class VLLMGenerator:
         try:
             weight_channel.send(self._group, named, self.bucket_bytes, self.sync_timeout)
         except weight_channel.ChannelTimeout as e:
-            self._fail(what, f"did not take the weights within {self.sync_timeout:g} s (rollout.vllm.sync_timeout; "
-                       f"{e})", start, WeightSyncError)
+            why = f"did not take the weights within {self.sync_timeout:g} s (rollout.vllm.sync_timeout; {e})" \
+                if "timed out" in str(e).lower() else f"broke off the weight channel ({e})"
+            self._fail(what, why, start, WeightSyncError)
         self._digest = WeightsDigest(self._reply(what, self.sync_timeout, "rollout.vllm.sync_timeout",
                                                  WeightSyncError))
         self.weights_state.synced(version, self._digest.value)

@@ -76,16 +76,7 @@ def smollm2_dir():
 DRY_RUN = os.environ.get("EXACTRL_GPU_DRY_RUN") == "1"
 
 
-# The longest test files first (each about 1.5 to 4 minutes on two cores): make test's workers take a file at a
-# time, so a long file picked up last would run alone at the end while the other worker idles.
-LONGEST_FIRST = ("test_audit_stack", "test_resume_distributed", "test_rl_distributed", "test_lora_backends",
-                 "test_e2e", "test_rl_backends", "test_ray", "test_rl_layout", "test_canary_real_bug",
-                 "test_deepspeed", "test_smollm2_cli", "test_reward_runs", "test_launch_signals", "test_arch_matrix")
-
-
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: the rest keep their order
     if torch.cuda.is_available() or DRY_RUN:
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False); `make gpu-check` runs "

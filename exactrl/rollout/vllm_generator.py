@@ -65,7 +65,7 @@ class VLLMGenerator:
                 "gpu_memory_utilization": gpu_memory_utilization, "trust_remote_code": trust_remote_code,
                 "sleep_level": sleep_level, "tensor_parallel_size": tensor_parallel_size}
         env = {**cpu_binding(tensor_parallel_size), **(env or {})}
-        self._start(python or sys.executable, backend, args, env or {}, start_timeout)
+        self._start(python or sys.executable, backend, args, env, start_timeout)
         self.name = f"vllm engine {index} (pid {self.proc.pid})"
         self.weights_state = WeightsState(self.name)
         atexit.register(self.close)
@@ -201,10 +201,10 @@ class VLLMGenerator:
         try:
             state = self._request("wake_up", timeout=self.sync_timeout)
         except WeightSyncError:
-            self.weights_state.woke(None)
             self.weights_state.dropped("a wake-up that brought back other weights")
             raise
-        self.weights_state.woke(None)
+        finally:
+            self.weights_state.woke(None)
         self._check_state(state, f"waking up for {what}")
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from exactrl.algorithms.rl import train_rl
 from exactrl.config import ConfigError, RLConfig, load_config
 from exactrl.distributed.ray_cluster import RoleDied
+from exactrl.rollout.generator import WeightSyncError
 from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin
 from exactrl.workers.groups import RayRoles
 
@@ -191,6 +192,58 @@ def test_an_engine_that_dies_mid_rollout_stops_the_run_naming_it(tmp, monkeypatc
     while ray.available_resources().get("CPU") != CPUS and time.monotonic() < deadline:
         time.sleep(0.5)
     assert ray.available_resources().get("CPU") == CPUS
+
+
+def stand_in_engines(monkeypatch, **faults) -> None:
+    """rollout.engine=vllm under Ray with the stand-in engine process (tests/fake_engine.py: exactrl's decode loop
+    behind vLLM's protocol, so it samples what the plain run samples), installed in each engine actor before it
+    builds its engine; ``faults``: EXACTRL_FAKE_ENGINE of engine j, by "e{j}"."""
+    start, tests = RayRoles._start, str(Path(__file__).parent)
+
+    def use_stand_in(actor, index: int, fault: dict) -> None:  # runs in the engine's actor: pickled by value
+        import exactrl.workers.groups as groups
+        from exactrl.rollout.vllm_generator import VLLMGenerator
+
+        env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": tests, "EXACTRL_FAKE_ENGINE": json.dumps(fault)}
+        groups.vllm_generator = lambda cfg, path, tok, run_dir, i: VLLMGenerator(
+            path, tok, backend="fake_engine:HFBackend", index=i, start_timeout=120, request_timeout=120,
+            sync_timeout=cfg.rollout.vllm.sync_timeout, log_dir=run_dir, env=env)
+
+    def starting(self, what, count, stride=1):
+        actors = start(self, what, count, stride)
+        if what == "rollout engines":
+            ray.get([a.__ray_call__.remote(use_stand_in, j, faults.get(f"e{j}", {})) for j, a in enumerate(actors)])
+        return actors
+
+    monkeypatch.setattr(RayRoles, "_start", starting)
+
+
+def test_vllm_engines_take_the_weights_over_one_channel_from_the_policys_rank_0(tmp, monkeypatch):
+    """rollout.engine=vllm under Ray: the policy's rank 0 broadcasts each sync once, over one weight channel, to every
+    engine's workers (members 1 and 2 of 3 here), each engine verifying what it loaded; the run ends where the plain
+    run ends (the stand-in engines sample what the decode loop samples)."""
+    stand_in_engines(monkeypatch)
+    plain, placed = run(tmp, "grpo"), run(tmp, "grpo", *layout("split", 1, 2), "rollout.engine=vllm")
+    assert placed["rollouts"] == plain["rollouts"]
+    diff = max_diff(placed["weights"], plain["weights"])
+    rows = [json.loads(line) for line in (placed["dir"] / "metrics.jsonl").read_text().splitlines()]
+    print(f"grpo ray split, 1 rank, 2 stand-in vLLM engines on one channel vs plain: max |weight diff| {diff:.3g}; "
+          f"probe errors {[r['sync_probe_error'] for r in rows if 'sync_probe_error' in r]}")
+    assert diff <= TOL and [r["weights_version"] for r in rows if "weights_version" in r] == [1, 2]
+    logs = {j: next(placed["dir"].rglob(f"vllm-engine-{j}-*.log")).read_text() for j in range(2)}
+    assert [logs[j].count(f"weight channel: member {j + 1} of 3") for j in range(2)] == [1, 1]
+
+
+def test_an_engine_that_never_takes_its_weights_is_named_and_nothing_hangs(tmp, monkeypatch):
+    """Engine 1 of 2 never takes the first sync (rollout.vllm.sync_timeout=5): the broadcast times out, each engine's
+    own end of the sync is waited for (bounded by the same timeout) and the error names what each one saw."""
+    stand_in_engines(monkeypatch, e1={"hang_on_load": True})
+    t0 = time.perf_counter()
+    with pytest.raises(WeightSyncError, match=r"the weight push to the 2 Ray rollout engines broke off .*"
+                                              r"rollout engine 1 of 2: vllm engine 1 \(pid \d+\) did not answer within "
+                                              r"5 s \(rollout.vllm.sync_timeout\)") as failed:
+        run(tmp, "grpo", *layout("split", 1, 2), "rollout.engine=vllm", "rollout.vllm.sync_timeout=5")
+    print(f"{failed.value} ({time.perf_counter() - t0:.1f}s after the run started)")
 
 
 def test_what_a_ray_run_cannot_honour_is_refused():

@@ -56,7 +56,7 @@ class VLLMGenerator:
         self.tok, self.index, self.sleep_level, self.tp = tokenizer, index, sleep_level, tensor_parallel_size
         self.weights_dtype = DTYPES[dtype]
         self.sync_timeout, self.request_timeout, self.bucket_bytes = sync_timeout, request_timeout, bucket_mb << 20
-        self._group, self._store, self._digest, self.conn = None, None, None, None
+        self._group, self._store, self._digest, self.conn, self._joined = None, None, None, None, False
         where = Path(log_dir or os.environ.get("TMPDIR", "/tmp"))
         self.log = where / f"vllm-engine-{index}-{os.getpid()}-{next(_STARTS)}.log"
         self.name = f"vllm engine {index}"
@@ -211,18 +211,41 @@ class VLLMGenerator:
         """Broadcast the trainer's full, Hugging Face-named tensors (Worker.export_weights, in the
         engine's dtype) in buckets; the engine loads them and answers with its digest of what it
         now holds. Returns the new version."""
+        if self._joined:
+            raise WeightSyncError(f"{self.name} takes its weights from the channel it joined (receive_weights)")
         self._wake("a weight sync")
         if self._group is None:
             self._open_channel()
-        version, start = self.weights_version + 1, time.monotonic()
-        what = f"the weight sync to version {version}"
-        self._send("load", (version, self.sync_timeout))
+        version, what, start = self._begin_load()
         try:
             weight_channel.send(self._group, named, self.bucket_bytes, self.sync_timeout)
         except weight_channel.ChannelTimeout as e:
             why = f"did not take the weights within {self.sync_timeout:g} s (rollout.vllm.sync_timeout; {e})" \
                 if "timed out" in str(e).lower() else f"broke off the weight channel ({e})"
             self._fail(what, why, start, WeightSyncError)
+        return self._loaded(version, what)
+
+    def join_channel(self, host: str, port: int, first: int, world: int, bind: str | None = None) -> None:
+        """Have the engine's workers join a weight channel another process sends on (Ray's: the
+        policy's rank 0, to every engine at once; exactrl/workers/groups.py EngineGroup), as
+        members ``first``.. of ``world``, listening on ``bind``. Its syncs are receive_weights."""
+        self._send("open_channel", (host, port, self.sync_timeout, world, first, bind))
+        self._reply("joining the weight channel", self.sync_timeout, "rollout.vllm.sync_timeout", WeightSyncError)
+        self._joined = True
+
+    def receive_weights(self) -> int:
+        """The engine's side of a sync that the channel's sender broadcasts meanwhile (join_channel):
+        it loads them and answers with its digest of what it now holds. Returns the new version."""
+        self._wake("a weight sync")
+        version, what, _ = self._begin_load()
+        return self._loaded(version, what)
+
+    def _begin_load(self) -> tuple[int, str, float]:
+        version = self.weights_version + 1
+        self._send("load", (version, self.sync_timeout))
+        return version, f"the weight sync to version {version}", time.monotonic()
+
+    def _loaded(self, version: int, what: str) -> int:
         self._digest = WeightsDigest(self._reply(what, self.sync_timeout, "rollout.vllm.sync_timeout",
                                                  WeightSyncError))
         self.weights_state.synced(version, self._digest.value)

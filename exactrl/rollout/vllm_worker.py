@@ -172,12 +172,16 @@ class WeightSyncExtension:
 
         self.reload_weights = guarded
 
-    def exactrl_open_channel(self, host: str, port: int, timeout: float, world: int = 2) -> None:
-        """Join the channel as member 1 + this worker's tensor-parallel rank (the trainer is 0)."""
+    def exactrl_open_channel(self, host: str, port: int, timeout: float, world: int = 2, first: int = 1,
+                             bind: str | None = None) -> None:
+        """Join the channel served at ``host:port`` as member ``first`` + this worker's tensor-parallel
+        rank (the sender is 0; under Ray every engine's workers join one channel, engine j's from
+        1 + j x TP), listening on ``bind``."""
         from vllm.distributed import get_tensor_model_parallel_rank
 
         store = weight_channel.join_store(host, port, timeout)
-        self.exactrl_group = weight_channel.open_group(store, 1 + get_tensor_model_parallel_rank(), timeout, world)
+        self.exactrl_group = weight_channel.open_group(store, first + get_tensor_model_parallel_rank(), timeout, world,
+                                                       bind)
 
     @_marked
     def exactrl_load(self, version: int, timeout: float) -> dict:

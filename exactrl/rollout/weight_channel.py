@@ -1,6 +1,9 @@
-"""The channel the policy's weights take from the trainer to an engine process: a process group
-(the trainer rank 0, the engine's workers 1..TP) of its own, never the run's default one,
-so it can be opened from any process (a torchrun rank, a Ray actor) to any engine.
+"""The channel the policy's weights take from the trainer to the engines: a process group of its
+own (the sender 0, then every engine's workers, one per tensor-parallel rank), never the run's
+default one, so it can be opened from any process (a torchrun rank, a Ray actor) to any engines.
+In a plain run the sender is the engine's client in the trainer's rank 0 (one engine); under Ray
+it is the policy's rank 0 itself, one broadcast reaching every engine's workers on any node
+(exactrl/workers/groups.py EngineGroup, as OpenRLHF's model-update group).
 
 On the CPU it is gloo; on GPUs the same protocol runs over NCCL (not built yet: vLLM's
 weight-transfer engines and CUDA IPC are CUDA-only, and nothing here can test them).
@@ -39,10 +42,19 @@ def join_store(host: str, port: int, timeout: float) -> dist.TCPStore:
     return dist.TCPStore(host, port, world_size=2, is_master=False, timeout=timedelta(seconds=timeout))
 
 
-def open_group(store: dist.Store, rank: int, timeout: float, world: int = 2) -> dist.ProcessGroup:
+def open_group(store: dist.Store, rank: int, timeout: float, world: int = 2,
+               host: str | None = None) -> dist.ProcessGroup:
     """Rank ``rank`` of the gloo group of ``world`` members over ``store`` (all call it together): the
-    trainer's end (0) and the engine's workers (one per tensor-parallel rank)."""
-    return dist.ProcessGroupGloo(dist.PrefixStore("exactrl-weights", store), rank, world, timedelta(seconds=timeout))
+    sender (0) and the engines' workers. ``host``: the address this member listens on, one the others
+    can reach (its node's, when members are on several nodes); by default the one its host name
+    resolves to."""
+    prefixed = dist.PrefixStore("exactrl-weights", store)
+    if host is None:
+        return dist.ProcessGroupGloo(prefixed, rank, world, timedelta(seconds=timeout))
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timedelta(seconds=timeout)
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return dist.ProcessGroupGloo(prefixed, rank, world, options)
 
 
 def _broadcast(group: dist.ProcessGroup, t: torch.Tensor, timeout: float) -> None:

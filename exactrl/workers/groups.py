@@ -10,7 +10,9 @@ driver (the `exactrl rl` process) holds handles only:
   EngineGroup  the Generator protocol over the engines: a request's prompts are split between them,
                each prompt with its own seed, so no response depends on which engine samples it
                (exactrl/rollout/generator.py); the policy's rank 0 pushes its exported weights to
-               every engine, which verifies what it loaded (HFEngine.load_weights).
+               every engine, which verifies what it loaded: to vLLM engines over one weight channel
+               to all their workers at once (exactrl/rollout/weight_channel.py, as OpenRLHF's
+               model-update group), to the decode loop's engines through Ray's object store.
 An actor that dies stops the run with an error naming it (ray_cluster.results), never a hang.
 """
 
@@ -18,9 +20,10 @@ from __future__ import annotations
 
 import functools
 import os
+import secrets
 import socket
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from exactrl.audit.manifest import record_fact
@@ -30,6 +33,7 @@ from exactrl.device import place, use_device
 from exactrl.distributed.launch import init_process_group, rank
 from exactrl.distributed.ray_cluster import SHARE, Cluster, actor_options, bundles_needed, import_ray, reserve, results
 from exactrl.models.loading import load_causal_lm
+from exactrl.rollout import weight_channel
 from exactrl.rollout.generator import SamplingParams, WeightSyncError, prompt_seeds
 from exactrl.rollout.hf import HFEngine
 from exactrl.rollout.vllm_generator import VLLMGenerator, vllm_generator
@@ -82,6 +86,11 @@ class RoleActor:
 
     def call(self, role: str, method: str, *args, **kwargs):
         return getattr(self.held[role], method)(*args, **kwargs)
+
+    def join_weight_channel(self, host: str, port: int, first: int, world: int) -> None:
+        """Have this actor's vLLM engine join the policy's weight channel (EngineGroup.load_weights), listening on
+        this node's address."""
+        self.held["engine"].join_channel(host, port, first, world, import_ray().util.get_node_ip_address())
 
     def sleep_engine(self) -> None:
         """Let a vLLM engine release its memory while the trainer trains (rollout.vllm.sleep_level)."""
@@ -136,15 +145,30 @@ def split(n: int, parts: int) -> list[tuple[int, int]]:
     return [(n * j // parts, n * (j + 1) // parts) for j in range(parts)]
 
 
+@dataclass(frozen=True)
+class Channel:
+    """How the policy's rank 0 sends to vLLM engines (rollout.vllm.*): one weight channel to all their workers."""
+
+    timeout: float  # every broadcast's (rollout.vllm.sync_timeout)
+    bucket_bytes: int
+    tp: int  # workers per engine (ray.engine_tp)
+    key: str = field(default_factory=lambda: secrets.token_hex(8))  # the run's channel in the sender's process
+
+
+_SENDING: dict[str, tuple] = {}  # in the policy's rank 0: the open channel (store, group) by Channel.key
+
+
 class EngineGroup:
     """The Generator protocol (exactrl/rollout/generator.py) over rollout engine actors."""
 
     synced = False  # each engine decodes alone
     rank0_sends = True  # the policy's other ranks take part in the export's gathers only (load_weights)
 
-    def __init__(self, actors: list, tokenizer, ready: list, logprobs_over: str = HFEngine.logprobs_over):
+    def __init__(self, actors: list, tokenizer, ready: list, logprobs_over: str = HFEngine.logprobs_over,
+                 channel: Channel | None = None):
         self.actors, self.tok, self._ready, self.weights_version = actors, tokenizer, ready, 0
         self.logprobs_over = logprobs_over  # the engines' convention (exactrl/rollout/generator.py)
+        self.channel = channel  # vLLM engines: rank 0 sends to their workers directly
         self.names = [f"rollout engine {j} of {len(actors)}" for j in range(len(actors))]
         self.name = f"the {len(actors)} Ray rollout engine{'s' if len(actors) > 1 else ''}"
 
@@ -174,15 +198,58 @@ class EngineGroup:
             for _ in named:
                 pass
             return None
-        ray = import_ray()
-        sent = ray.put([(name, t.detach().cpu()) for name, t in named])
-        versions = results([e.call.remote("engine", "load_weights", sent) for e in self.actors], self.names,
-                           "a weight push")
+        if self.channel is not None:
+            versions = self._send(named)
+        else:
+            sent = import_ray().put([(name, t.detach().cpu()) for name, t in named])
+            versions = results([e.call.remote("engine", "load_weights", sent) for e in self.actors], self.names,
+                               "a weight push")
         if len(set(versions)) != 1:
             raise WeightSyncError(f"the rollout engines hold different weights versions after a push: "
                                   f"{dict(zip(self.names, versions))}")
         self.weights_version = versions[0]
         return self.weights_version
+
+    def _send(self, named) -> list[int]:
+        """Broadcast ``named`` over the weight channel to every engine's workers while each engine
+        loads and digests them (VLLMGenerator.receive_weights): the tensors leave this process once,
+        whatever the number of engines. A broken broadcast waits for every engine's own end of the
+        sync (bounded by its timeout) and names what each one saw."""
+        c, ray = self.channel, import_ray()
+        if c.key not in _SENDING:
+            _SENDING[c.key] = self._open(c)
+        refs = [e.call.remote("engine", "receive_weights") for e in self.actors]
+        try:
+            weight_channel.send(_SENDING[c.key][1], named, c.bucket_bytes, c.timeout)
+        except weight_channel.ChannelTimeout as e:
+            del _SENDING[c.key]
+            seen = []
+            for name, ref in zip(self.names, refs):
+                try:
+                    ray.get(ref, timeout=2 * c.timeout)
+                    seen.append(f"{name} took them")
+                except ray.exceptions.RayTaskError as failed:
+                    seen.append(f"{name}: {str(failed.cause).splitlines()[0]}")
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as failed:
+                    seen.append(f"{name}: {type(failed).__name__}")
+            raise WeightSyncError(f"the weight push to {self.name} broke off ({e}; rollout.vllm.sync_timeout "
+                                  f"{c.timeout:g} s): " + "; ".join(seen)) from None
+        return results(refs, self.names, "a weight push")
+
+    def _open(self, c: Channel) -> tuple:
+        """The weight channel from this process (member 0, on its node's address) to every engine's workers
+        (engine j's from 1 + j x TP)."""
+        host, world = import_ray().util.get_node_ip_address(), 1 + len(self.actors) * c.tp
+        store = weight_channel.serve_store(host, c.timeout)
+        joins = [e.join_weight_channel.remote(host, store.port, 1 + j * c.tp, world) for j, e in enumerate(self.actors)]
+        try:
+            group = weight_channel.open_group(store, 0, c.timeout, world, host)
+        except RuntimeError as e:
+            results(joins, self.names, "joining the weight channel")  # an engine's own failure first
+            raise WeightSyncError(f"{self.name} did not join the weight channel within {c.timeout:g} s "
+                                  f"(rollout.vllm.sync_timeout; {str(e).strip().splitlines()[0]})") from None
+        results(joins, self.names, "joining the weight channel")
+        return store, group
 
     def weights_digest(self) -> WeightsDigest:
         """Engine 0's digest of the weights it holds (engine_digests has every engine's)."""
@@ -270,8 +337,11 @@ class RayRoles:
         actors = self._start("rollout engines", r.engines, stride=r.engine_tp)
         ready = [a.build_engine.remote(cfg, self.policy_path, tokenizer, self.run_dir, self.phase, j)
                  for j, a in enumerate(actors)]
-        return EngineGroup(actors, tokenizer, ready, VLLMGenerator.logprobs_over if self.cfg.rollout.engine == "vllm"
-                           else HFEngine.logprobs_over)
+        if cfg.rollout.engine != "vllm":
+            return EngineGroup(actors, tokenizer, ready)
+        v = cfg.rollout.vllm
+        return EngineGroup(actors, tokenizer, ready, VLLMGenerator.logprobs_over,
+                           Channel(v.sync_timeout, v.bucket_mb << 20, r.engine_tp))
 
     def close(self) -> None:
         """End every actor and release every bundle of the run, then leave a cluster this run joined."""

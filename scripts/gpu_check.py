@@ -7,7 +7,8 @@
    2 (FSDP2 over NCCL), each checked by the canary at every step;
 3. a short GRPO run under Ray (`ray-<dtype>`: trainer ranks and a rollout engine as actors, split
    over two GPUs or colocated on one) sampling with vLLM when this environment or --vllm-python
-   has it (else Hugging Face engines), every weight sync verified (digest, probe), the
+   has it (else Hugging Face engines; split, the weights go over NCCL, GPU to GPU; colocated,
+   over gloo), every weight sync verified (digest, probe), the
    rollout-trainer gap measured at every rollout;
 then a PASS/FAIL table with the figures (equivalence errors, tokens/s, peak GPU memory). Exit
 code 1 on any FAIL.
@@ -83,7 +84,8 @@ def run_training(kind: str, dtype: str, world: int, dry: bool, steps: int, work:
     ok = math.isfinite(r["loss"]) and all(abs(c - 1) <= 1e-5 for c in r["canary"])
     memory = "n/a (cpu)" if r["peak_memory_gb"] is None else f"{r['peak_memory_gb']:.2f} GB peak"
     sync = "" if r.get("probe_error") is None else (f", sync probe {r['probe_error']:.2g}, rollout gap "
-                                                    f"{r['gap_abs_max']:.2g}")
+                                                    f"{r['gap_abs_max']:.2g}" + (f", {r['channel']} weight channel"
+                                                                                 if r.get("channel") else ""))
     return (name, "PASS" if ok else "FAIL", f"loss {r['loss']:.4f}, canary {min(r['canary'], default=1):.7f}, "
             f"{r['tokens_per_s']:.0f} tokens/s{sync}", memory)
 
@@ -135,7 +137,10 @@ def child(kind: str, dtype: str, device: str, steps: int, out: str, vllm: str = 
         logged = [x for x in lines if "loss" in x]
         peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
         sync = {"probe_error": max(x["sync_probe_error"] for x in logged),
-                "gap_abs_max": max(x.get("rollout_gap/abs_max", 0.0) for x in logged)} if kind == "ray" else {}
+                "gap_abs_max": max(x.get("rollout_gap/abs_max", 0.0) for x in logged),
+                # the vLLM engines' (NCCL when split over GPUs): exactrl/workers/groups.py RayRoles.channel_backend
+                "channel": json.loads((result.run_dir / "manifest.json").read_text())["ray"].get("weight_channel")
+                } if kind == "ray" else {}
         Path(out).write_text(json.dumps({"loss": logged[-1]["loss"], "canary": [x["canary"] for x in logged if x.get(
             "canary") is not None],
                                          "tokens_per_s": tokens / result.seconds, "peak_memory_gb": peak, **sync}))

@@ -50,10 +50,10 @@ class HFBackend:
         return {"pid": os.getpid()}
 
     def open_channel(self, host: str, port: int, timeout: float, world: int = 2, first: int = 1,
-                     bind: str | None = None) -> None:
+                     bind: str | None = None, backend: str = "gloo") -> None:
         self.group = weight_channel.open_group(weight_channel.join_store(host, port, timeout), first, timeout, world,
-                                               bind)
-        print(f"weight channel: member {first} of {world}", flush=True)
+                                               bind, backend)
+        print(f"weight channel: member {first} of {world} ({backend})", flush=True)
 
     def load(self, version: int, timeout: float) -> dict:
         if self.hang_on_load:  # a sync that never completes: the engine never takes the weights

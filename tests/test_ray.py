@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import ray
@@ -209,8 +210,8 @@ def stand_in_engines(monkeypatch, **faults) -> None:
             path, tok, backend="fake_engine:HFBackend", index=i, start_timeout=120, request_timeout=120,
             sync_timeout=cfg.rollout.vllm.sync_timeout, log_dir=run_dir, env=env)
 
-    def starting(self, what, count, stride=1):
-        actors = start(self, what, count, stride)
+    def starting(self, what, count, size=1):
+        actors = start(self, what, count, size)
         if what == "rollout engines":
             ray.get([a.__ray_call__.remote(use_stand_in, j, faults.get(f"e{j}", {})) for j, a in enumerate(actors)])
         return actors
@@ -231,7 +232,7 @@ def test_vllm_engines_take_the_weights_over_one_channel_from_the_policys_rank_0(
           f"probe errors {[r['sync_probe_error'] for r in rows if 'sync_probe_error' in r]}")
     assert diff <= TOL and [r["weights_version"] for r in rows if "weights_version" in r] == [1, 2]
     logs = {j: next(placed["dir"].rglob(f"vllm-engine-{j}-*.log")).read_text() for j in range(2)}
-    assert [logs[j].count(f"weight channel: member {j + 1} of 3") for j in range(2)] == [1, 1]
+    assert [logs[j].count(f"weight channel: member {j + 1} of 3 (gloo)") for j in range(2)] == [1, 1]
 
 
 def test_an_engine_that_never_takes_its_weights_is_named_and_nothing_hangs(tmp, monkeypatch):
@@ -244,6 +245,26 @@ def test_an_engine_that_never_takes_its_weights_is_named_and_nothing_hangs(tmp, 
                                               r"5 s \(rollout.vllm.sync_timeout\)") as failed:
         run(tmp, "grpo", *layout("split", 1, 2), "rollout.engine=vllm", "rollout.vllm.sync_timeout=5")
     print(f"{failed.value} ({time.perf_counter() - t0:.1f}s after the run started)")
+
+
+def test_the_weight_channel_is_nccl_only_where_every_member_has_a_gpu_of_its_own():
+    """rollout.vllm.weight_channel: auto is NCCL under split placement on GPUs, gloo otherwise (NCCL refuses two
+    members on one GPU, as when the engine shares the trainer's); nccl is refused where it cannot run."""
+    def resolved(gpu: bool, *overrides: str) -> str:
+        cfg = load_config(RLConfig, None, ["ray.enabled=true", "rollout.engine=vllm", *overrides])
+        return RayRoles.channel_backend(SimpleNamespace(cfg=cfg, gpu=gpu))
+
+    assert [resolved(gpu, f"ray.placement={p}") for gpu in (False, True) for p in ("split", "colocated")] == [
+        "gloo", "gloo", "nccl", "gloo"]
+    assert resolved(True, "ray.placement=split", "rollout.vllm.weight_channel=gloo") == "gloo"
+    with pytest.raises(ConfigError, match="rollout.vllm.weight_channel=nccl: NCCL moves tensors between GPUs and this "
+                                          "run's actors have none"):
+        resolved(False, "ray.placement=split", "rollout.vllm.weight_channel=nccl")
+    for overrides in (["ray.enabled=false"], ["ray.placement=colocated"]):
+        with pytest.raises(ConfigError, match="rollout.vllm.weight_channel=nccl: NCCL refuses two members of a group "
+                                              "on one GPU"):
+            load_config(RLConfig, None, ["ray.enabled=true", "rollout.engine=vllm", "rollout.vllm.weight_channel=nccl",
+                                         *overrides])
 
 
 def test_what_a_ray_run_cannot_honour_is_refused():

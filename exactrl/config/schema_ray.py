@@ -36,9 +36,9 @@ class RayConfig(Section):
                                      "split changes no response).")
     engine_tp: int = Field(1, ge=1,
                            description="Devices per rollout engine (vLLM's tensor_parallel_size; rollout.engine=vllm "
-                                       "only): each engine gets this many bundles and its sync is verified on the "
-                                       "shards gathered back. On CPU bundles for now: on GPUs an engine actor sees "
-                                       "one GPU, so more is refused there.")
+                                       "only): each engine actor takes a bundle of this many devices "
+                                       "(ray.placement=split; refused colocated on GPUs, where the bundles are one GPU "
+                                       "each) and its sync is verified on the shards gathered back.")
     async_rollouts: bool = Field(False,
                                  description="Sample rollout n+1 while the policy trains on rollout n (the engines "
                                              "are other actors than the trainer's ranks): each rollout after the "
@@ -70,6 +70,10 @@ def check_ray(cfg) -> None:
         raise ValueError(f"rollout.vllm.sleep_level={cfg.rollout.vllm.sleep_level} with ray.async_rollouts=true: the "
                          "engine samples the next rollout while the trainer trains, so it has no time to sleep; set "
                          "rollout.vllm.sleep_level=auto (0 here) or ray.async_rollouts=false")
+    if cfg.rollout.vllm.weight_channel == "nccl" and not (r.enabled and r.placement == "split"):
+        raise ValueError("rollout.vllm.weight_channel=nccl: NCCL refuses two members of a group on one GPU, and "
+                         "here the vLLM engine shares the trainer's (a plain run, or ray.placement=colocated); it "
+                         "needs ray.enabled=true ray.placement=split, else use gloo (or auto)")
     if not r.enabled:
         return
     if cfg.distributed.nproc_per_node > 1:

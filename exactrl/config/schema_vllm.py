@@ -25,6 +25,10 @@ class VLLMConfig(Section):
                                         description="On CPU: GB of KV cache (VLLM_CPU_KVCACHE_SPACE); unset = "
                                                     "vLLM's default.")
     bucket_mb: int = Field(256, gt=0, description="Weights are sent in buckets of whole tensors up to this many MB.")
+    weight_channel: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="How the weights travel to the engines: gloo (through host memory; any devices, any "
+                            "placement) or nccl (GPU to GPU; only where the policy's rank 0 and every engine hold "
+                            "GPUs of their own: ray.placement=split). auto: nccl there on GPUs, else gloo.")
     start_timeout: float = Field(600.0, gt=0, description="Seconds the engine may take to start (load the model).")
     sync_timeout: float = Field(300.0, gt=0,
                                 description="Seconds each step of a weight sync may wait for the engine (every "

@@ -72,8 +72,9 @@ class Cluster:
             import_ray().shutdown()
 
 
-def bundle(gpu: bool) -> dict[str, float]:
-    return {"GPU": 1.0, "CPU": 1.0} if gpu else {"CPU": 1.0}
+def bundle(gpu: bool, size: int = 1) -> dict[str, float]:
+    """One actor's bundle: ``size`` devices (a tensor-parallel engine's), each with a CPU."""
+    return {"GPU": float(size), "CPU": float(size)} if gpu else {"CPU": float(size)}
 
 
 def bundles_needed(placement: str, ranks: int, engines: int, tp: int) -> int:
@@ -83,32 +84,33 @@ def bundles_needed(placement: str, ranks: int, engines: int, tp: int) -> int:
     return len(TRAINER_ROLES) * ranks + engines * tp
 
 
-def reserve(bundles: int, gpu: bool, name: str):
-    """A placement group of ``bundles`` bundles, once the cluster grants it; refused at once when the
-    cluster could never hold it, and after READY_TIMEOUT when it stays busy."""
+def reserve(bundles: int, gpu: bool, name: str, size: int = 1):
+    """A placement group of ``bundles`` bundles of ``size`` devices, once the cluster grants it; refused
+    at once when the cluster could never hold it, and after READY_TIMEOUT when it stays busy."""
     ray = import_ray()
     from ray.util.placement_group import placement_group
 
-    asked = {k: v * bundles for k, v in bundle(gpu).items()}
+    asked = {k: v * bundles for k, v in bundle(gpu, size).items()}
     have = ray.cluster_resources()
     short = {k: f"{v:g} asked, {have.get(k, 0):g} in the cluster" for k, v in asked.items() if have.get(k, 0) < v}
     if short:
         raise ConfigError(f"ray: the {name} bundles need more than the cluster has ({'; '.join(short.values())}); "
                           "lower ray.ranks / ray.engines, use ray.placement=colocated, or add nodes")
-    group = placement_group([bundle(gpu) for _ in range(bundles)], strategy="PACK", name="")
+    group = placement_group([bundle(gpu, size) for _ in range(bundles)], strategy="PACK", name="")
     try:
         ray.get(group.ready(), timeout=READY_TIMEOUT)
     except ray.exceptions.GetTimeoutError:
-        raise RoleDied(f"ray: the cluster did not grant the {name} bundles ({bundles} x {bundle(gpu)}) within "
+        raise RoleDied(f"ray: the cluster did not grant the {name} bundles ({bundles} x {bundle(gpu, size)}) within "
                        f"{READY_TIMEOUT:g}s; other jobs hold its resources") from None
     return group
 
 
-def actor_options(group, index: int, gpu: bool, share: float) -> dict:
-    """Ray options placing an actor on bundle ``index`` of ``group``, taking ``share`` of it."""
+def actor_options(group, index: int, gpu: bool, share: float, size: int = 1) -> dict:
+    """Ray options placing an actor on bundle ``index`` of ``group`` (of ``size`` devices), taking ``share``
+    of it: Ray shows the actor (and the processes it starts) the GPUs it takes."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    return {"num_cpus": share, "num_gpus": share if gpu else 0,
+    return {"num_cpus": share * size, "num_gpus": share * size if gpu else 0,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=group,
                                                                     placement_group_bundle_index=index)}
 

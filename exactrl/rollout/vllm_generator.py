@@ -225,11 +225,13 @@ class VLLMGenerator:
             self._fail(what, why, start, WeightSyncError)
         return self._loaded(version, what)
 
-    def join_channel(self, host: str, port: int, first: int, world: int, bind: str | None = None) -> None:
+    def join_channel(self, host: str, port: int, first: int, world: int, bind: str | None = None,
+                     backend: str = "gloo") -> None:
         """Have the engine's workers join a weight channel another process sends on (Ray's: the
         policy's rank 0, to every engine at once; exactrl/workers/groups.py EngineGroup), as
-        members ``first``.. of ``world``, listening on ``bind``. Its syncs are receive_weights."""
-        self._send("open_channel", (host, port, self.sync_timeout, world, first, bind))
+        members ``first``.. of ``world``, listening on ``bind`` (gloo) or on their GPUs (NCCL).
+        Its syncs are receive_weights."""
+        self._send("open_channel", (host, port, self.sync_timeout, world, first, bind, backend))
         self._reply("joining the weight channel", self.sync_timeout, "rollout.vllm.sync_timeout", WeightSyncError)
         self._joined = True
 

@@ -63,8 +63,8 @@ class VLLMBackend:
         return {"pid": os.getpid(), "vllm": vllm.__version__}
 
     def open_channel(self, host: str, port: int, timeout: float, world: int = 2, first: int = 1,
-                     bind: str | None = None) -> None:
-        self._rpc("exactrl_open_channel", host, port, timeout, world, first, bind)
+                     bind: str | None = None, backend: str = "gloo") -> None:
+        self._rpc("exactrl_open_channel", host, port, timeout, world, first, bind, backend)
 
     def load(self, version: int, timeout: float) -> dict:
         records = self._rpc("exactrl_load", version, timeout)

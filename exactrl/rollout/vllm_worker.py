@@ -157,7 +157,7 @@ class WeightSyncExtension:
 
     def exactrl_start(self, name: str, sleeps: bool = False) -> None:
         self.exactrl_weights = WeightsState(name)
-        self.exactrl_group, self.exactrl_sleeps = None, sleeps
+        self.exactrl_group, self.exactrl_sleeps, self.exactrl_on = None, sleeps, weight_channel.HOST
         if sleeps:  # each wake-up is checked against what went to sleep
             self.exactrl_weights.resident = resident_digest(self.model_runner.get_model())
         # vLLM's in-place reload: from an iterator (the sync below) or, without one, from the checkpoint on
@@ -173,22 +173,24 @@ class WeightSyncExtension:
         self.reload_weights = guarded
 
     def exactrl_open_channel(self, host: str, port: int, timeout: float, world: int = 2, first: int = 1,
-                             bind: str | None = None) -> None:
+                             bind: str | None = None, backend: str = "gloo") -> None:
         """Join the channel served at ``host:port`` as member ``first`` + this worker's tensor-parallel
         rank (the sender is 0; under Ray every engine's workers join one channel, engine j's from
-        1 + j x TP), listening on ``bind``."""
+        1 + j x TP), listening on ``bind`` (gloo) or on this worker's GPU (NCCL)."""
         from vllm.distributed import get_tensor_model_parallel_rank
 
         store = weight_channel.join_store(host, port, timeout)
         self.exactrl_group = weight_channel.open_group(store, first + get_tensor_model_parallel_rank(), timeout, world,
-                                                       bind)
+                                                       bind, backend)
+        self.exactrl_on = weight_channel.device(backend)
 
     @_marked
     def exactrl_load(self, version: int, timeout: float) -> dict:
         """Receive a whole sync into vLLM's in-place reload (which also redoes what loading does
         after the weights are in: the CPU backend's repacking for its kernels), digest what the
         model now holds, and record the new version."""
-        received = (t for bucket in weight_channel.receive(self.exactrl_group, timeout) for t in bucket)
+        received = (t for bucket in weight_channel.receive(self.exactrl_group, timeout, self.exactrl_on)
+                    for t in bucket)
         digest = reload_verified(self.model_runner.get_model(),
                                  lambda: self.exactrl_reload(weights_iterator=received, is_checkpoint_format=True))
         model = self.model_runner.get_model()

@@ -87,10 +87,10 @@ class RoleActor:
     def call(self, role: str, method: str, *args, **kwargs):
         return getattr(self.held[role], method)(*args, **kwargs)
 
-    def join_weight_channel(self, host: str, port: int, first: int, world: int) -> None:
+    def join_weight_channel(self, host: str, port: int, first: int, world: int, backend: str) -> None:
         """Have this actor's vLLM engine join the policy's weight channel (EngineGroup.load_weights), listening on
-        this node's address."""
-        self.held["engine"].join_channel(host, port, first, world, import_ray().util.get_node_ip_address())
+        this node's address (gloo) or on its GPUs (NCCL)."""
+        self.held["engine"].join_channel(host, port, first, world, import_ray().util.get_node_ip_address(), backend)
 
     def sleep_engine(self) -> None:
         """Let a vLLM engine release its memory while the trainer trains (rollout.vllm.sleep_level)."""
@@ -152,6 +152,7 @@ class Channel:
     timeout: float  # every broadcast's (rollout.vllm.sync_timeout)
     bucket_bytes: int
     tp: int  # workers per engine (ray.engine_tp)
+    backend: str  # gloo or nccl (rollout.vllm.weight_channel, resolved: channel_backend)
     key: str = field(default_factory=lambda: secrets.token_hex(8))  # the run's channel in the sender's process
 
 
@@ -220,7 +221,7 @@ class EngineGroup:
             _SENDING[c.key] = self._open(c)
         refs = [e.call.remote("engine", "receive_weights") for e in self.actors]
         try:
-            weight_channel.send(_SENDING[c.key][1], named, c.bucket_bytes, c.timeout)
+            weight_channel.send(_SENDING[c.key][1], named, c.bucket_bytes, c.timeout, weight_channel.device(c.backend))
         except weight_channel.ChannelTimeout as e:
             del _SENDING[c.key]
             seen = []
@@ -241,9 +242,10 @@ class EngineGroup:
         (engine j's from 1 + j x TP)."""
         host, world = import_ray().util.get_node_ip_address(), 1 + len(self.actors) * c.tp
         store = weight_channel.serve_store(host, c.timeout)
-        joins = [e.join_weight_channel.remote(host, store.port, 1 + j * c.tp, world) for j, e in enumerate(self.actors)]
+        joins = [e.join_weight_channel.remote(host, store.port, 1 + j * c.tp, world, c.backend)
+                 for j, e in enumerate(self.actors)]
         try:
-            group = weight_channel.open_group(store, 0, c.timeout, world, host)
+            group = weight_channel.open_group(store, 0, c.timeout, world, host, c.backend)
         except RuntimeError as e:
             results(joins, self.names, "joining the weight channel")  # an engine's own failure first
             raise WeightSyncError(f"{self.name} did not join the weight channel within {c.timeout:g} s "
@@ -286,10 +288,11 @@ class RayRoles:
         self.actors, self.groups, self.policy_path = [], [], None
         try:
             self.gpu = self.cluster.gpu(cfg.distributed.device)
-            if self.gpu and r.engine_tp > 1:
-                raise ConfigError(f"ray.engine_tp={r.engine_tp} on GPUs: an engine actor sees the one GPU of its "
-                                  "bundle, so its vLLM process cannot take more (tensor-parallel engines run on CPU "
-                                  "bundles for now); set ray.engine_tp=1 and scale with ray.engines")
+            self.channel = self.channel_backend() if cfg.rollout.engine == "vllm" else None
+            if self.gpu and r.engine_tp > 1 and r.placement == "colocated":
+                raise ConfigError(f"ray.engine_tp={r.engine_tp} with ray.placement=colocated on GPUs: an actor cannot "
+                                  "span the one-GPU bundles the roles share, so a tensor-parallel engine needs "
+                                  "ray.placement=split (a bundle of ray.engine_tp GPUs per engine)")
             # colocated: one set of bundles every role shares, rank i (and engine i) on bundle i
             self.shared = reserve(max(r.ranks, r.engines * r.engine_tp), self.gpu, "colocated") \
                 if r.placement == "colocated" else None
@@ -300,18 +303,22 @@ class RayRoles:
             self.groups.append(self.shared)
         record_fact(run_dir, "ray", {"address": r.address, "placement": r.placement, "ranks": r.ranks,
                                      "engines": r.engines, "engine_tp": r.engine_tp, "gpu": self.gpu,
+                                     "weight_channel": self.channel,
                                      "nodes": len(import_ray().nodes()), "async_rollouts": r.async_rollouts,
                                      "max_staleness": r.max_staleness if r.async_rollouts else 0})
 
-    def _start(self, what: str, count: int, stride: int = 1) -> list:
-        """``count`` actors, the i-th on bundle i x ``stride`` of the shared set or of a set of their own."""
+    def _start(self, what: str, count: int, size: int = 1) -> list:
+        """``count`` actors, each taking ``size`` devices (a tensor-parallel engine's): split, a bundle of
+        ``size`` devices each, in a set of their own; colocated, the i-th on shared bundle i x ``size``
+        (one device: tensor-parallel engines are refused colocated on GPUs)."""
         if self.shared is not None:
-            group, share = self.shared, SHARE
+            group, share, stride, size = self.shared, SHARE, size, 1
         else:
-            group, share = reserve(count * stride, self.gpu, what), 1.0
+            group, share, stride = reserve(count, self.gpu, what, size), 1.0, 1
             self.groups.append(group)
         remote = import_ray().remote(RoleActor)
-        actors = [remote.options(**actor_options(group, i * stride, self.gpu, share)).remote() for i in range(count)]
+        actors = [remote.options(**actor_options(group, i * stride, self.gpu, share, size)).remote()
+                  for i in range(count)]
         self.actors += actors
         return actors
 
@@ -334,14 +341,23 @@ class RayRoles:
         if cfg.rollout.engine == "vllm" and cfg.rollout.vllm.python:  # where this process finds it, not the actor
             vllm = cfg.rollout.vllm.model_copy(update={"python": os.path.abspath(cfg.rollout.vllm.python)})
             cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"vllm": vllm})})
-        actors = self._start("rollout engines", r.engines, stride=r.engine_tp)
+        actors = self._start("rollout engines", r.engines, size=r.engine_tp)
         ready = [a.build_engine.remote(cfg, self.policy_path, tokenizer, self.run_dir, self.phase, j)
                  for j, a in enumerate(actors)]
         if cfg.rollout.engine != "vllm":
             return EngineGroup(actors, tokenizer, ready)
         v = cfg.rollout.vllm
         return EngineGroup(actors, tokenizer, ready, VLLMGenerator.logprobs_over,
-                           Channel(v.sync_timeout, v.bucket_mb << 20, r.engine_tp))
+                           Channel(v.sync_timeout, v.bucket_mb << 20, r.engine_tp, self.channel))
+
+    def channel_backend(self) -> str:
+        """rollout.vllm.weight_channel, auto resolved: nccl where the policy's rank 0 and every engine hold GPUs of
+        their own (split on GPUs), else gloo (NCCL refuses two members on one GPU: colocated; and needs GPUs)."""
+        choice, split = self.cfg.rollout.vllm.weight_channel, self.cfg.ray.placement == "split"
+        if choice == "nccl" and not self.gpu:
+            raise ConfigError("rollout.vllm.weight_channel=nccl: NCCL moves tensors between GPUs and this run's actors "
+                              "have none; use gloo (or auto)")
+        return "nccl" if choice == "nccl" or (choice == "auto" and split and self.gpu) else "gloo"
 
     def close(self) -> None:
         """End every actor and release every bundle of the run, then leave a cluster this run joined."""

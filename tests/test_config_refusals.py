@@ -78,7 +78,10 @@ def test_a_setting_the_run_cannot_use_is_refused(cls, overrides, message):
 def test_a_setting_the_run_cannot_use_is_blamed_on_its_source(tmp_path):
     p = tmp_path / "cfg.yaml"
     p.write_text("model:\n  path: builtin\n  lora:\n    merge_on_save: true\n")
-    assert error_of(SFTConfig, p).startswith(f"{p}:4: model.lora.merge_on_save=true has no effect: LoRA is off")
+    assert error_of(SFTConfig, p) == (f"{p}:4: model.lora.merge_on_save=true has no effect: LoRA is off "
+                                      "(model.lora.rank=0); set model.lora.rank > 0 or remove it (or override it "
+                                      "back: model.lora.merge_on_save=false)")
+    assert load_config(SFTConfig, p, ["model.lora.merge_on_save=false"]).model.lora.merge_on_save is False
     assert error_of(SFTConfig, p, ["model.lora.merge_on_save=false", "model.lora.alpha=8"]).startswith(
         "override 'model.lora.alpha=8': model.lora.alpha=8.0 has no effect")
 

@@ -332,9 +332,12 @@ def check_used(cfg: BaseModel, defaults: BaseModel, keys: list[str] | None = Non
             for row in USED_WHEN:
                 if (key.startswith(row.key) if row.key.endswith(".") else key == row.key) and not row.used(cfg):
                     where = _origin(prefix + key, origins or {})
+                    # a file's key can also be set back from the command line, leaving the file as it is
+                    back = f" (or override it back: {key}={_show(default.get(key))})" \
+                        if where and not where.startswith("override") else ""
                     raise ConfigError((f"{where}: " if where else "") + _full_keys(
-                        f"{key}={_show(now[key])} has no effect: {row.why_not.format(c=cfg)}; {row.fix} or remove it",
-                        loc, keys))
+                        f"{key}={_show(now[key])} has no effect: {row.why_not.format(c=cfg)}; {row.fix} or remove it"
+                        f"{back}", loc, keys))
     for name in type(cfg).model_fields:
         if isinstance(getattr(cfg, name), CommonConfig):
             check_used(getattr(cfg, name), getattr(defaults, name), keys, origins, f"{prefix}{name}.")

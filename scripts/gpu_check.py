@@ -10,6 +10,9 @@
    has it (else Hugging Face engines; split, the weights go over NCCL, GPU to GPU; colocated,
    over gloo), every weight sync verified (digest, probe), the
    rollout-trainer gap measured at every rollout;
+4. a short GRPO run sampling with vLLM without Ray (`vllm-<dtype>`: each trainer rank starts an
+   engine on its own GPU, which sleeps while the rank trains, rollout.vllm.sleep_level=auto),
+   reporting the same and what each sleep freed;
 then a PASS/FAIL table with the figures (equivalence errors, tokens/s, peak GPU memory). Exit
 code 1 on any FAIL.
 
@@ -77,6 +80,8 @@ def run_training(kind: str, dtype: str, world: int, dry: bool, steps: int, work:
            "EXACTRL_GPU_CHECK_WORLD": str(world)}
     proc = subprocess.run([sys.executable, *launcher, *child], cwd=work, env=env, capture_output=True, text=True)
     name = f"{kind} {dtype} world {world}" + (f" ({'vllm' if vllm else 'hf'} engine)" if kind == "ray" else "")
+    if kind == "vllm" and not vllm:
+        return (name, "SKIP", "no environment with vLLM (--vllm-python, or make vllm)", "")
     if proc.returncode or not out.exists():
         print(f"--- {name} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
         return (name, "FAIL", f"exit code {proc.returncode}", "")
@@ -85,7 +90,8 @@ def run_training(kind: str, dtype: str, world: int, dry: bool, steps: int, work:
     memory = "n/a (cpu)" if r["peak_memory_gb"] is None else f"{r['peak_memory_gb']:.2f} GB peak"
     sync = "" if r.get("probe_error") is None else (f", sync probe {r['probe_error']:.2g}, rollout gap "
                                                     f"{r['gap_abs_max']:.2g}" + (f", {r['channel']} weight channel"
-                                                                                 if r.get("channel") else ""))
+                                                                                 if r.get("channel") else "") + (
+        f", each sleep freed {r['sleep_freed_gb']:.2f} GB" if r.get("sleep_freed_gb") is not None else ""))
     return (name, "PASS" if ok else "FAIL", f"loss {r['loss']:.4f}, canary {min(r['canary'], default=1):.7f}, "
             f"{r['tokens_per_s']:.0f} tokens/s{sync}", memory)
 
@@ -115,6 +121,9 @@ def child(kind: str, dtype: str, device: str, steps: int, out: str, vllm: str = 
               "data.eval=null", f"output_dir={Path(out).with_suffix('')}",
               f"distributed.backend={'fsdp2' if world > 1 else 'single'}"]
     common += ray_settings(world, vllm, gpus) if kind == "ray" else [f"distributed.nproc_per_node={world}"]
+    if kind == "vllm":  # each rank's engine shares its GPU with the rank, and sleeps while it trains
+        common += ["rollout.engine=vllm", f"rollout.vllm.python={vllm}", "rollout.vllm.gpu_memory_utilization=0.3"] + (
+            ["rollout.vllm.cpu_kv_cache_gb=1"] if device == "cpu" else [])
     spec = BuiltinSpec(n_sft=64, n_rl=64, n_eval=8)
     if kind == "sft":
         from exactrl.algorithms.sft import train_sft
@@ -136,11 +145,13 @@ def child(kind: str, dtype: str, device: str, steps: int, out: str, vllm: str = 
         lines = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
         logged = [x for x in lines if "loss" in x]
         peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+        freed = [x["engine_sleep_freed_gb"] for x in logged if "engine_sleep_freed_gb" in x]
         sync = {"probe_error": max(x["sync_probe_error"] for x in logged),
                 "gap_abs_max": max(x.get("rollout_gap/abs_max", 0.0) for x in logged),
                 # the vLLM engines' (NCCL when split over GPUs): exactrl/workers/groups.py RayRoles.channel_backend
-                "channel": json.loads((result.run_dir / "manifest.json").read_text())["ray"].get("weight_channel")
-                } if kind == "ray" else {}
+                "channel": json.loads((result.run_dir / "manifest.json").read_text()).get("ray", {}).get(
+                    "weight_channel"), "sleep_freed_gb": min(freed) if freed else None} if kind in ("ray", "vllm") \
+            else {}
         Path(out).write_text(json.dumps({"loss": logged[-1]["loss"], "canary": [x["canary"] for x in logged if x.get(
             "canary") is not None],
                                          "tokens_per_s": tokens / result.seconds, "peak_memory_gb": peak, **sync}))
@@ -157,11 +168,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dry-run", action="store_true", help="run everything on the CPU (gloo, world size 1)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps of each run (default 20 on GPU, 2 dry)")
-    p.add_argument("--runs", default="sft-fp32,sft-bf16,grpo-fp32,grpo-bf16,ray-fp32,ray-bf16",
-                   help="which training runs (kind-dtype, comma-separated; kind sft, grpo or ray)")
+    p.add_argument("--runs", default="sft-fp32,sft-bf16,grpo-fp32,grpo-bf16,ray-fp32,ray-bf16,vllm-fp32,vllm-bf16",
+                   help="which training runs (kind-dtype, comma-separated; kind sft, grpo, ray or vllm)")
     p.add_argument("--vllm-python", default=None,
-                   help="interpreter of an environment with vLLM for the ray runs (default: this one if it has vLLM, "
-                        "else .venv-vllm's, else Hugging Face engines)")
+                   help="interpreter of an environment with vLLM for the ray and vllm runs (default: this one if it "
+                        "has vLLM, else .venv-vllm's; else the ray runs take Hugging Face engines, the vllm runs skip)")
     p.add_argument("--child", nargs=7, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -186,7 +197,7 @@ def main() -> int:
             for run in args.runs.split(","):
                 kind, dtype = run.split("-")
                 rows.append(run_training(kind, dtype, world, args.dry_run, steps, work,
-                                         vllm_python(args.vllm_python) if kind == "ray" else None, gpus))
+                                         vllm_python(args.vllm_python) if kind in ("ray", "vllm") else None, gpus))
     print_table(rows)
     failed = [r[0] for r in rows if r[1] == "FAIL"]
     print(f"gpu-check: {'FAIL: ' + ', '.join(failed) if failed else 'PASS'}")

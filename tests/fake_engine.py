@@ -77,7 +77,8 @@ class HFBackend:
         self.host = {n: p.detach().clone() for n, p in self.model.named_parameters()} if level == 1 else None
         for p in self.model.parameters():
             p.zero_()
-        return self.state()
+        # what a GPU engine would free: its weights (it has no KV cache); on a GPU, vLLM's device counts it
+        return self.state(), sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     @torch.no_grad()
     def wake_up(self):

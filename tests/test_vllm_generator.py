@@ -24,7 +24,7 @@ from exactrl.losses.token_losses import kept_logprobs
 from exactrl.rollout import weight_channel
 from exactrl.rollout.generator import GeneratorError, SamplingParams
 from exactrl.rollout.hf import HFEngine
-from exactrl.rollout.vllm_generator import VLLMGenerator
+from exactrl.rollout.vllm_generator import VLLMGenerator, rank_gpu
 from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin
 from exactrl.tasks.tiny_model import build_tiny_model, save_tiny_model
 from exactrl.tasks.tokenizer import save_tokenizer
@@ -182,6 +182,10 @@ def test_a_run_through_the_engine_ends_where_the_in_process_run_ends(tmp_path, m
     assert max((hf[k] - vllm[k]).abs().max().item() for k in hf) < 1e-6 and any(not start[k].equal(hf[k]) for k in hf)
     log = next((tmp_path / "vllm").rglob("vllm-engine-0-*.log")).read_text().split()
     assert log.count("sleep(1)") == 2 and log.count("woke") == 1  # after each rollout; woken by the second push
+    # what each sleep freed, as the engine measures it (on a GPU, its device's free memory; the stand-in: its weights)
+    weights = sum(t.numel() * t.element_size() for t in start.values()) / 2**30
+    assert [r["engine_sleep_freed_gb"] for r in runs["vllm"][0]] == [weights] * 2
+    assert all("engine_sleep_freed_gb" not in r for r in runs["hf"][0])
 
 
 def sleeping(model_dir, tmp_path, level: int, **faults) -> VLLMGenerator:
@@ -263,3 +267,15 @@ def test_sleep_level_auto_and_its_refusals(monkeypatch):
     with pytest.raises(Exception, match=r"rollout.vllm.sleep_level=1 with ray.async_rollouts=true"):
         cfg("rollout.vllm.sleep_level=1", "ray.async_rollouts=true", "algo.rollout_correction=tis")
 
+
+
+def test_a_plain_runs_engine_takes_its_ranks_gpu(monkeypatch):
+    """vLLM starts on the first GPU it sees: each rank's engine is shown only its rank's GPU (else every rank's
+    engine would share GPU 0), counted within CUDA_VISIBLE_DEVICES when that is set."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert [rank_gpu(torch.device("cuda", i)) for i in (0, 3)] == [{"CUDA_VISIBLE_DEVICES": "0"},
+                                                                   {"CUDA_VISIBLE_DEVICES": "3"}]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    assert rank_gpu(torch.device("cuda", 1)) == {"CUDA_VISIBLE_DEVICES": "6"}
+    assert rank_gpu(torch.device("cpu")) == {}

@@ -86,7 +86,9 @@ class RolloutSchedule:
         samples, stats, seconds = future.result()
         self.pending = None
         if not self.max_staleness:  # synchronous: the engine is idle until the next push (vLLM's sleep mode)
-            getattr(self.generator, "sleep", lambda: None)()
+            freed = getattr(self.generator, "sleep", lambda: None)()
+            if freed is not None:  # what the trainer's GPU got back for the update
+                stats["engine_sleep_freed_gb"] = freed / 2**30
         stats["rollout_wait_seconds"] = time.perf_counter() - t0
         versions = {s.weights_version for s in samples if s.weights_version is not None}
         if versions - {stats["weights_version"]}:

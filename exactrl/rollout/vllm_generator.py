@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from exactrl.checks.weight_sync import WeightsDigest, WeightsState, WeightSyncError
+from exactrl.device import use_device
 from exactrl.rollout import weight_channel
 from exactrl.rollout.generator import Generation, GeneratorError, SamplingParams, prompt_seeds, row_seed
 from exactrl.rollout.stops import StopStrings, response_ends
@@ -183,16 +184,18 @@ class VLLMGenerator:
                                   f"digest {str(want.digest)[:12]}{', asleep' if want.asleep else ''}) at {what}: "
                                   "something in the engine replaced them after the sync")
 
-    def sleep(self) -> None:
+    def sleep(self) -> int | None:
         """Release the engine's accelerator memory while the trainer trains (rollout.vllm.sleep_level:
         1 keeps its weights in host memory, 2 drops them; 0 does nothing). It wakes by itself at the
         next sync or request; weights kept through a level-1 sleep are then checked unchanged (the
-        engine's digest of what it holds), dropped ones must be synced before anything is generated."""
+        engine's digest of what it holds), dropped ones must be synced before anything is generated.
+        Returns the bytes of its GPU the sleep freed (None on CPU, or when it does not sleep)."""
         if not self.sleep_level or self.weights_state.asleep:
-            return
-        state = self._request("sleep", self.sleep_level, timeout=self.sync_timeout)
+            return None
+        state, freed = self._request("sleep", self.sleep_level, timeout=self.sync_timeout)
         self.weights_state.slept(self.sleep_level)
         self._check_state(state, "sleep")
+        return freed
 
     def _wake(self, what: str) -> None:
         """Wake the engine if it sleeps; it checks what it woke with (a WeightSyncError if changed)."""
@@ -309,6 +312,8 @@ def vllm_generator(cfg, model_dir: str, tokenizer, run_dir: Path, index: int = 0
     ray = getattr(cfg, "ray", None)
     tp = ray.engine_tp if ray is not None and ray.enabled else 1
     env = {"VLLM_CPU_KVCACHE_SPACE": str(v.cpu_kv_cache_gb)} if v.cpu_kv_cache_gb else {}
+    if not (ray is not None and ray.enabled):  # Ray shows an engine actor (and so its engine) its own GPUs
+        env |= rank_gpu(use_device(cfg.distributed.device))
     longest = cfg.data.max_length + cfg.rollout.max_new_tokens
     positions = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
     return VLLMGenerator(model_dir, tokenizer, python=v.python, dtype=cfg.model.dtype, seed=cfg.train.seed,
@@ -318,6 +323,16 @@ def vllm_generator(cfg, model_dir: str, tokenizer, run_dir: Path, index: int = 0
                          request_timeout=v.request_timeout, bucket_mb=v.bucket_mb, log_dir=run_dir, env=env,
                          trust_remote_code=cfg.model.trust_remote_code, sleep_level=level,
                          tensor_parallel_size=tp)
+
+
+def rank_gpu(device: torch.device) -> dict:
+    """A plain run's engine runs on its trainer rank's GPU (``device``): vLLM takes the first GPU it
+    sees, so without this every rank's engine would start on GPU 0."""
+    if device.type != "cuda":
+        return {}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    return {"CUDA_VISIBLE_DEVICES": ids[device.index if device.index is not None else torch.cuda.current_device()]}
 
 
 def sleep_level(cfg) -> int:

@@ -78,10 +78,12 @@ class VLLMBackend:
 
     def sleep(self, level: int) -> tuple:
         """Release the accelerator's memory while the trainer trains (vLLM's sleep mode): level 1
-        keeps the weights in host memory, level 2 discards them (the next sync brings them back)."""
+        keeps the weights in host memory, level 2 discards them (the next sync brings them back).
+        The weights state, and the bytes of its (first worker's) device the sleep freed (None on CPU)."""
+        before = self._rpc("exactrl_free_bytes")
         self._rpc("exactrl_sleep", level)
         self.llm.sleep(level=level)
-        return self.state()
+        return self.state(), None if before is None else self._rpc("exactrl_free_bytes") - before
 
     def wake_up(self) -> tuple:
         """Take the memory back; weights kept through a level-1 sleep are checked unchanged."""

@@ -197,6 +197,10 @@ class WeightSyncExtension:
         self.exactrl_weights.synced(version, digest.value, resident_digest(model) if self.exactrl_sleeps else None)
         return digest.tensors
 
+    def exactrl_free_bytes(self) -> int | None:
+        """Free memory on this worker's GPU, as the driver counts it (every process's use); None on CPU."""
+        return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None
+
     def exactrl_sleep(self, level: int) -> None:
         self.exactrl_weights.slept(level)
 

@@ -92,9 +92,9 @@ class RoleActor:
         this node's address (gloo) or on its GPUs (NCCL)."""
         self.held["engine"].join_channel(host, port, first, world, import_ray().util.get_node_ip_address(), backend)
 
-    def sleep_engine(self) -> None:
-        """Let a vLLM engine release its memory while the trainer trains (rollout.vllm.sleep_level)."""
-        getattr(self.held.get("engine"), "sleep", lambda: None)()
+    def sleep_engine(self) -> int | None:
+        """Let a vLLM engine release its memory while the trainer trains (rollout.vllm.sleep_level); the bytes freed."""
+        return getattr(self.held.get("engine"), "sleep", lambda: None)()
 
     def close_engine(self) -> None:
         """End what the engine holds outside this process (a vLLM engine's own processes)."""
@@ -268,10 +268,13 @@ class EngineGroup:
         """Engine 0's log-probs of the probe sequence (every engine's digest equals what was sent)."""
         return results([self.actors[0].call.remote("engine", "probe_logprobs", ids)], self.names[:1], "the probe")[0]
 
-    def sleep(self) -> None:
+    def sleep(self) -> int | None:
         """Every engine sleeps until the next push or request (a vLLM engine with rollout.vllm.sleep_level > 0;
-        anything else does nothing); each wakes by itself and checks what it woke with."""
-        results([a.sleep_engine.remote() for a in self.actors], self.names, "putting the rollout engines to sleep")
+        anything else does nothing); each wakes by itself and checks what it woke with. The bytes of GPU memory
+        they freed together (None where none is measured)."""
+        freed = results([a.sleep_engine.remote() for a in self.actors], self.names,
+                        "putting the rollout engines to sleep")
+        return None if all(f is None for f in freed) else sum(f for f in freed if f is not None)
 
     def close(self) -> None:
         """Stop the engines' own processes (vLLM's) before the run's final save; the actors end with the run."""

@@ -239,3 +239,32 @@ def test_vllm_engines_under_ray_end_at_the_weights_of_the_engine_beside_the_trai
     diff = max((a[k] - b[k]).abs().max().item() for k in a)
     print(f"vllm {mode}: ray split vs beside the trainer, max |weight difference| {diff:.3g}")
     assert diff <= 1e-5
+
+
+def test_a_plain_run_on_two_ranks_each_with_its_own_engine_ends_at_the_one_rank_runs_weights(vllm_python, tmp_path):
+    """`exactrl rl rollout.engine=vllm distributed.nproc_per_node=2` (FSDP2): each rank starts its own engine and
+    samples its share of the prompts with it, each response from its own keyed stream, so the rollouts are the one-rank
+    run's and the final weights equal its to 1e-5."""
+    from safetensors.torch import load_file
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "EXACTRL_CACHE": str(tmp_path / "cache"),
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    rows, weights = {}, {}
+    for world in (1, 2):
+        out = tmp_path / f"w{world}"
+        proc = subprocess.run([str(root / ".venv" / "bin" / "exactrl"), "rl", "data.eval=null",
+                               "train.global_batch_size=16", "train.micro_batch_size=4", "algo.group_size=8",
+                               "train.max_steps=2", "train.log_every=1", "rollout.max_new_tokens=16", "optim.name=sgd",
+                               "optim.lr=0.05", "rollout.engine=vllm", f"rollout.vllm.python={vllm_python}",
+                               "rollout.vllm.cpu_kv_cache_gb=1", "reward.fn=reward_fixtures:varied",
+                               f"distributed.nproc_per_node={world}",
+                               f"distributed.backend={'fsdp2' if world > 1 else 'single'}", f"output_dir={out}"],
+                              cwd=root, env=env, capture_output=True, text=True, timeout=1500)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+        rows[world] = [(r["reward_mean"], r["generated_tokens"], r["sync_probe_error"] < 1e-5) for r in logged]
+        weights[world] = load_file(out / "final" / "model.safetensors")
+    diff = max((weights[1][k] - weights[2][k]).abs().max().item() for k in weights[1])
+    print(f"vllm plain, 2 ranks with an engine each vs 1 rank: max |weight difference| {diff:.3g}")
+    assert rows[1] == rows[2] and all(ok for *_, ok in rows[1]) and diff <= 1e-5

@@ -4,8 +4,8 @@ vLLM's convention, over the top-k/top-p kept set): the client, the
 engine process, the weight channel, the digests, the weights state and every timeout are tested
 by the fast suite without vLLM (tests/test_vllm_generator.py). The real engine is tested there
 too when its environment exists. Test-only faults come from $EXACTRL_FAKE_ENGINE (JSON: hang_on_load,
-generate_seconds, wake_with_base: a wake-up from sleep that brings back the base weights, TRL issue
-#5312), never from product code.
+die_in_load: the process exits on the sync's first bucket, generate_seconds, wake_with_base: a
+wake-up from sleep that brings back the base weights, TRL issue #5312), never from product code.
 
 Sleep mode as vLLM's: level 1 keeps the weights in host memory (here: a copy, the model's own zeroed,
 as freed memory would be), level 2 discards them; the weights state and the wake-up's check are the
@@ -41,6 +41,7 @@ class HFBackend:
         self.engine = HFEngine(self.model, AutoTokenizer.from_pretrained(model), batch_size=64)
         self.state_ = WeightsState(name)
         self.group, self.hang_on_load, self.generate_seconds = None, hang_on_load, generate_seconds
+        self.die_in_load = faults.get("die_in_load", False)
         self.path, self.wake_with_base, self.sleeps, self.host = model, faults.get("wake_with_base", False), \
             sleep_level > 0, None
         if self.sleeps:
@@ -60,6 +61,8 @@ class HFBackend:
             time.sleep(3600)
         own = dict(self.model.named_parameters())
         for bucket in weight_channel.receive(self.group, timeout):
+            if self.die_in_load:  # an engine that dies in the middle of a sync
+                os._exit(3)
             with torch.no_grad():
                 for name, t in bucket:
                     own[name].copy_(t)

@@ -235,15 +235,19 @@ def test_vllm_engines_take_the_weights_over_one_channel_from_the_policys_rank_0(
     assert [logs[j].count(f"weight channel: member {j + 1} of 3 (gloo)") for j in range(2)] == [1, 1]
 
 
-def test_an_engine_that_never_takes_its_weights_is_named_and_nothing_hangs(tmp, monkeypatch):
-    """Engine 1 of 2 never takes the first sync (rollout.vllm.sync_timeout=5): the broadcast times out, each engine's
-    own end of the sync is waited for (bounded by the same timeout) and the error names what each one saw."""
-    stand_in_engines(monkeypatch, e1={"hang_on_load": True})
+@pytest.mark.parametrize("fault,seen", [
+    ("hang_on_load", r"did not answer within 5 s \(rollout.vllm.sync_timeout\)"),
+    pytest.param("die_in_load", r"died \(exit code 3\) during the weight sync to version 1", marks=pytest.mark.slow)])
+def test_an_engine_that_fails_a_sync_is_named_and_nothing_hangs(tmp, monkeypatch, fault, seen):
+    """Engine 1 of 2 never takes the first sync, or dies on its first bucket (rollout.vllm.sync_timeout=5): the
+    broadcast breaks off, each engine's own end of the sync is waited for (bounded by the same timeout) and the error
+    names what each one saw."""
+    stand_in_engines(monkeypatch, e1={fault: True})
     t0 = time.perf_counter()
     with pytest.raises(WeightSyncError, match=r"the weight push to the 2 Ray rollout engines broke off .*"
-                                              r"rollout engine 1 of 2: vllm engine 1 \(pid \d+\) did not answer within "
-                                              r"5 s \(rollout.vllm.sync_timeout\)") as failed:
-        run(tmp, "grpo", *layout("split", 1, 2), "rollout.engine=vllm", "rollout.vllm.sync_timeout=5")
+                                              rf"rollout engine 1 of 2: vllm engine 1 \(pid \d+\) {seen}") as failed:
+        run(tmp, "grpo", *layout("split", 1, 2), "rollout.engine=vllm", "rollout.vllm.sync_timeout=5",
+            f"train.seed={len(fault)}")  # a run directory of its own
     print(f"{failed.value} ({time.perf_counter() - t0:.1f}s after the run started)")
 
 

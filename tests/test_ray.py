@@ -237,7 +237,8 @@ def test_vllm_engines_take_the_weights_over_one_channel_from_the_policys_rank_0(
 
 @pytest.mark.parametrize("fault,seen", [
     ("hang_on_load", r"did not answer within 5 s \(rollout.vllm.sync_timeout\)"),
-    pytest.param("die_in_load", r"died \(exit code 3\) during the weight sync to version 1", marks=pytest.mark.slow)])
+    pytest.param("die_in_load", r"died \(exit code 3\) during the weight sync to version 1", marks=pytest.mark.slow)],
+    ids=["hangs", "dies"])
 def test_an_engine_that_fails_a_sync_is_named_and_nothing_hangs(tmp, monkeypatch, fault, seen):
     """Engine 1 of 2 never takes the first sync, or dies on its first bucket (rollout.vllm.sync_timeout=5): the
     broadcast breaks off, each engine's own end of the sync is waited for (bounded by the same timeout) and the error

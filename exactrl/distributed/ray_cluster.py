@@ -115,6 +115,22 @@ def actor_options(group, index: int, gpu: bool, share: float, size: int = 1) -> 
                                                                     placement_group_bundle_index=index)}
 
 
+def failures(refs: Sequence, timeout: float) -> list[str | None]:
+    """How each call of ``refs`` failed, in one line (None: it returned), waiting for every one (each at most
+    ``timeout`` s): for an error that says what each actor saw, where ``results`` stops at the first failure."""
+    ray = import_ray()
+    out = []
+    for ref in refs:
+        try:
+            ray.get(ref, timeout=timeout)
+            out.append(None)
+        except ray.exceptions.RayTaskError as e:
+            out.append(str(e.cause).splitlines()[0])
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+            out.append(type(e).__name__)
+    return out
+
+
 def results(refs: Sequence, names: Sequence[str], doing: str) -> list:
     """The results of ``refs`` (calls to the actors ``names``), in order; as soon as one fails, its
     exception (an exactrl error raised in the actor is raised here as itself, so a check stops the run

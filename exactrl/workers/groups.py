@@ -31,7 +31,16 @@ from exactrl.checks.weight_sync import WeightsDigest
 from exactrl.config.loader import ConfigError
 from exactrl.device import place, use_device
 from exactrl.distributed.launch import init_process_group, rank
-from exactrl.distributed.ray_cluster import SHARE, Cluster, actor_options, bundles_needed, import_ray, reserve, results
+from exactrl.distributed.ray_cluster import (
+    SHARE,
+    Cluster,
+    actor_options,
+    bundles_needed,
+    failures,
+    import_ray,
+    reserve,
+    results,
+)
 from exactrl.models.loading import load_causal_lm
 from exactrl.rollout import weight_channel
 from exactrl.rollout.generator import SamplingParams, WeightSyncError, prompt_seeds
@@ -216,7 +225,7 @@ class EngineGroup:
         loads and digests them (VLLMGenerator.receive_weights): the tensors leave this process once,
         whatever the number of engines. A broken broadcast waits for every engine's own end of the
         sync (bounded by its timeout) and names what each one saw."""
-        c, ray = self.channel, import_ray()
+        c = self.channel
         if c.key not in _SENDING:
             _SENDING[c.key] = self._open(c)
         refs = [e.call.remote("engine", "receive_weights") for e in self.actors]
@@ -224,15 +233,8 @@ class EngineGroup:
             weight_channel.send(_SENDING[c.key][1], named, c.bucket_bytes, c.timeout, weight_channel.device(c.backend))
         except weight_channel.ChannelTimeout as e:
             del _SENDING[c.key]
-            seen = []
-            for name, ref in zip(self.names, refs):
-                try:
-                    ray.get(ref, timeout=2 * c.timeout)
-                    seen.append(f"{name} took them")
-                except ray.exceptions.RayTaskError as failed:
-                    seen.append(f"{name}: {str(failed.cause).splitlines()[0]}")
-                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as failed:
-                    seen.append(f"{name}: {type(failed).__name__}")
+            seen = [f"{name} took them" if why is None else f"{name}: {why}"
+                    for name, why in zip(self.names, failures(refs, 2 * c.timeout))]
             raise WeightSyncError(f"the weight push to {self.name} broke off ({e}; rollout.vllm.sync_timeout "
                                   f"{c.timeout:g} s): " + "; ".join(seen)) from None
         return results(refs, self.names, "a weight push")
@@ -245,12 +247,13 @@ class EngineGroup:
         joins = [e.join_weight_channel.remote(host, store.port, 1 + j * c.tp, world, c.backend)
                  for j, e in enumerate(self.actors)]
         try:
-            group = weight_channel.open_group(store, 0, c.timeout, world, host, c.backend)
+            group, error = weight_channel.open_group(store, 0, c.timeout, world, host, c.backend), None
         except RuntimeError as e:
-            results(joins, self.names, "joining the weight channel")  # an engine's own failure first
+            group, error = None, str(e).strip().splitlines()[0]
+        results(joins, self.names, "joining the weight channel")  # an engine's own failure first
+        if error is not None:
             raise WeightSyncError(f"{self.name} did not join the weight channel within {c.timeout:g} s "
-                                  f"(rollout.vllm.sync_timeout; {str(e).strip().splitlines()[0]})") from None
-        results(joins, self.names, "joining the weight channel")
+                                  f"(rollout.vllm.sync_timeout; {error})")
         return store, group
 
     def weights_digest(self) -> WeightsDigest:

@@ -6,6 +6,9 @@ PY     := $(VENV)/bin/python
 # GPU users: make demo TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
+# pip and setuptools of every environment made here: setuptools builds the sdists installed without build isolation
+# (exactrl itself, DeepSpeed 0.18.5 for the real-bug tests), and a new venv's own 65.x cannot build wheels.
+BOOTSTRAP := pip==26.3 setuptools==84.2.1
 
 .PHONY: demo test setup clean bench gpu-check vllm
 
@@ -13,7 +16,7 @@ setup: $(STAMP)
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip setuptools
+	$(PY) -m pip install -q $(BOOTSTRAP)
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
@@ -46,7 +49,7 @@ BENCH_ARGS  ?=
 
 $(BENCH_STAMP): requirements-bench.txt
 	test -x $(BENCH)/bin/python || $(PYTHON) -m venv $(BENCH)
-	$(BENCH)/bin/python -m pip install -q --upgrade pip
+	$(BENCH)/bin/python -m pip install -q $(BOOTSTRAP)
 	$(BENCH)/bin/python -m pip install -q $(TORCH)
 	$(BENCH)/bin/python -m pip install -q -r requirements-bench.txt
 	touch $@
@@ -65,7 +68,7 @@ VLLM_STAMP := $(VLLM_ENV)/.installed
 
 $(VLLM_STAMP): requirements-vllm.txt
 	test -x $(VLLM_ENV)/bin/python || $(PYTHON) -m venv $(VLLM_ENV)
-	$(VLLM_ENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_ENV)/bin/python -m pip install -q $(BOOTSTRAP)
 	$(VLLM_ENV)/bin/python -m pip install -q $(TORCH)
 	$(VLLM_ENV)/bin/python -m pip install -q $(VLLM_PKG) -c requirements-vllm.txt
 	$(VLLM_ENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec

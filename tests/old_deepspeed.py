@@ -32,15 +32,18 @@ def old_deepspeed_python() -> str:
         if ready.exists():
             return str(python)
         if not python.exists():
-            subprocess.run([sys.executable, "-m", "venv", str(env)], check=True)
+            subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
         own = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                              check=True, capture_output=True, text=True).stdout.strip()
         base = sysconfig.get_paths()["purelib"]  # this interpreter's: the suite's .venv
         # "import" lines of a .pth file run at start-up; addsitedir also reads base's own .pth files
         # (the editable install of exactrl), which a bare path line would not.
         Path(own, "zz_exactrl_base.pth").write_text(f"import site; site.addsitedir({base!r})\n")
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                        f"deepspeed=={VERSION}"], check=True)
+        # DeepSpeed 0.18.5 is an sdist whose build imports torch, so it builds without isolation, and by this
+        # interpreter's pip and setuptools: a new venv's own (setuptools 65, no wheel) cannot build a wheel at all
+        # ("invalid command 'bdist_wheel'"), which only a pip cache holding the wheel from elsewhere had hidden.
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                        "--target", own, f"deepspeed=={VERSION}"], check=True)
         found = subprocess.run([str(python), "-c", "import deepspeed; print(deepspeed.__version__)"],
                                check=True, capture_output=True, text=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
         assert found.stdout.strip().splitlines()[-1] == VERSION, found.stdout

@@ -65,3 +65,16 @@ def test_canary_stops_dropped_duplicated_and_wrongly_normalised_micro_batches(re
     world, r = results
     check_faults(r["faults"], "deepspeed", world, layouts=5)
     assert all(f"K={2 if world == 2 else 4}" in f["message"] for f in r["faults"])
+
+
+def test_zero3_trains_float64_the_same_where_the_accelerator_has_fp16(tmp_path):
+    """On an fp16-capable accelerator (Intel's AVX512-FP16 CPUs, every CUDA GPU) DeepSpeed's own partitioning asserted
+    on a float64 model (zero.Init's dtype); elsewhere it took bf16 for it. Simulated here on any CPU: every ZeRO-3 case
+    at world size 1 still matches the full-batch update within its bound, and the canary still stops every fault."""
+    r = run_cases("deepspeed", 1, tmp_path / "results.json",
+                  {**ds_env(), "EXACTRL_TEST_FP16_ACCELERATOR": "1", "EXACTRL_TEST_ZERO_STAGES": "3"})
+    assert {c["config"].split()[0] for c in r["cases"]} == {"deepspeed.zero_stage=3"}
+    assert len(r["cases"]) == 15  # 4 micro-batch sizes and K=3, x offload none/cpu; offload_param x 3; AdamW x 2
+    bad = over_bound(r["cases"])
+    assert not bad, bad
+    check_faults(r["faults"], "deepspeed", 1, layouts=2)

@@ -67,6 +67,18 @@ class _WithCanary(torch.nn.Module):
         return self.model(**inputs)
 
 
+def partition_for_zero3(deepspeed, module: torch.nn.Module, config: dict) -> None:
+    """Partitions ``module``'s parameters for ZeRO-3 before ``deepspeed.initialize``, which then finds nothing left to
+    convert. DeepSpeed's own conversion hands zero.Init the model's dtype, and zero.Init (0.19.8, Init._set_dtype) keeps
+    a dtype it does not allow, and asserts on it, only where the accelerator has fp16 (CUDA; CPUs whose oneDNN has fp16,
+    as Intel's Sapphire Rapids): elsewhere it silently takes bf16. A float64 model trained on some CPUs and failed on
+    others. The dtype zero.Init only uses to pick buffers to keep in fp32 is said here: the model's own, float64 as
+    float32 (full precision, nothing to keep back), so every accelerator takes one path."""
+    dtype = next(module.parameters()).dtype
+    allowed = (torch.float16, torch.bfloat16, torch.float32)
+    deepspeed.zero.Init(module=module, config_dict_or_path=config, dtype=dtype if dtype in allowed else torch.float32)
+
+
 def ds_config(cfg, world: int) -> dict:
     """The DeepSpeed config for exactrl's own batch and optimizer settings, or the user's JSON
     (``deepspeed.config``) with exactrl's batch sizes written in."""
@@ -135,6 +147,8 @@ class DeepSpeedEngine(SingleEngine):
         self.wrapped = wrapped = _WithCanary(model, self.canary.param if self.canary else None)
         self.config = ds_config(cfg, self.world_size)
         self.stage = self.config["zero_optimization"]["stage"]
+        if self.stage == 3:
+            partition_for_zero3(deepspeed, wrapped, self.config)
         self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=wrapped, optimizer=build_optimizer(wrapped.parameters(), optim), config=self.config,
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, optim, total_steps)))

@@ -175,6 +175,14 @@ def cases(backend: str, world: int) -> list[dict]:
     return out + [dict(a, extra=x) for a in adamw for x in (ZERO2_CPU, ["deepspeed.zero_stage=3"])]
 
 
+def select(items: list, stages: str | None) -> list:
+    """The cases (dicts with "extra") or fault layouts (lists of overrides) whose ZeRO stage is one of ``stages``."""
+    if stages is None:
+        return items
+    wanted = {f"deepspeed.zero_stage={s}" for s in stages.split(",")}
+    return [i for i in items if wanted & set(i["extra"] if isinstance(i, dict) else i)]
+
+
 def fault_layouts(backend: str) -> list[list[str]]:
     if backend == "fsdp2":
         return [[]]
@@ -182,7 +190,18 @@ def fault_layouts(backend: str) -> list[list[str]]:
             ["deepspeed.zero_stage=3"], ["deepspeed.zero_stage=3", "deepspeed.offload_optimizer=cpu", "deepspeed.offload_param=cpu"]]
 
 
+def simulate_fp16_accelerator() -> None:
+    """What DeepSpeed's CPU accelerator reports where oneDNN has fp16 (Intel Sapphire Rapids: AVX512-FP16, AMX) and
+    what every CUDA accelerator reports: fp16 supported. DeepSpeed takes other branches there (zero.Init's dtype)."""
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    CPU_Accelerator.is_fp16_supported = lambda self: True
+
+
 def main(backend: str, world: int, out_path: str) -> None:
+    if os.environ.get("EXACTRL_TEST_FP16_ACCELERATOR") == "1":
+        simulate_fp16_accelerator()
+    stages = os.environ.get("EXACTRL_TEST_ZERO_STAGES")  # e.g. "3": only the cases and faults of those stages
     tok = build_tokenizer()
     rows = [Row(f"t:{i}", {"prompt": f"{i}+{i}=", "completion": c}) for i, c in enumerate(COMPLETIONS)]
     exs = encode_sft(rows, tok, 256)
@@ -194,7 +213,7 @@ def main(backend: str, world: int, out_path: str) -> None:
     user_json = Path(out_path).with_name("user_ds_config.json")
     user_json.write_text(json.dumps(USER_JSON))
     results = []
-    for case in cases(backend, world):
+    for case in select(cases(backend, world), stages):
         n = case.get("batch", 8)
         steps = [exs[:n], exs[:n][::-1]]
         extra = [e.replace("USER_JSON", str(user_json)) for e in case["extra"]]
@@ -210,7 +229,7 @@ def main(backend: str, world: int, out_path: str) -> None:
                             "K": n // (case["micro"] * world), "precision": precision(cfg),
                             "rel_err": relative_error(got, ref, fresh(dtype).state_dict())})
     faults = []
-    for extra in fault_layouts(backend):
+    for extra in select(fault_layouts(backend), stages):
         for fault in FAULTS:
             cfg = load_config(SFTConfig, None, [*layout, *extra, "train.global_batch_size=8", "train.micro_batch_size=2", "optim.name=sgd"])
             try:

@@ -13,8 +13,8 @@
 4. a short GRPO run sampling with vLLM without Ray (`vllm-<dtype>`: each trainer rank starts an
    engine on its own GPU, which sleeps while the rank trains, rollout.vllm.sleep_level=auto),
    reporting the same and what each sleep freed;
-then a PASS/FAIL table with the figures (equivalence errors, tokens/s, peak GPU memory). Exit
-code 1 on any FAIL.
+then a PASS/FAIL table with the figures (equivalence errors, tokens/s, peak GPU memory); what this machine has
+too few GPUs (or no vLLM) for is a SKIP row with the reason. Exit code 1 on any FAIL.
 
 --dry-run: the same on the CPU (distributed.device=cpu, gloo, world size 1, fewer steps), so
 the script itself is tested where there is no GPU (tests/test_gpu_check.py).
@@ -44,12 +44,19 @@ def run_tests(dry: bool, work: Path) -> list[tuple]:
     if dry:
         env["EXACTRL_GPU_DRY_RUN"] = "1"
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-rs",
+    report = work / "tests.xml"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                           f"--junitxml={report}",
                            str(ROOT / "tests" / "test_gpu.py")], cwd=ROOT, env=env, capture_output=True, text=True)
     summary = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
     if proc.returncode:
         print(proc.stdout[-3000:], proc.stderr[-2000:], file=sys.stderr)
     rows = [("tests -m gpu", "PASS" if proc.returncode == 0 else "FAIL", summary, f"{time.perf_counter() - t0:.0f} s")]
+    if report.exists():  # each skipped test with its reason, e.g. FSDP2 over NCCL on one GPU
+        import xml.etree.ElementTree as ET
+
+        rows += [(f"  {case.get('name')}", "SKIP", skip.get("message", ""), "")
+                 for case in ET.parse(report).iter("testcase") for skip in case.findall("skipped")]
     for line in figures.read_text().splitlines() if figures.exists() else []:
         f = json.loads(line)
         rows.append((f"  {f['test']}", "", f"{f['figure']} = {f['value']:.3g}", ""))
@@ -70,6 +77,9 @@ def vllm_python(given: str | None) -> str | None:
 
 def run_training(kind: str, dtype: str, world: int, dry: bool, steps: int, work: Path, vllm: str | None = None,
                  gpus: int = 0) -> tuple:
+    name = f"{kind} {dtype} world {world}" + (f" ({'vllm' if vllm else 'hf'} engine)" if kind == "ray" else "")
+    if kind == "vllm" and not vllm:
+        return (name, "SKIP", "no environment with vLLM (--vllm-python, or make vllm)", "")
     out = work / f"{kind}-{dtype}-w{world}.json"
     child = [str(Path(__file__).resolve()), "--child", kind, dtype, "cpu" if dry else "cuda", str(steps), str(out),
              vllm or "", str(gpus)]
@@ -79,9 +89,6 @@ def run_training(kind: str, dtype: str, world: int, dry: bool, steps: int, work:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "EXACTRL_GPU_CHECK_WORLD": str(world)}
     proc = subprocess.run([sys.executable, *launcher, *child], cwd=work, env=env, capture_output=True, text=True)
-    name = f"{kind} {dtype} world {world}" + (f" ({'vllm' if vllm else 'hf'} engine)" if kind == "ray" else "")
-    if kind == "vllm" and not vllm:
-        return (name, "SKIP", "no environment with vLLM (--vllm-python, or make vllm)", "")
     if proc.returncode or not out.exists():
         print(f"--- {name} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
         return (name, "FAIL", f"exit code {proc.returncode}", "")
@@ -158,6 +165,18 @@ def child(kind: str, dtype: str, device: str, steps: int, out: str, vllm: str = 
     shutdown()
 
 
+def skipped_for_want_of_gpus(gpus: int, runs: list[str]) -> list[tuple]:
+    """SKIP rows for what this machine has too few GPUs to check, so a one-GPU PASS does not read as all of it."""
+    have = f"this machine has {gpus}" + (" (dry run)" if gpus == 0 else "")
+    rows = []
+    if gpus < 2:
+        rows.append(("world 2 runs (FSDP2 over NCCL)", "SKIP", f"needs 2 GPUs; {have}", ""))
+    if gpus < 2 and any(r.startswith("ray-") for r in runs):
+        rows.append(("ray split (NCCL weight channel)", "SKIP",
+                     f"needs a GPU for the trainer and one for the engine; {have}: the ray runs were colocated", ""))
+    return rows
+
+
 def print_table(rows: list[tuple]) -> None:
     widths = [max(len(str(r[i])) for r in rows) for i in range(4)]
     for r in rows:
@@ -198,6 +217,7 @@ def main() -> int:
                 kind, dtype = run.split("-")
                 rows.append(run_training(kind, dtype, world, args.dry_run, steps, work,
                                          vllm_python(args.vllm_python) if kind in ("ray", "vllm") else None, gpus))
+    rows += skipped_for_want_of_gpus(gpus, args.runs.split(","))
     print_table(rows)
     failed = [r[0] for r in rows if r[1] == "FAIL"]
     print(f"gpu-check: {'FAIL: ' + ', '.join(failed) if failed else 'PASS'}")

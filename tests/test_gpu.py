@@ -27,9 +27,9 @@ def sgd_update(model, tokenizer, exs, micro, dtype, device):
                                         "train.max_grad_norm=0",
                                          f"train.global_batch_size={len(exs)}", f"train.micro_batch_size={micro}",
                                          f"distributed.device={device.type}"])
-    p0 = [p.detach().clone() for p in model.parameters()]
     engine = build_engine(model, cfg, total_steps=1)
     assert all(p.device == device for p in model.parameters())
+    p0 = [p.detach().clone() for p in model.parameters()]  # where the engine placed them, not where the test made them
     plan = plan_step([e.loss_tokens for e in exs], micro, "token-mean")
     engine.begin_step(len(plan.micro_batches))
     for mb in plan.micro_batches:

@@ -21,6 +21,10 @@ def test_dry_run_passes_and_prints_the_table():
     assert "sft bf16 world 1" in out and "tokens/s" in out  # grpo-<dtype> is the ray run's loop without Ray
     ray_row = next(line for line in out.splitlines() if line.startswith("ray fp32 world 1"))
     assert "PASS" in ray_row and "sync probe " in ray_row and "rollout gap " in ray_row, ray_row
+    # what one machine cannot check is named, with the reason, not left out of a PASS
+    skips = [line.split() for line in out.splitlines() if " SKIP " in line]
+    assert [s[0] for s in skips] == ["test_fsdp2_world_two_over_nccl_applies_the_full_batch_update", "world", "ray"]
+    assert all("needs" in s for s in skips), skips
 
 
 def test_a_failing_run_is_a_fail_row(tmp_path):
@@ -31,3 +35,31 @@ def test_a_failing_run_is_a_fail_row(tmp_path):
         sys.path.pop(0)
     row = gpu_check.run_training("sft", "fp32", 1, True, -1, tmp_path)  # max_steps=-1: the config refuses it
     assert row[1] == "FAIL" and "exit code" in row[2]
+
+
+def test_the_gpu_tests_measure_the_update_where_the_engine_placed_the_model(monkeypatch, tokenizer, make_model):
+    """On the CPU no engine moves a model, so the dry run cannot see a GPU test that keeps tensors from before the
+    engine placed the model (tests/test_gpu.py cloned the parameters first: on the GPU that was a device error, and
+    exactrl's first GPU run reported FAIL). Here the engine's placement gives every parameter new storage holding other
+    values (each shifted by 1), so a helper mixing tensors from before and after the placement measures the shift, not
+    the update: test_gpu's micro-batch test must still hold its bound."""
+    import torch
+
+    import exactrl.distributed.engine as engine_module
+    import test_gpu
+
+    placed = engine_module.place
+
+    def place_elsewhere(model, device):
+        placed(model, device)
+        for p in model.parameters():
+            p.data = p.data + 1.0
+        return model
+
+    monkeypatch.setattr(engine_module, "place", place_elsewhere)
+    monkeypatch.setattr(test_gpu, "place", place_elsewhere)
+    figures = []
+    for micro in (8, 2):
+        test_gpu.test_fp32_micro_batches_match_the_full_batch_on_the_device(
+            tokenizer, make_model, torch.device("cpu"), lambda name, value: figures.append(value), micro)
+    assert len(figures) == 2 and max(figures) <= 1e-5

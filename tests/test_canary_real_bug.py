@@ -16,6 +16,7 @@ import subprocess
 import pytest
 
 from old_deepspeed import ROOT, VERSION, ds_env, old_deepspeed_python
+from own_audit import DS, A, assert_verdicts
 
 ZERO2_CPU = ["distributed.backend=deepspeed", "deepspeed.zero_stage=2", "deepspeed.offload_optimizer=cpu"]
 
@@ -41,6 +42,10 @@ def test_canary_stops_the_run_before_the_corrupted_step(tmp_path, k):
     assert value < 0.9  # intermediate micro-batches lost: only part of the step's loss arrived
     assert (tmp_path / "runs" / "config.yaml").is_file()  # the run got as far as training...
     assert not (tmp_path / "runs" / "final").exists()  # ...and saved nothing trained on a corrupted gradient
+    # the audit: the stack was in the bug's range, and the canary stopped the run at its first corrupted step
+    assert_verdicts(tmp_path / "runs", ds=A, facts={"version:deepspeed": [f"=={VERSION}"], "effective_k": [k]},
+                    says={DS: (f"With deepspeed {VERSION}, ZeRO stage 2, offload_optimizer cpu and K = {k}",
+                               "The canary stopped the run before applying a step")})
 
 
 def test_same_stack_with_k2_trains_and_reads_exactly_one(tmp_path):
@@ -52,3 +57,5 @@ def test_same_stack_with_k2_trains_and_reads_exactly_one(tmp_path):
     assert [s["step"] for s in steps] == [1, 2]
     assert all(abs(s["canary"] - 1.0) <= 1e-5 and s["micro_batches"] == 2 for s in steps)
     assert json.loads((run / "manifest.json").read_text())["versions"]["deepspeed"] == VERSION
+    assert_verdicts(run, facts={"version:deepspeed": [f"=={VERSION}"], "zero_stage": [2], "effective_k": [2]},
+                    says={DS: "K = 2 is accidentally right"})

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from old_deepspeed import ds_env
+from own_audit import assert_verdicts
 
 SMALL_TASK = ["task.n_sft=256", "task.n_rl=64", "task.n_eval=40"]
 
@@ -54,6 +55,7 @@ def test_sft_then_rl_cli(workdir):
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["versions"]["torch"].startswith(torch.__version__.split("+")[0])
     assert len(manifest["data"]["train"]["sha256"]) == 64
+    assert_verdicts(run, facts={"trainer": ["sft"], "uses_deepspeed": [False], "effective_k": [2]})
 
     exactrl(["rl", "--config", "examples/grpo_tiny.yaml", "model.path=" + str(run / "final"), "output_dir="
              + str(cwd / "rl"),
@@ -71,6 +73,7 @@ def test_sft_then_rl_cli(workdir):
     # The on-policy check ran and the ratio was exactly 1 at the first update of the rollout.
     assert [r["ratio_dev_first"] for r in rl] == [0.0, None, None, None]
     assert (cwd / "rl" / "final" / "model.safetensors").exists()
+    assert_verdicts(cwd / "rl", facts={"trainer": ["rl (grpo)"], "world_size": [1], "effective_k": [2]})
 
 
 def test_config_replay_reproduces_the_resolved_config(workdir):

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from exactrl.algorithms.sft import demonstration, sft_objective
-from exactrl.audit.runs import audit_run
 from exactrl.checks.canary import CanaryError
 from exactrl.config import SFTConfig, load_config
 from exactrl.config.loader import ConfigError
@@ -26,6 +25,7 @@ from exactrl.distributed.engine import build_engine
 from exactrl.distributed.step_plan import plan_samples
 from exactrl.losses.aggregation import AGG_MODES, StepNormalizer, micro_batch_normalizer
 from exactrl.workers.worker import Worker
+from own_audit import DS, ORLHF, A, assert_verdicts
 from test_cli_failures import exactrl, one_line_error
 
 LR, MICRO = 0.5, 2
@@ -164,6 +164,7 @@ def test_the_canary_stops_a_run_with_the_offload_fault_in_one_line(tmp_path, cac
     assert "FAULT INJECTED ON PURPOSE (sft starts)" in proc.stderr
     assert json.loads((out / "status.json").read_text())["state"] == "canary"
     assert "fault.dropped_micro_batches" in json.loads((out / "manifest.json").read_text())["faults_injected"]
+    assert_verdicts(out, ds=A, says={DS: "The canary stopped the run before applying a step"})
 
 
 def test_every_output_of_a_faulty_run_says_so(tmp_path, cache):
@@ -180,7 +181,7 @@ def test_every_output_of_a_faulty_run_says_so(tmp_path, cache):
     manifest = json.loads((out / "manifest.json").read_text())
     assert list(manifest["faults_injected"]) == both
     assert manifest["checks"]["canary_sft"] == {"policy": "warn", "steps": 3, "steps_flagged": 3}
-    audit = audit_run(out)
+    audit = assert_verdicts(out, ds=A, orlhf=A, says={DS: "The canary (audit.canary=warn) flagged 3 step(s)"})
     verdicts = {v.bug: v for v in audit.verdicts}
     for bug, key in (("deepspeed-offload-accumulation", both[0]), ("openrlhf-mean-of-means", both[1])):
         assert verdicts[bug].status.value == "AFFECTED" and f"injected this bug ON PURPOSE ({key}=true" in \
@@ -195,7 +196,7 @@ def test_a_clean_run_carries_no_fault_label(tmp_path, cache):
     assert proc.returncode == 0 and "FAULT" not in proc.stderr
     assert "faults_injected" not in (out / "metrics.jsonl").read_text()
     assert "faults_injected" not in json.loads((out / "manifest.json").read_text())
-    assert all(v.status.value != "AFFECTED" for v in audit_run(out).verdicts)
+    assert_verdicts(out)  # read as exactrl's run (issue 34: as OpenRLHF's, two verdicts UNKNOWN, exit 2)
 
 
 def test_the_demos_summary_and_report_say_so(tmp_path, cache):
@@ -215,3 +216,5 @@ def test_the_demos_summary_and_report_say_so(tmp_path, cache):
             for line in open(out / path)]
     assert {r["phase"] for r in rows} == {"sft", "rl", "eval"}
     assert all(r["faults_injected"] == {"sft": both[:1], "rl": both[1:], "eval": both}[r["phase"]] for r in rows)
+    assert_verdicts(out, ds=A, orlhf=A, facts={"trainer": ["sft", "rl (grpo)"]},
+                    says={ORLHF: "fault.mean_of_means=true", DS: "flagged 1 step(s) (rl/metrics.jsonl"})

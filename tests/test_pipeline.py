@@ -16,6 +16,7 @@ from exactrl.metrics import read_metrics
 from exactrl.pipelines.pipeline import run_pipeline
 from exactrl.run_dir import forget_current
 from exactrl.tasks.builtin import BuiltinSpec
+from own_audit import assert_verdicts
 
 SPEC = BuiltinSpec(n_sft=64, n_rl=16, n_eval=8)
 TINY = ["sft.train.global_batch_size=8", "sft.train.micro_batch_size=4", "sft.train.max_steps=2",
@@ -50,6 +51,7 @@ def test_a_pipeline_runs_sft_then_rl_from_the_sft_model_and_resumes_only_what_is
     assert summary["flops"]["total"] == summary["flops"]["sft"] + summary["flops"]["rl"]
     assert set(summary["seconds"]) >= {"sft", "rl", "eval", "total"}
     assert "FLOPs" in (out / "report.md").read_text() and (out / "plot.png").is_file()
+    assert_verdicts(out, facts={"trainer": ["sft", "rl (grpo)"], "effective_k": [2, 2]})  # each phase read
 
     # The RL phase interrupted after its checkpoint-1 (as a preemption leaves it): resume=true keeps
     # the SFT phase and the accuracies measured so far, and continues RL to the uninterrupted weights.

@@ -23,6 +23,7 @@ from exactrl.distributed.ray_cluster import RoleDied
 from exactrl.rollout.generator import WeightSyncError
 from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin
 from exactrl.workers.groups import RayRoles
+from own_audit import assert_verdicts
 
 SPEC = BuiltinSpec(n_sft=20, n_rl=40, n_eval=10)
 TOL = 1e-5
@@ -90,6 +91,7 @@ def check(tmp: Path, algo: str, placement: str, ranks: int, engines: int) -> flo
     assert manifest["ray"]["placement"] == placement and manifest["ray"]["engines"] == engines
     assert (manifest["ray"]["async_rollouts"], manifest["ray"]["max_staleness"]) == (False, 0)
     assert {f"generation/rl/engine{j}" for j in range(engines)} <= set(manifest["checks"])  # each engine self-checked
+    assert_verdicts(placed["dir"], facts={"world_size": [ranks], "effective_k": [4 // ranks]})  # the Ray ranks'
     return diff
 
 

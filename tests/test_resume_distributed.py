@@ -16,6 +16,7 @@ import pytest
 from safetensors.torch import load_file
 
 from old_deepspeed import ds_env
+from own_audit import assert_verdicts
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = ["--config", "examples/sft_tiny.yaml", "data.eval=null", "train.max_steps=4", "train.global_batch_size=16",
@@ -54,6 +55,10 @@ def test_resume_reaches_the_uninterrupted_run(tmp_path, layout):
     extra = [*LAYOUTS[layout], "distributed.nproc_per_node=2"]
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     sft(tmp_path, *extra, "train.save_every=2", f"output_dir={full}")
+    # the audit reads what ran: 2 processes (the manifest's world size), K = 16 / (4 x 2)
+    engine = {"fsdp": ["FSDP2 (distributed.backend=fsdp2)"]} if layout == "fsdp2" else {
+        "zero_stage": [int(LAYOUTS[layout][1][-1])], "offload_optimizer": ["cpu" if "offload" in layout else "none"]}
+    assert_verdicts(full, facts={"world_size": [2], "effective_k": [2], **engine})
     checkpoint = full / "checkpoint-2"
     assert (checkpoint / "rng-rank0.pt").is_file() and (checkpoint / "rng-rank1.pt").is_file()
     sft(tmp_path, *extra, f"train.resume_from={checkpoint}", f"output_dir={resumed}")

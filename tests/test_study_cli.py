@@ -5,12 +5,14 @@ including the SFT phase it continues from), and a second run that re-runs nothin
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from typer.testing import CliRunner
 
 from exactrl.cli import app
 from exactrl.metrics import read_metrics
 from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin
+from own_audit import DS, ORLHF, TF, A, N, audited
 
 TASK = {"n_sft": 64, "n_rl": 16, "n_eval": 24}
 # the cells are scored with rl.reward.fn: a parity of the text, right on about half of any answers (an
@@ -28,9 +30,14 @@ def last(path, key):
     return max(read_metrics(path), key=lambda r: r["step"])[key]
 
 
+# one bug grid, both faults on in one SFT cell (the audit below reads it)
+BUGS = ["--with-bugs", "bugs.methods=[sft]",
+        "bugs.grids={both: [fault.dropped_micro_batches=true, fault.mean_of_means=true, audit.canary=warn]}"]
+
+
 def test_a_tiny_study_trains_every_cell_and_reports_what_each_measured(tmp_path):
     out = tmp_path / "study"
-    run = CliRunner().invoke(app, ["study", *ARGS, f"output_dir={out}"], terminal_width=200)
+    run = CliRunner().invoke(app, ["study", *BUGS, *ARGS, f"output_dir={out}"], terminal_width=200)
     assert run.exit_code == 0, run.output
     cells = {m: json.loads((out / "clean" / f"{m}-seed0" / "cell.json").read_text())
              for m in ("sft", "sft_rl", "luffy")}
@@ -62,8 +69,20 @@ def test_a_tiny_study_trains_every_cell_and_reports_what_each_measured(tmp_path)
     assert summary["start"]["flops"] == base["flops"] and "pretrained" in (out / "report.md").read_text()
     assert [r["method"] for r in summary["grids"]["clean"]] == ["sft", "sft_rl", "luffy"]
     assert (out / "report.md").exists() and (out / "plot.png").exists()
-    again = CliRunner().invoke(app, ["study", *ARGS, f"output_dir={out}"], terminal_width=200)
-    assert again.exit_code == 0 and "3 already done" in again.output and "[1/3]" not in again.output
+    # the audit reads each directory that trained as exactrl's run, in the study's config section its cell ran
+    # under the cell's overrides (the faults of its grid among them)
+    audits = {Path(a.path).relative_to(out).as_posix(): a for a in audited(out)}
+    assert {p: [r.value for r in a.facts["trainer"]] for p, a in audits.items()} == {
+        "base": ["base"], "bugs-both/sft-seed0": ["sft"], "clean/luffy-seed0": ["rl (luffy)"],
+        "clean/sft-seed0": ["sft"], "clean/sft_rl-seed0": ["rl (grpo)"]}
+    assert {p: {v.status.value for v in a.verdicts} for p, a in audits.items() if p.startswith("bugs-")} == {
+        "bugs-both/sft-seed0": {A, N}}
+    assert {v.bug: v.status.value for v in audits["bugs-both/sft-seed0"].verdicts} == {DS: A, ORLHF: A, TF: N}
+    assert "The canary (audit.canary=warn) flagged 4 step(s)" in audits["bugs-both/sft-seed0"].verdicts[0].reason
+    assert {v.status.value for p, a in audits.items() if not p.startswith("bugs-") for v in a.verdicts} == {N}
+    assert {v.status.value for a in audited(tmp_path / "sft") for v in a.verdicts} == {N}  # `exactrl eval`'s
+    again = CliRunner().invoke(app, ["study", *BUGS, *ARGS, f"output_dir={out}"], terminal_width=200)
+    assert again.exit_code == 0 and "4 already done" in again.output and "[1/4]" not in again.output
 
 
 def test_cells_run_in_parallel_processes_measure_what_they_measure_one_after_another(tmp_path):

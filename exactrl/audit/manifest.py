@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from filelock import FileLock
 
+from exactrl.distributed.launch import world_size
 from exactrl.run_dir import MANIFEST_LOCK
 
 PACKAGES = ("exactrl", "torch", "transformers", "tokenizers", "deepspeed", "vllm", "ray", "peft", "accelerate")
@@ -74,6 +75,9 @@ def write_manifest(run_dir: Path, seed: int, data_files: dict[str, str | Path | 
         "versions": package_versions(),
         "git_revision": git_revision(),
         "seed": seed,
+        # the processes of this launch (torchrun's, however started): what `exactrl audit run` divides the batch by
+        # to get K; a Ray run's trainer ranks are its "ray" record's
+        "world_size": world_size(),
         "hardware": hardware(),
         "data": {k: {"path": str(v), "sha256": file_sha256(v)} for k, v in data_files.items() if v},
         "command": sys.argv,

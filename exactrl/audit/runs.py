@@ -60,6 +60,8 @@ from exactrl.audit.evidence import (
 )
 from exactrl.audit.faults import injected_faults
 from exactrl.audit.judging import derive, judge
+from exactrl.audit.own_judging import audit_own_run
+from exactrl.audit.own_run import run_root, study_cells
 from exactrl.audit.readers import parse_flags, read_accelerate_config, read_deepspeed_config, read_launcher
 from exactrl.audit.recorded import recorded_facts
 from exactrl.audit.rules import RULES, Verdict
@@ -68,7 +70,7 @@ PACKAGES = ("deepspeed", "transformers", "openrlhf", "trl", "accelerate", "llama
 FACTS = ("framework", "uses_deepspeed", "zero_stage", "offload_optimizer", "micro_batch_size", "global_batch_size",
          "world_size", "parallel_divisor", "gradient_accumulation_steps", "effective_k", "is_openrlhf",
          "uses_hf_trainer", "trainer", "packing_samples", "dynamic_batch", "fsdp", *(f"version:{p}" for p in PACKAGES),
-         "rollout_correction")  # the last as an exactrl run's manifest records it (audit/recorded.py)
+         "canary", "rollout_correction")  # the last two: an exactrl run's (audit/own_facts.py, audit/recorded.py)
 TEXT_SUFFIXES = {".json", ".yaml", ".yml", ".sh", ".bash", ".zsh", ".txt", ".cmd", ".log", ".out"}
 SCRIPT_SUFFIXES = (".sh", ".bash", ".zsh", ".txt", ".cmd")
 PICKLE_SUFFIXES = (".bin", ".pkl", ".pickle", ".pt")
@@ -105,11 +107,16 @@ class RunAudit:
 
 
 def audit_runs(paths: Iterable[str | Path]) -> list[RunAudit]:
-    """One RunAudit per run directory (or single file) given."""
-    return [audit_run(Path(p)) for p in paths]
+    """One RunAudit per run directory (or single file) given; an exactrl study's, one per directory that
+    trained (its base model, each cell)."""
+    return [audit_run(run) for p in paths for run in study_cells(Path(p)) or [Path(p)]]
 
 
 def audit_run(path: Path) -> RunAudit:
+    own = run_root(path)
+    if own is not None:  # exactrl's own run: its manifest says what ran (exactrl/audit/own_run.py)
+        facts, problems, verdicts = audit_own_run(own)
+        return RunAudit(str(path), facts, problems, verdicts)
     reader = RunReader(path if path.is_dir() else path.parent)
     if not path.exists():
         reader.c.problem("missing", f"{path} does not exist")

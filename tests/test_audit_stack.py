@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
 from exactrl.audit.stack import StackRow, explain
+from exactrl.cli import app
 from old_deepspeed import old_deepspeed_python
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,3 +75,41 @@ def test_real_bug_on_deepspeed_0_18_5_is_reported_broken_with_its_explanation():
         assert all(rows[(cfg, 1, k)]["verdict"] == "EXACT" for k in (1, 3, 4)), cfg
     assert rows[("deepspeed ZeRO-2 offload=cpu", 1, 1)]["verdict"] == "EXACT"
     assert {r["world"] for r in report["rows"]} == {1}
+
+
+# A stand-in for another environment's python (--python): it answers the version probe, and as the worker it
+# spends COMPILE s in DeepSpeed's set-up (what compiling its op costs on a machine's first audit), then prints
+# a row every ROW s, then takes TEARDOWN s to exit.
+COMPILE, ROW, TEARDOWN = 3.0, 0.02, 1.0
+FAKE = f"""#!{sys.executable}
+import json, sys, time
+if "-c" in sys.argv:
+    print(json.dumps({{"torch": "2.13.0", "deepspeed": "0.19.8"}}))
+    sys.exit()
+print("AUDIT-STAGE deepspeed", flush=True)
+time.sleep({COMPILE})
+print("AUDIT-READY", flush=True)
+for c in json.loads(sys.argv[-1]):
+    time.sleep({ROW})
+    print("AUDIT " + json.dumps({{**c, "world": 1, "rel_err": 0.0}}), flush=True)
+time.sleep({TEARDOWN})
+"""
+
+
+def test_progress_counts_the_configurations_not_deepspeeds_first_compilation(tmp_path, monkeypatch):
+    """Issue 34: `audit stack --world 1` took 109 s on a new machine, ~100 of them compiling DeepSpeed's op, and
+    printed "ETA 2454 s": the rows reached the bar only when the process ended, all at once, and the rate was
+    drawn from the compilation. Now the set-up is said on a line of its own and the bar's rate is the rows'."""
+    fake = tmp_path / "python"
+    fake.write_text(FAKE)
+    fake.chmod(0o755)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "empty"))  # nothing compiled there yet
+    run = CliRunner().invoke(app, ["audit", "stack", "--python", str(fake), "--world", "1"], terminal_width=200)
+    assert run.exit_code == 0, run.output
+    err = " ".join(run.stderr.split())
+    last = err.split("config 24/24 (100%), ")[1]
+    rate = float(last.split(" config/s")[0])
+    assert rate > 0.5 / ROW, err  # the rows' own rate: with the compile and the teardown in, ~5 config/s
+    assert "DeepSpeed 0.19.8 compiles its CPU communication op on first use" in err and str(tmp_path / "empty") in err
+    seconds = dict((k, int(v)) for k, v in re.findall(r"(DeepSpeed set-up|configurations) (\d+) s", run.stdout))
+    assert seconds["DeepSpeed set-up"] >= COMPILE and seconds["configurations"] < COMPILE, run.stdout

@@ -1,7 +1,9 @@
 """`exactrl audit run PATH...`: were past training runs hit by the known silent gradient bugs?
 
-It answers from what each run left behind, never running or importing anything from it. The
-bugs (rules and sources in `exactrl.audit.rules`):
+It answers from what each run left behind, never running or importing anything from it. A run
+directory exactrl wrote is recognised by its manifest.json and read from exactrl's own records
+(exactrl/audit/own_run.py, own_facts.py, own_judging.py; a study's, cell by cell); the rest of this
+module reads other frameworks' files. The bugs (rules and sources in `exactrl.audit.rules`):
 
 - DeepSpeed ZeRO-2 + ``offload_optimizer: cpu`` + K >= 3 keeps about (g_first + g_last)/K:
   deepspeed [0.15.2, 0.19.0), introduced by PR #6550, fixed by PR #7967 (follow-up PR #7981);

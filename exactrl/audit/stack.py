@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -90,32 +94,59 @@ def exactrl_only_path() -> str:
     return str(d)
 
 
-def _run_world(python: str, world: int, configs: list[dict], on_row, timeout: float, versions: dict,
+def shm_op_cached(extensions_dir: str) -> bool:
+    """Whether DeepSpeed's shared-memory op is already compiled in ``extensions_dir`` (torch's JIT extension
+    layout: NAME/NAME.so), i.e. whether the first DeepSpeed set-up loads it in seconds or compiles it."""
+    return (Path(extensions_dir) / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").is_file()
+
+
+def _run_world(python: str, world: int, configs: list[dict], on_event, timeout: float, versions: dict,
                path: str) -> list[StackRow]:
+    """One process group running every configuration; rows as they arrive, and the stages before them, go to
+    ``on_event(kind, world, data)``: "deepspeed" (its set-up starts; data: whether its op is cached, where),
+    "ready" (the rows start), "row" (data: the StackRow)."""
+    extensions = torch_extensions_dir(versions.get("deepspeed"))
     env = {**os.environ, "PYTHONPATH": f"{path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
-           "TORCH_EXTENSIONS_DIR": torch_extensions_dir(versions.get("deepspeed"))}
+           "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": extensions}
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"] if world > 1 else []
     cmd = [python, *launcher, "-m", "exactrl.audit.stack_worker", json.dumps(configs)]
     rows: list[StackRow] = []
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        err += f"\ntimed out after {timeout:.0f} s"
-    for line in out.splitlines():
-        if line.startswith("AUDIT "):
-            data = json.loads(line[6:])
-            rows.append(StackRow(data["backend"], world, data["k"], data.get("stage"), data.get("offload"),
-                                 data.get("rel_err"), data.get("error")))
-            on_row()
-    last = next((ln for ln in reversed(err.strip().splitlines()) if ln.strip()), "no output")
-    for c in configs[len(rows):]:  # the process died before reaching these
+    with tempfile.TemporaryFile("w+") as err:  # a file, not a pipe: DeepSpeed's logs could fill a pipe and block
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+        lines: queue.Queue = queue.Queue()
+
+        def read() -> None:  # in a thread, so a process that hangs cannot outlast the timeout
+            for line in proc.stdout:
+                lines.put(line)
+            lines.put(None)
+
+        threading.Thread(target=read, daemon=True).start()
+        deadline, note = time.monotonic() + timeout, ""
+        while True:
+            try:
+                line = lines.get(timeout=max(deadline - time.monotonic(), 0))
+            except queue.Empty:
+                proc.kill()
+                note = f"timed out after {timeout:.0f} s"
+                break
+            if line is None:
+                break
+            if line.startswith("AUDIT-STAGE deepspeed"):
+                on_event("deepspeed", world, {"cached": shm_op_cached(extensions), "dir": extensions})
+            elif line.startswith("AUDIT-READY"):
+                on_event("ready", world, None)
+            elif line.startswith("AUDIT "):
+                data = json.loads(line[6:])
+                rows.append(StackRow(data["backend"], world, data["k"], data.get("stage"), data.get("offload"),
+                                     data.get("rel_err"), data.get("error")))
+                on_event("row", world, rows[-1])
+        proc.wait()
+        err.seek(0)
+        last = next((ln for ln in reversed(err.read().strip().splitlines()) if ln.strip()), "no output")
+    for c in configs[len(rows):]:  # the process died (or was stopped) before reaching these
         rows.append(StackRow(c["backend"], world, c["k"], c.get("stage"), c.get("offload"),
-                             error=f"process died: {last[-200:]}"))
-        on_row()
+                             error=f"process died: {note or last[-200:]}"))
+        on_event("row", world, rows[-1])
     return rows
 
 
@@ -131,16 +162,20 @@ def explain(row: StackRow, versions: dict) -> str | None:
             f"K>=3 (introduced by PR #6550 in 0.15.2, fixed in 0.19.0 by PR #7967): {FIX}")
 
 
-def audit_stack(python: str | None = None, worlds=(1, 2), progress=None, timeout: float = 600) -> tuple[dict, list[
+def audit_stack(python: str | None = None, worlds=(1, 2), on_event=None, timeout: float = 600) -> tuple[dict, list[
     StackRow]]:
+    """Every configuration at every world size; ``on_event(kind, world, data)`` hears each world's stages and
+    rows as they happen ("start", then as _run_world says)."""
     python = python or sys.executable
     versions = probe_versions(python)
     configs = configurations(versions)
     rows: list[StackRow] = []
     path = exactrl_only_path()
+    on_event = on_event or (lambda kind, world, data: None)
     try:
         for world in worlds:
-            rows += _run_world(python, world, configs, progress or (lambda: None), timeout, versions, path)
+            on_event("start", world, len(configs))
+            rows += _run_world(python, world, configs, on_event, timeout, versions, path)
     finally:
         shutil.rmtree(path, ignore_errors=True)
     for row in rows:

@@ -8,6 +8,12 @@ backend divides by K and averages over ranks) and compares the applied update wi
 torch SGD on the full batch. Prints one JSON line per configuration; an exception in one
 configuration is reported as an error for it and the audit goes on.
 
+Before the first row, the one-off costs: the process group and, when a configuration needs it,
+DeepSpeed's communication layer, which on the CPU JIT-compiles its shared-memory op the first
+time on a machine (minutes on 2 cores; then cached in TORCH_EXTENSIONS_DIR). Rank 0 says when
+that starts (``AUDIT-STAGE deepspeed``) and when every rank is ready (``AUDIT-READY``), so the
+caller's progress counts rows, not compilation.
+
 usage: python -m exactrl.audit.stack_worker CONFIGS_JSON   (a list of {backend, stage, offload, k})
 """
 
@@ -102,6 +108,18 @@ def main(configs: list[dict]) -> None:
     single_process_env()  # a free port: audits running side by side do not collide
     torch.distributed.init_process_group("gloo")
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    if any(c["backend"] == "deepspeed" for c in configs):
+        if rank == 0:
+            print("AUDIT-STAGE deepspeed", flush=True)
+        try:  # what deepspeed.initialize would do in the first row (compiling the shm op on first use)
+            import deepspeed
+
+            deepspeed.init_distributed(dist_backend="gloo")
+        except Exception:  # pragma: no cover - each DeepSpeed row then reports the stack's error itself
+            pass
+    torch.distributed.barrier()
+    if rank == 0:
+        print("AUDIT-READY", flush=True)
     for c in configs:
         row = {**c, "world": world}
         try:

@@ -55,7 +55,8 @@ def test_sft_then_rl_cli(workdir):
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["versions"]["torch"].startswith(torch.__version__.split("+")[0])
     assert len(manifest["data"]["train"]["sha256"]) == 64
-    assert_verdicts(run, facts={"trainer": ["sft"], "uses_deepspeed": [False], "effective_k": [2]})
+    for given in (run, run / "config.yaml"):  # the directory, or a file of it
+        assert_verdicts(given, facts={"trainer": ["sft"], "uses_deepspeed": [False], "effective_k": [2]})
 
     exactrl(["rl", "--config", "examples/grpo_tiny.yaml", "model.path=" + str(run / "final"), "output_dir="
              + str(cwd / "rl"),

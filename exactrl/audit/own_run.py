@@ -88,8 +88,9 @@ def _exactrl(doc: Doc | None) -> bool:
 
 
 def run_root(path: Path) -> Path | None:
-    """The directory of the exactrl run ``path`` (a directory or its manifest.json) is, or None."""
-    directory = path.parent if path.name == MANIFEST and path.is_file() else path
+    """The directory of the exactrl run ``path`` is (it, or a file in it: its config.yaml alone would read as
+    OpenRLHF's), or None."""
+    directory = path.parent if path.is_file() else path
     if not directory.is_dir():
         return None
     if _exactrl(_manifest(directory)):

@@ -68,7 +68,6 @@ class OwnRun:
     manifest: Doc  # the one with the versions (a pipeline phase's directory: its pipeline's)
     phases: list[Phase]
     problems: list[tuple[str, str, Evidence]]  # (kind, message, evidence)
-    kind: str  # run, pipeline, study cell
 
 
 def _doc(path: Path, name: str) -> Doc | None:
@@ -184,16 +183,16 @@ def read_own_run(root: Path) -> OwnRun:
     versions = own or _manifest(root.parent, f"../{MANIFEST}")
     if own is not None and (own.has("study_cell") or own.has("study_base")):
         phases, problems = _study_phase(root, own)
-        return OwnRun(root, own, phases, problems, "study cell")
+        return OwnRun(root, own, phases, problems)
     config = _doc(root / CONFIG, CONFIG) if (root / CONFIG).is_file() else None
     if config is None:
         return OwnRun(root, versions, [], [("missing", f"{CONFIG} (the run's resolved config) is not in the run "
-                                                       "directory", Evidence(CONFIG, None, ""))], "run")
+                                                       "directory", Evidence(CONFIG, None, ""))])
     stop, finished = _status(root, "")
     if config.has("train"):  # one training phase: sft, rl (and the mixed methods), rm, dpo...
         name = str((_doc(root / STATUS, STATUS) or config).node("command") or "train")
         return OwnRun(root, versions, [Phase(name, Settings(config), manifest, metrics(root / METRICS, METRICS), stop,
-                                             finished)], [], "run")
+                                             finished)], [])
     phases = []
     present = [p for p in PHASES if config.has(p) and (root / p / CONFIG).is_file()]
     for name in present:
@@ -206,7 +205,7 @@ def read_own_run(root: Path) -> OwnRun:
                             metrics(where / METRICS, f"{name}/{METRICS}"),
                             own_stop if launched else stop if last else None, own_finished or (
                                 finished if not launched and last else None), f"{name}/"))
-    return OwnRun(root, versions, phases, [], "pipeline" if config.has("sft") else "run")
+    return OwnRun(root, versions, phases, [])
 
 
 def iter_readings(phase: Phase, keys: tuple[str, ...]) -> Iterator[tuple[dict, Evidence, str, float]]:

@@ -41,10 +41,10 @@ def measure(name: str, tmp: Path) -> dict:
     from archs import VOCAB, build, save
     from exactrl.checks.packing import check_packing
     from exactrl.losses.token_losses import token_logprobs
-    from exactrl.models import packing
+    from exactrl.models import dsa, packing
     from exactrl.models.loading import load_causal_lm
     from exactrl.rollout.hf import sample
-    from test_arch_matrix import LENGTHS
+    from test_arch_matrix import CORRECTED, LENGTHS
 
     row: dict = {"name": name}
     rng = random.Random(0)
@@ -79,6 +79,7 @@ def measure(name: str, tmp: Path) -> dict:
     try:
         ref = build(name)
         ref.set_attn_implementation("eager")
+        dsa.break_ties_by_position(ref)  # tied sparse-attention keys: the earliest, as exactrl keeps them
         ref.eval()
         weights = [torch.randn(len(s) - 1, generator=torch.Generator().manual_seed(i)) for i, s in enumerate(seqs)]
         ref_rows = []
@@ -107,8 +108,10 @@ def measure(name: str, tmp: Path) -> dict:
     try:  # the generation self-check, where this version of exactrl has it
         from exactrl.checks.generation import check_generation
 
-        g = check_generation(model, VOCAB, eos=2, pad=0, policy="fallback", tol=1e-3, sampled=train_mode is None)
-        row["gen_check"] = g.decoder + ("" if g.logprob_error is None else f", log-probs {g.logprob_error:.1e}")
+        g = check_generation(model, VOCAB, eos=2, pad=0, policy="fallback", tol=1e-3, sampled=train_mode is None,
+                             correction=CORRECTED.get(name, "none"))
+        row["gen_check"] = (g.decoder + ("" if g.logprob_error is None else f", log-probs {g.logprob_error:.1e}")
+                            + ("" if g.gap_corrected is None else f", gap corrected ({g.gap_corrected})"))
     except ImportError:
         row["gen_check"] = "(none)"
     except Exception as e:
@@ -121,6 +124,7 @@ def measure(name: str, tmp: Path) -> dict:
         attention = (ids != 0).long()
         tokens, _ = sample(model, ids, attention, max_new_tokens=16, eos=2, pad=0, greedy=True)
         ref = build(name).eval()
+        dsa.break_ties_by_position(ref)
         same = True
         for p, got in zip(prompts, tokens.tolist()):  # Hugging Face's generate on each prompt alone
             want = ref.generate(input_ids=torch.tensor([p]), max_new_tokens=16, do_sample=False, pad_token_id=0,
@@ -147,6 +151,8 @@ def cli(name: str, tmp: Path) -> dict:
     runs = {"sft": ["sft", *common, f"output_dir={tmp / 'sft'}"],
             "rl": ["rl", *common, "algo.group_size=4", "rollout.max_new_tokens=12",
                    f"algo.gen_ratio_tol={getattr(test_arch_matrix, 'GEN_RATIO_TOL', {}).get(name, 1e-4)}",
+                   *[f"algo.rollout_correction={c}" for c in [getattr(test_arch_matrix, "CORRECTED", {}).get(name)]
+                     if c],
                    "reward.fn=exactrl.tasks.arithmetic:reward", f"output_dir={tmp / 'rl'}"]}
     out = {}
     env = {**os.environ, "OMP_NUM_THREADS": "1", "EXACTRL_CACHE": str(tmp / "cache")}

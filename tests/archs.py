@@ -26,7 +26,7 @@ GDN = {"head_dim": 8, "linear_key_head_dim": 8, "linear_value_head_dim": 8, "lin
 MLA = {"q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 8,
        "v_head_dim": 6}  # keys 12 wide, values 6
 MAMBA2 = {"mamba_n_heads": 4, "mamba_d_state": 8, "mamba_n_groups": 1, "mamba_chunk_size": WINDOW}
-INDEX_TOPK, CHUNK = 4, 6  # DeepSeek-V3.2's keys per query, Llama 4's attention chunk
+INDEX_TOPK, CHUNK = 8, 6  # DeepSeek-V3.2's keys per query, Llama 4's attention chunk
 GPT2_LIKE = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128, pad_token_id=0, bos_token_id=1,
                  eos_token_id=2)
 
@@ -73,12 +73,14 @@ ARCHS: dict[str, tuple[str, dict]] = {
     "deepseek_v3": ("DeepseekV3Config", dict(LLAMA_LIKE, **MLA, **MOE, num_key_value_heads=4, n_routed_experts=4,
                                              n_group=2,
                                              topk_group=1, first_k_dense_replace=1)),
-    # DeepSeek sparse attention: the indexer keeps 4 keys per query. 8 indexer heads: with 2, ReLU
-    # zeroes every head's score for many keys and top-k breaks those exact ties differently by layout.
+    # DeepSeek sparse attention: the indexer keeps 8 keys per query. 2 indexer heads: ReLU zeroes both
+    # heads' scores for many keys, and torch.topk breaks those exact ties by the row's width
+    # (exactrl/models/dsa.py keeps the earliest): padded beside a 40-token row, sequences of 23 and
+    # 33 tokens kept other keys than alone.
     "deepseek_v32": ("DeepseekV32Config", dict(LLAMA_LIKE, **MLA, **MOE, num_key_value_heads=4, n_routed_experts=4,
                                                n_group=2,
                                                topk_group=1, first_k_dense_replace=1, index_topk=INDEX_TOPK,
-                                               index_head_dim=8, index_n_heads=8)),
+                                               index_head_dim=8, index_n_heads=2)),
     "glm4_moe_lite": ("Glm4MoeLiteConfig", dict(LLAMA_LIKE, **MLA, **MOE, num_key_value_heads=4, n_routed_experts=4)),
     # Kimi delta attention (linear; chunks of 64) + MLA full attention without RoPE.
     "kimi_linear": ("KimiLinearConfig", dict(LLAMA_LIKE, **MLA, **MOE, num_key_value_heads=4, num_experts=4,
@@ -91,8 +93,11 @@ ARCHS: dict[str, tuple[str, dict]] = {
                                                         num_experts_per_tok=2,
                                                         shared_intermediate_size=16, layer_types=[
                                                             "mamba", "attention"])),
+    # time_step_min: the chunked scan's lower limit on the step size, which Hugging Face's one-token
+    # step leaves out; 0.005 makes it bind often enough that decoding is off the training forward by
+    # ~3e-3 in log-prob, past the generation check's tolerance (as probes of other sizes found).
     "nemotron_h": ("NemotronHConfig", dict(LLAMA_LIKE, head_dim=8, num_hidden_layers=4, mamba_num_heads=4,
-                                           mamba_head_dim=16,
+                                           mamba_head_dim=16, time_step_min=0.005,
                                            ssm_state_size=8, n_groups=1, chunk_size=WINDOW, n_routed_experts=4,
                                            moe_intermediate_size=16, moe_shared_expert_intermediate_size=16,
                                            layers_block_type=["mamba", "moe", "attention", "mlp"])),
@@ -104,8 +109,11 @@ ARCHS: dict[str, tuple[str, dict]] = {
     "lfm2": ("Lfm2Config", dict(LLAMA_LIKE, block_auto_adjust_ff_dim=False, layer_types=["conv", "full_attention"])),
     "lfm2_moe": ("Lfm2MoeConfig", dict(LLAMA_LIKE, **MOE, num_experts=4, num_dense_layers=1, num_hidden_layers=3,
                                        layer_types=["conv", "full_attention", "conv"])),
-    # Lightning (linear) attention in blocks of 8 after a softmax attention layer; a cache class of its own.
-    "minimax": ("MiniMaxConfig", dict(LLAMA_LIKE, head_dim=8, num_local_experts=4, block_size=WINDOW)),
+    # Lightning (linear) attention in blocks of 8, then a softmax attention layer (MiniMax-01's order: its
+    # first layer is linear); a cache class of its own, whose length is layer 0's (none: linear), so
+    # generate's left-padded decode steps build a wrong mask.
+    "minimax": ("MiniMaxConfig", dict(LLAMA_LIKE, head_dim=8, num_local_experts=4, block_size=WINDOW,
+                                      layer_types=["linear_attention", "full_attention"])),
     "mamba2": ("Mamba2Config", {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "num_heads": 4,
                                 "head_dim": 16,
                                 "state_size": 8, "n_groups": 1, "chunk_size": WINDOW, "pad_token_id": 0,

@@ -41,6 +41,14 @@ def loaded(name, tmp_path, **kw):
     return load_causal_lm(tmp_path / name, **kw)
 
 
+def packing_checked(name, tmp_path):
+    """Loaded and self-checked for packing, as a run has it before the generation check: these
+    models train on padded rows."""
+    model = loaded(name, tmp_path)
+    assert not check_packing(model, VOCAB, 64, padding_free=True, policy="fallback", tol=1e-4).packed
+    return model
+
+
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("cache")
@@ -64,23 +72,58 @@ def test_a_loop_that_mixes_up_rows_is_caught_and_generate_takes_over(tmp_path, m
 def test_mamba2_given_the_wrong_cache_argument_is_caught(tmp_path, monkeypatch):
     """The bug this check was written after: Mamba2ForCausalLM swallows past_key_values, so each
     decode step saw only its new token."""
-    model = loaded("mamba2", tmp_path)
-    check_packing(model, VOCAB, 64, padding_free=True, policy="fallback", tol=1e-4)  # padded rows, as a run trains it
+    model = packing_checked("mamba2", tmp_path)
     decode_cache = hf.decode_cache
     monkeypatch.setattr(hf, "decode_cache", lambda m, n: ("past_key_values", decode_cache(m, n)[1]))
     report = check_generation(model, VOCAB, eos=2, pad=0, policy="fallback", tol=1e-3)
-    assert report.decoder == "generate" and report.greedy_mismatch, report
+    assert report.decoder == "generate" and "exactrl loop" in report.reasons, report
 
 
-def test_a_training_forward_that_generate_cannot_match_stops(tmp_path):
+def test_a_training_forward_that_no_decoder_can_match_stops(tmp_path):
     model = loaded("llama", tmp_path)
     model.train()
     for m in model.modules():  # a policy whose training forward is not the generator's
         if hasattr(m, "attention_dropout"):
             m.attention_dropout = 0.5
-    with pytest.raises(GenerationCheckError,
-                       match="log-probs sampled through generate differ from the training forward"):
+    with pytest.raises(GenerationCheckError, match="exactrl loop: .*; generate: .*; generate, unpadded: .*no decoder "
+                                                   "samples with the training forward's log-probs, so rollouts would "
+                                                   r"not be on-policy; set algo.rollout_correction \(tis"):
         check_generation(model, VOCAB, eos=2, pad=0, policy="fallback", tol=1e-3)
+
+
+def test_nemotron_h_decodes_off_the_training_forward_and_trains_only_with_the_gap_corrected(tmp_path):
+    """Every decoder of Nemotron-H samples off its training forward: Hugging Face's one-token Mamba-2
+    step leaves out the lower limit the chunked scan puts on the step size (time_step_min). rl stops
+    and names the way on; with algo.rollout_correction it goes on through the fastest decoder. With
+    the limit lifted from the scan too, decoding agrees: that limit is the whole gap."""
+    model = packing_checked("nemotron_h", tmp_path)
+    with pytest.raises(GenerationCheckError, match="set algo.rollout_correction") as e:
+        check_generation(model, VOCAB, eos=2, pad=0, policy="fallback", tol=1e-3)
+    assert "\n" not in str(e.value)
+    report = check_generation(packing_checked("nemotron_h", tmp_path / "again"), VOCAB, eos=2, pad=0, policy="fallback",
+                              tol=1e-3, correction="tis")
+    assert report.decoder == "exactrl loop" and report.gap_corrected == "tis" and 1e-3 < report.logprob_error < 1e-2
+    assert "corrected by algo.rollout_correction=tis" in report.notice
+    for m in model.modules():
+        if hasattr(m, "time_step_limit"):
+            m.time_step_limit = (0.0, float("inf"))
+    hf.use_generate(model, None)
+    hf.use_unpadded(model, None)
+    assert check_generation(model, VOCAB, eos=2, pad=0, policy="error", tol=1e-5).logprob_error < 1e-5
+
+
+def test_minimax_left_padded_decoding_is_caught_and_its_prompts_decode_unpadded(tmp_path):
+    """MiniMax-01's cache takes its length from layer 0, a lightning-attention layer holding no keys,
+    so generate's left-padded decode steps mask the wrong keys: caught by greedy decoding against
+    the prompts without padding; the prompts of each length then decode apart, and agree."""
+    model = packing_checked("minimax", tmp_path)
+    with pytest.raises(GenerationCheckError, match="generate: greedy tokens differ from generate's on the prompts "
+                                                   "without padding.*fallback decodes through generate on the "
+                                                   r"prompts of each length apart \(no left padding\)"):
+        check_generation(model, VOCAB, eos=2, pad=0, policy="error", tol=1e-3)
+    report = check_generation(model, VOCAB, eos=2, pad=0, policy="fallback", tol=1e-3)
+    assert report.decoder == "generate, unpadded" and report.logprob_error < 1e-5, report
+    assert hf.decodes_unpadded(model) and "no left padding" in report.notice
 
 
 def test_the_check_leaves_the_runs_random_stream_alone(tmp_path):

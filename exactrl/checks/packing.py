@@ -145,12 +145,22 @@ def batch_rope_limit(config) -> tuple[int, str] | None:
     return None
 
 
+# How far the probes reach at least (when the run's sequences do): the widths at which a kernel's
+# or top-k's behaviour may change are not all in the config (torch.topk breaks ties by an order that
+# depends on the row's width), so the probe's rows are as varied as a run's.
+PROBE_REACH = 40
+
+
 def probe_lengths(config, longest: int) -> list[int]:
-    """Three lengths, the longest past every length-shaped setting when ``longest`` (the run's
-    longest sequence) is; a long one follows a short one, so leakage between them shows."""
-    reach = max([24] + [v + 4 for v in length_settings(config)[0].values()])
-    top = max(2, min(longest, reach))
-    return [max(2, top // 2 + 1), top, min(3, top)]
+    """The probe batch's lengths, shaped like a run's batch of sequences up to ``longest`` (the
+    run's longest): the longest row, rows a few tokens short of it padded beside it, rows on
+    each side of every length-shaped setting, and short ones. The longest is past every setting
+    by a few tokens when ``longest`` is; a long row follows a short one, so leakage between
+    neighbours of a packed row shows. The first two are the longer pair."""
+    settings = sorted(length_settings(config)[0].values())
+    top = max(2, min(longest, max([PROBE_REACH] + [v + 8 for v in settings])))
+    mix = [top // 2 + 1, top, 3, top - 7, 2, top - 17, *(n for v in settings for n in (v - 1, v + 1))]
+    return list(dict.fromkeys(n for n in mix if 2 <= n <= top))
 
 
 def probe_sequences(config, vocab_size: int, lengths: list[int], seed: int = 0) -> list[list[int]]:

@@ -34,7 +34,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from exactrl.data.batching import pad_right
 from exactrl.device import device_of
-from exactrl.models import flash
+from exactrl.models import dsa, flash
 
 # One registered name per attention kernel (model.attn_implementation); both take packed rows.
 KERNELS = {"sdpa": "exactrl_varlen", "eager": "exactrl_varlen_eager"}
@@ -247,8 +247,10 @@ for _name in KERNELS.values():
 
 def enable(model: torch.nn.Module, kernel: str = "sdpa") -> torch.nn.Module:
     """Route ``model``'s attention (a Hugging Face decoder) through ``varlen_attention`` with
-    ``kernel`` (sdpa or eager); unpacked inputs run that kernel with Hugging Face's own mask."""
+    ``kernel`` (sdpa or eager); unpacked inputs run that kernel with Hugging Face's own mask.
+    Sparse attention's indexers keep the earliest of tied keys, whatever the layout (dsa.py)."""
     model.set_attn_implementation(KERNELS[kernel])
+    dsa.break_ties_by_position(model)
     return model
 
 

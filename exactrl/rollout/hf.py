@@ -25,6 +25,7 @@ from exactrl.checks.weight_sync import WeightsDigest, WeightsState, WeightSyncEr
 from exactrl.device import device_of
 from exactrl.distributed.export import hf_tensors
 from exactrl.models import packing
+from exactrl.rollout import unpadded
 from exactrl.rollout.generator import Generation, SamplingParams, prompt_seeds, row_seed
 from exactrl.rollout.sampling import KeyedDraw, draw, uniforms
 from exactrl.rollout.stops import StopStrings, response_ends
@@ -115,6 +116,17 @@ def use_generate(model, reason: str | None) -> None:
     base_model(model).exactrl_generate = reason
 
 
+def use_unpadded(model, reason: str | None) -> None:
+    """From now on ``model`` decodes the prompts of each length apart, without left padding
+    (exactrl/rollout/unpadded.py; ``reason``: why), or in left-padded batches again (None)."""
+    base_model(model).exactrl_unpadded = reason
+
+
+def decodes_unpadded(model) -> str | None:
+    """Why ``model`` decodes its prompts grouped by length (None: in left-padded batches)."""
+    return getattr(base_model(model), "exactrl_unpadded", None)
+
+
 def decodes_with_generate(model) -> str | None:
     """Why ``model`` decodes through ``generate`` (None: through the loop): the generation
     self-check chose it, or the model brings a cache the loop does not know."""
@@ -163,17 +175,29 @@ def sample(model, input_ids: torch.Tensor, attention: torch.Tensor, *, max_new_t
     whose cache the loop does not know, or that the generation self-check handed to ``generate``
     (exactrl/checks/generation.py), is decoded by ``generate`` itself.
 
+    A model the self-check set to decode unpadded (``use_unpadded``) decodes the prompts of each
+    length as a batch of their own.
+
     ``synced`` (parameters sharded over ranks): every rank runs as many forwards, stepping
     at least one row until no rank has a live one."""
     if not greedy and (seeds is None or len(seeds) != len(input_ids)):
         raise ValueError(f"sampling needs one seed per row: {len(input_ids)} rows, seeds={seeds!r}")
+    kw = {"max_new_tokens": max_new_tokens, "eos": eos, "pad": pad, "greedy": greedy, "temperature": temperature,
+          "top_p": top_p, "top_k": top_k, "seeds": seeds, "stop": stop, "synced": synced}
     hf = base_model(model)
     made = None if getattr(hf, "exactrl_generate", None) else decode_cache(model, input_ids.shape[1] + max_new_tokens)
-    if made is None:
-        return sample_with_generate(model, input_ids, attention, max_new_tokens=max_new_tokens, eos=eos, pad=pad,
-                                    greedy=greedy, temperature=temperature, top_p=top_p, top_k=top_k, seeds=seeds,
-                                    stop=stop, synced=synced)
-    cache_name, cache = made
+    decode = sample_with_generate if made is None else _loop
+    if decodes_unpadded(model) and (synced or attention[:, 0].min() == 0):  # rows of several lengths
+        return unpadded.by_prompt_length(decode, model, input_ids, attention, compact_at=compact_at, **kw)
+    return decode(model, input_ids, attention, compact_at=compact_at, cache=made, **kw)
+
+
+def _loop(model, input_ids: torch.Tensor, attention: torch.Tensor, *, max_new_tokens: int, eos: int, pad: int,
+          greedy: bool, temperature: float, top_p: float, top_k: int, seeds: list[int] | None,
+          stop: StopStrings | None, synced: bool, compact_at: float, cache=None):
+    """``sample``'s decode loop; ``cache``: decode_cache's (name, cache) for these rows, made here when None."""
+    hf = base_model(model)
+    cache_name, cache = cache or decode_cache(model, input_ids.shape[1] + max_new_tokens)
     with_positions = _takes(hf.forward, "position_ids")
     keep_one = _takes(hf.forward, "logits_to_keep")
 
@@ -217,7 +241,7 @@ def sample(model, input_ids: torch.Tensor, attention: torch.Tensor, *, max_new_t
 def sample_with_generate(model, input_ids: torch.Tensor, attention: torch.Tensor, *, max_new_tokens: int,
                          eos: int | None, pad: int, greedy: bool = False, temperature: float = 1.0, top_p: float = 1.0,
                          top_k: int = 0, seeds: list[int] | None = None, stop: StopStrings | None = None,
-                         synced: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         synced: bool = False, **_) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``sample``'s contract through Hugging Face's ``generate``: the same tokens for the same
     ``seeds`` (the keyed draw of ``draw`` applied as a logits processor to the logits
     ``generate`` would sample from, which then decodes greedily: rows stay in its batch, so row r

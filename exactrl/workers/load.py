@@ -74,9 +74,11 @@ def check_generator(cfg, model, tokenizer, run_dir: Path, phase: str, *, sampled
     rollout = getattr(cfg, "rollout", None)
     sampling = ({"temperature": rollout.temperature, "top_p": rollout.top_p, "top_k": rollout.top_k,
                  "max_new_tokens": rollout.max_new_tokens} if rollout else {"max_new_tokens": cfg.eval.max_new_tokens})
+    correction = cfg.algo.rollout_correction if rollout else "none"  # a gap the run corrects does not stop it
     report = check_generation(model, model.config.get_text_config(decoder=True).vocab_size, eos=tokenizer.eos_token_id,
                               pad=tokenizer.pad_token_id, policy=t.generation_check, tol=t.generation_check_tol,
-                              sampled=sampled, synced=synced, what=f"the {role} model", **sampling)
+                              sampled=sampled, synced=synced, correction=correction, what=f"the {role} model",
+                              **sampling)
     if is_main():
         record_check(run_dir, f"generation/{phase}/{role}", report.as_dict())
         if report.notice:

@@ -155,6 +155,25 @@ def test_generate_returns_the_log_probs_the_loop_samples_with(tmp_path, top_k):
         assert (lp[i, start : start + n] - lb[i, :n]).abs().max() < 1e-5
 
 
+def test_unpadded_decoding_draws_each_rows_tokens_as_alone(tmp_path, monkeypatch):
+    """Prompts decoded by length (the self-check's third rung): each row draws the tokens and
+    log-probs it draws alone, in its own place; a length only another rank has (sharded
+    parameters: every rank steps through it) decodes a stand-in row that changes nothing."""
+    from exactrl.rollout import unpadded
+
+    model = loaded("llama", tmp_path).eval()
+    prompts = [[5, 9, 14], [7, 3, 22, 40, 17], [11, 12], [8, 6, 4]]
+    ids = torch.tensor([[0] * (5 - len(p)) + p for p in prompts])
+    kw = {"max_new_tokens": 6, "eos": 2, "pad": 0, "temperature": 0.8, "seeds": [3, 4, 5, 6]}
+    hf.use_unpadded(model, "test")
+    monkeypatch.setattr(unpadded, "_lengths_of_every_rank", lambda lengths, synced: [1, *sorted(set(lengths))])
+    tokens, logprobs = hf.sample(model, ids, (ids != 0).long(), **kw)
+    for i, p in enumerate(prompts):
+        alone, lp = hf.sample(model, torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long),
+                              **(kw | {"seeds": kw["seeds"][i : i + 1]}))
+        assert torch.equal(tokens[i], alone[0]) and (logprobs[i] - lp[0]).abs().max() < 1e-5  # fp32, batched
+
+
 # --- determinism -----------------------------------------------------------------------------
 
 def test_dropout_left_on_is_found_and_named(tmp_path):

@@ -136,12 +136,14 @@ class TrainConfig(Section):
                                            "right-padded batches.")
     packing_check: Literal["fallback", "error", "off"] = Field("fallback",
                                                                description="Packing self-check before the first "
-                                                                           "step: a few sequences packed, padded and "
-                                                                           "alone must agree "
-                                                                           "(exactrl/checks/packing.py), the probes "
-                                                                           "past every length-shaped setting of the "
-                                                                           "model (windows, chunks, NoPE temperature "
-                                                                           "steps, sparse top-k). fallback: where a "
+                                                                           "step: a batch shaped like the run's "
+                                                                           "(rows padded beside the longest, past "
+                                                                           "every length-shaped setting of the "
+                                                                           "model: windows, chunks, NoPE temperature "
+                                                                           "steps, sparse top-k) packed, padded and "
+                                                                           "each sequence alone must agree "
+                                                                           "(exactrl/checks/packing.py). fallback: "
+                                                                           "where a "
                                                                            "path disagrees, step down -- packed "
                                                                            "rows, padded batches through exactrl's "
                                                                            "attention, padded batches through the "
@@ -154,22 +156,26 @@ class TrainConfig(Section):
     generation_check: Literal["fallback", "error", "off"] = Field("fallback",
                                                                   description="Generation self-check before the "
                                                                               "first rollout (rl) or training (sft, "
-                                                                              "for its evaluations): exactrl's "
-                                                                              "decode loop must pick generate's "
-                                                                              "greedy tokens, and the log-probs it "
-                                                                              "samples with must equal the training "
-                                                                              "forward's "
+                                                                              "for its evaluations): the decoder "
+                                                                              "must pick the greedy tokens generate "
+                                                                              "picks on unpadded prompts, and the "
+                                                                              "log-probs it samples with must equal "
+                                                                              "the training forward's "
                                                                               "(exactrl/checks/generation.py). "
-                                                                              "fallback: where the loop disagrees, "
-                                                                              "decode through Hugging Face's "
-                                                                              "generate with a notice; error: stop; "
-                                                                              "off: skip.")
+                                                                              "fallback: where it disagrees, step "
+                                                                              "down -- exactrl's decode loop, "
+                                                                              "Hugging Face's generate, generate on "
+                                                                              "the prompts of each length apart -- "
+                                                                              "with a notice; error: stop; off: "
+                                                                              "skip. Where none matches, rl stops "
+                                                                              "unless algo.rollout_correction "
+                                                                              "corrects the gap.")
     generation_check_tol: float = Field(1e-3, gt=0,
                                         description="Allowed max |sampled log-prob - training forward's log-prob| in "
                                                     "the generation self-check (fp32 decoding agrees with the "
-                                                    "training forward to ~1e-6 on most models, 2e-4 on tiny "
-                                                    "Nemotron-H, whose Mamba mixer rounds in fp32 inside; a wrong "
-                                                    "cache is off by 1e-1 or more).")
+                                                    "training forward to ~1e-6; a wrong cache is off by 1e-1 or "
+                                                    "more; Nemotron-H's one-token step, which leaves out its "
+                                                    "scan's limit on the step size, by 1e-4 to 1e-2).")
     seed: int = Field(0, description="Seeds data order, initialisation of heads and sampling.")
     loss_agg: LossAgg = Field("token-mean",
                               description="How token losses become one loss per optimizer step (see "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
@@ -117,13 +118,46 @@ def _relaunch(nproc: int) -> typer.Exit:
     return _fail(cause["state"], cause["label"], cause["message"], cause["code"])
 
 
+def _phases(cfg) -> list[tuple[str, object]]:
+    """The command's training configs with their keys' prefixes: the config itself, and a pipeline's, demo's or
+    study's phases (base., sft., rl., mixed.)."""
+    from pydantic import BaseModel
+
+    return [("", cfg), *((f"{name}.", getattr(cfg, name)) for name in ("base", "sft", "rl", "mixed")
+                         if isinstance(getattr(cfg, name, None), BaseModel))]
+
+
+def _start_checks(cfg) -> None:
+    """What a run would otherwise find only after its model loaded, refused in a second and before anything is
+    written: a vLLM engine's interpreter without vLLM, a reward server that is not there."""
+    from exactrl.rewards.remote import check_server
+    from exactrl.rollout.vllm_env import check_vllm_python
+
+    servers: dict[str, tuple[str, float]] = {}
+    for prefix, c in _phases(cfg):
+        rollout, reward, ray = getattr(c, "rollout", None), getattr(c, "reward", None), getattr(c, "ray", None)
+        # on a cluster Ray joins (ray.address), the engines' interpreter is on other machines: theirs to say
+        if rollout is not None and rollout.engine == "vllm" and not (ray is not None and ray.enabled and ray.address):
+            check_vllm_python(rollout.vllm.python, prefix)
+        timeout = min(reward.timeout, 10.0) if reward is not None else 10.0
+        if reward is not None:
+            key = "reward.url" if reward.url else "reward.fn"
+            servers |= {url: (prefix + key, timeout) for url in reward.specs() if url.startswith(("http://", "https://"))}
+        eval_fn = getattr(getattr(c, "eval", None), "reward_fn", None)
+        if eval_fn and eval_fn.startswith(("http://", "https://")):
+            servers.setdefault(eval_fn, (prefix + "eval.reward_fn", timeout))
+    for url, (key, timeout) in servers.items():
+        check_server(url, key, timeout)
+
+
 def _run(kind: str, config: Path | None, overrides: list[str] | None, fn) -> None:
-    """Exit codes: 0 success, 2 a problem in the config, data, model, checkpoint, output_dir or
-    disk (or a dynamic-sampling rollout that cannot be filled), 1 the final evaluation failed
-    (the model is saved), a study's cell failed (the others are done) or a Ray actor of the run died, 3 stopped by a
-    verification check (the canary; the packing, generation or determinism self-check; the
-    on-policy ratio; a weight sync), 4 a non-finite loss, gradient or weight, 130/143
-    SIGINT/SIGTERM.
+    """Exit codes: 0 success, 2 a problem in the config, data, model, checkpoint, output_dir,
+    device, disk, vLLM environment or reward server (or a dynamic-sampling rollout that cannot be
+    filled), 1 the final evaluation failed (the model is saved), a study's cell failed (the others
+    are done), a Ray actor of the run or a rollout engine died, 3 stopped by a verification check
+    (the canary; the packing, generation or determinism self-check; the on-policy ratio; a weight
+    sync; a rollout of other weights than its schedule's), 4 a non-finite loss, gradient or
+    weight, 130/143 SIGINT/SIGTERM.
     Every run directory's status.json records the same end."""
     from exactrl.algorithms.common import preflight
     from exactrl.checks.canary import CanaryError
@@ -132,6 +166,7 @@ def _run(kind: str, config: Path | None, overrides: list[str] | None, fn) -> Non
     from exactrl.checks.on_policy import OnPolicyCheckError
     from exactrl.checks.packing import PackingCheckError
     from exactrl.data.jsonl import DataError
+    from exactrl.device import DeviceError
     from exactrl.distributed.checkpoint import CheckpointError
     from exactrl.distributed.engine import NonFiniteError
     from exactrl.distributed.launch import end_rank, shutdown, under_launcher
@@ -140,8 +175,11 @@ def _run(kind: str, config: Path | None, overrides: list[str] | None, fn) -> Non
     from exactrl.pipelines.pipeline import PhaseError
     from exactrl.pipelines.study import StudyIncomplete
     from exactrl.rewards import RewardError
+    from exactrl.rewards.remote import RemoteRewardError
     from exactrl.rollout.collect import RolloutError
-    from exactrl.rollout.generator import WeightSyncError
+    from exactrl.rollout.generator import GeneratorError, WeightSyncError
+    from exactrl.rollout.schedule import StaleRolloutError
+    from exactrl.rollout.vllm_generator import EngineStartError
     from exactrl.run.context import EvaluationError
     from exactrl.run_dir import forget_current, note_end, record_event, set_status
 
@@ -149,6 +187,8 @@ def _run(kind: str, config: Path | None, overrides: list[str] | None, fn) -> Non
     previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         cfg = load_config(COMMANDS[kind], config, replay_overrides(config, overrides or [], console))
+        if not under_launcher():  # the launcher checked for its ranks
+            _start_checks(cfg)
         nproc = getattr(getattr(cfg, "distributed", None), "nproc_per_node", 1)
         if nproc > 1 and not under_launcher():
             preflight(cfg, nproc)  # what every rank would refuse, refused once and before the start-up
@@ -157,15 +197,18 @@ def _run(kind: str, config: Path | None, overrides: list[str] | None, fn) -> Non
         fn(cfg)
         set_status("success")
         shutdown()
-    except (ConfigError, DataError, ModelLoadError, RewardError, CheckpointError, RolloutError) as e:
+    except (ConfigError, DataError, ModelLoadError, RewardError, RemoteRewardError, CheckpointError, RolloutError,
+            DeviceError, EngineStartError) as e:
         raise _fail("error", "error", str(e), 2) from None
-    except (PackingCheckError, GenerationCheckError, DeterminismError, OnPolicyCheckError, WeightSyncError) as e:
+    except (PackingCheckError, GenerationCheckError, DeterminismError, OnPolicyCheckError, WeightSyncError,
+            StaleRolloutError) as e:
         raise _fail("check", "stopped by a self-check", str(e), 3) from None
     except PhaseError as e:  # a pipeline's phase that ran as a command of its own: its end is the pipeline's
         raise _fail("error", "error", str(e), e.code) from None
     except (EvaluationError, StudyIncomplete) as e:  # the model (the other cells) saved; the run still failed
         raise _fail("error", "error", str(e), 1) from None
-    except RoleDied as e:  # a Ray actor of the run (a trainer rank, a rollout engine) died: named, no traceback
+    except (RoleDied, GeneratorError) as e:  # a Ray actor of the run (a trainer rank, a rollout engine) or a vLLM
+        # engine died or stopped answering: named, with its log, no traceback
         raise _fail("error", "error", str(e), 1) from None
     except CanaryError as e:  # the step was not applied; checkpoints written so far are intact
         raise _fail("canary", "stopped by the canary", str(e), 3) from None
@@ -174,8 +217,8 @@ def _run(kind: str, config: Path | None, overrides: list[str] | None, fn) -> Non
         raise _fail("nonfinite", "stopped", str(e), 4) from None
     except OSError as e:  # a full disk, a file that cannot be written: the OS's reason and the file
         where = f" '{e.filename}'" if e.filename else ""
-        message = f"{e.strerror or e}{where}; free space or fix the permissions, then run again"
-        raise _fail("error", "error", message, 2) from None
+        fix = "check that path" if e.errno == errno.ENOENT else "free space or fix the permissions"
+        raise _fail("error", "error", f"{e.strerror or e}{where}; {fix}, then run again", 2) from None
     except KeyboardInterrupt:
         raise _stopped(signal.SIGINT) from None
     except Terminated:

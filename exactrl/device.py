@@ -28,26 +28,26 @@ class DeviceError(ValueError):
 _process_device: torch.device | None = None
 
 
-def resolve_device(setting: str = "auto") -> torch.device:
-    """The device ``setting`` (auto, cpu, cuda) means on this machine for this rank."""
+def resolve_device(setting: str = "auto", key: str = "distributed.device") -> torch.device:
+    """The device ``setting`` (auto, cpu, cuda; the config's ``key``) means on this machine for this rank."""
     if setting not in DEVICES:
-        raise DeviceError(f"distributed.device={setting!r}: choose one of {', '.join(DEVICES)}")
+        raise DeviceError(f"{key}={setting!r}: choose one of {', '.join(DEVICES)}")
     if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise DeviceError(f"distributed.device=cuda, but this torch ({torch.__version__}) sees no CUDA device; "
+        raise DeviceError(f"{key}=cuda, but this torch ({torch.__version__}) sees no CUDA device; "
                           "install a CUDA build of torch (make setup TORCH=\"torch==... --index-url "
-                          "https://download.pytorch.org/whl/cu128\") or set distributed.device=auto")
+                          f"https://download.pytorch.org/whl/cu128\") or set {key}=auto")
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def use_device(setting: str = "auto") -> torch.device:
+def use_device(setting: str = "auto", key: str = "distributed.device") -> torch.device:
     """Decide this process's device (once: a later call with another answer is an error, since
     models and the process group already follow the first), select it for CUDA, return it."""
     global _process_device
-    device = resolve_device(setting)
+    device = resolve_device(setting, key)
     if _process_device is not None and _process_device != device:
-        raise DeviceError(f"distributed.device={setting} gives {device}, but this process already runs on "
+        raise DeviceError(f"{key}={setting} gives {device}, but this process already runs on "
                           f"{_process_device}")
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -79,6 +79,16 @@ def _continuable(path: Path, status: dict | None) -> bool:
     return _ended(status) or (status.get("state") == "success" and status.get("command") == "study")
 
 
+def finished(path: Path) -> str | None:
+    """Why the run in ``path`` cannot be continued (train.resume_from=latest, a pipeline's resume=true): it has
+    written final/ and ended; None otherwise."""
+    status = read_status(path)
+    if status is None or not (path / "final").exists() or not (status.get("state") == "success" or _ended(status)):
+        return None
+    return (f"output_dir '{path}' holds a run that has written final/ (it ended '{status.get('state')}'): nothing is "
+            "left to resume; choose another output_dir")
+
+
 def _refusal(path: Path, status: dict | None) -> str:
     if status is None:
         how = ("no status.json: a run from before exactrl wrote one, or not a run; "
@@ -111,11 +121,7 @@ def _claim_locked(path: Path, continues: bool) -> bool:
         status = read_status(path)
         kept = continues and _continuable(path, status)
         if not kept and not _reusable(path, status):
-            if continues and status is not None and (path / "final").exists() and (status.get(
-                "state") == "success" or _ended(status)):
-                raise ConfigError(f"output_dir '{path}' holds a run that has written final/ (it ended "
-                                  f"'{status.get('state')}'): nothing is left to resume; choose another output_dir")
-            raise ConfigError(_refusal(path, status))
+            raise ConfigError((continues and finished(path)) or _refusal(path, status))
         try:
             os.replace(path / STATUS, path / f".{STATUS}.tmp")
         except FileNotFoundError:

@@ -34,9 +34,28 @@ def test_a_raising_reward_names_the_sample_or_gets_the_fallback():
     with pytest.raises(RewardError, match="failed on sample d.jsonl:1 with KeyError"):
         run("reward_fixtures:raises_key_error")
     with pytest.raises(RewardError,
-                       match="raised RuntimeError: batched call broken on the batch of 3 samples d.jsonl:1 .. "
-                             "d.jsonl:3, but on no sample alone"):
+                       match=r"raised RuntimeError: batched call broken on the batch of 3 samples \(from d.jsonl "
+                             r"rows 1, 2, 3\), but on no sample alone"):
         run("reward_fixtures:batch_only_bug", fallback=0.0)
+
+
+def test_a_failed_batch_is_named_by_the_rows_it_holds():
+    """A rollout's prompts are drawn shuffled and each comes group_size times: the batch is named by its rows in
+    its order, the first three of them, not by a first .. last range of rows it may not hold."""
+    from exactrl.rewards import Reward
+
+    def down(*args):
+        raise ConnectionError("reward server down")
+
+    rows = [6941, 6941, 14512, 14512, 20, 20, 7000, 7000]
+    with pytest.raises(RewardError) as info:
+        score(Reward("http://127.0.0.1:9/", 1.0, False, down), ["p"] * 8, ["c"] * 8, [None] * 8,
+              [f"data/rl_train.jsonl:{r}" for r in rows])
+    assert str(info.value) == ("reward function 'http://127.0.0.1:9/' failed on the batch of 8 samples (from "
+                               "data/rl_train.jsonl rows 6941, 14512, 20 and 1 more): ConnectionError: reward server "
+                               "down (set reward.fallback to give such a batch a fixed reward instead)")
+    with pytest.raises(RewardError, match=r"the batch of 2 samples \(from a.jsonl:3, b.jsonl:1\)"):
+        score(Reward("x", 1.0, False, down), ["p"] * 2, ["c"] * 2, [None] * 2, ["a.jsonl:3", "b.jsonl:1"])
 
 
 def test_bad_values_and_bad_specs_are_named():
@@ -59,7 +78,8 @@ def test_bad_values_and_bad_specs_are_named():
                                         ("reward_fixtures:os_exits", r"the reward process died \(exit code 0")])
 def test_a_hung_or_exiting_reward_fails_its_batch_once(spec, says):
     t0 = time.perf_counter()
-    with pytest.raises(RewardError, match=f"'{spec}' failed on the batch of 3 samples d.jsonl:1 .. d.jsonl:3: {says}"):
+    with pytest.raises(RewardError, match=rf"'{spec}' failed on the batch of 3 samples \(from d.jsonl rows 1, 2, 3\): "
+                                          f"{says}"):
         run(spec, timeout=1.0)
     failures: list = []
     # With a fallback the whole batch gets it after one timeout, not one per sample.

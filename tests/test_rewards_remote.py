@@ -116,7 +116,21 @@ def test_reference_server_times_out_hung_rewards_and_refuses_missing_answers(ref
     url = serve(server)
     try:
         with pytest.raises(RemoteRewardError,
-                           match=r"failed 1 times; last: HTTP 500 .*no result within reward.timeout=1s"):
+                           match=r"failed once; last: HTTP 500 .*no result within reward.timeout=1s"):
             RemoteReward(url, timeout=30, retries=0)(["p"], ["a"], ["1"])
     finally:
         server.shutdown()
+
+
+def test_the_start_check_passes_a_live_server_and_names_the_key_of_one_that_is_not(reference_server):
+    from exactrl.rewards.remote import check_server
+
+    check_server(reference_server, "reward.url")  # a server that listens passes (only a connection is asked)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(RemoteRewardError, match=rf"^reward.fn=http://127.0.0.1:{port}/x: no reward server answers at "
+                                          rf"127.0.0.1:{port} \(Connection refused\)"):
+        check_server(f"http://127.0.0.1:{port}/x", "reward.fn")
+    with pytest.raises(RemoteRewardError, match=r"^eval.reward_fn=http://127.0.0.1:99999/: the port is not a number"):
+        check_server("http://127.0.0.1:99999/", "eval.reward_fn")

@@ -12,8 +12,10 @@ from pathlib import Path
 
 import yaml
 
+from exactrl.config.loader import ConfigError
 from exactrl.distributed.checkpoint import CheckpointError, check_resumable, complete_checkpoints
 from exactrl.distributed.launch import is_main
+from exactrl.run_dir import finished
 
 # How long to run, how often to log/save/evaluate, where to write (output_dir, log.*) and what to evaluate on,
 # how checks react, and how a step is split into micro-batches (the gradient is the same).
@@ -62,6 +64,8 @@ def prepare_resume(cfg, command: str, steps: int) -> bool:
     latest = t.resume_from == "latest"
     if latest:
         run_dir = Path(cfg.output_dir.format(command=command))
+        if run_dir.is_dir() and (why := finished(run_dir)):  # before 'continuing ...' is said
+            raise ConfigError(why)
         done = complete_checkpoints(run_dir) if run_dir.is_dir() else []
         t.resume_from = str(done[-1]) if done else None
         if is_main():

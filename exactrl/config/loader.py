@@ -15,8 +15,8 @@ from typing import Any, TypeVar, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from exactrl.config.schema import CommonConfig
-from exactrl.config.schema_rl import ALIASES, RENAMED
+from exactrl.config.schema import CommonConfig, SFTConfig
+from exactrl.config.schema_rl import ALIASES, RENAMED, RLConfig
 from exactrl.config.used import USED_WHEN
 
 T = TypeVar("T", bound=BaseModel)
@@ -82,6 +82,11 @@ def _check_keys(cls: type[BaseModel], data: dict, prefix: str, source: str, all_
     for key, value in data.items():
         dotted = f"{prefix}{key}"
         field = cls.model_fields.get(key)
+        if field is None and issubclass(cls, SFTConfig) and key in RLConfig.model_fields:
+            # RL's sections (algo, rollout, reward...) given to SFT: a look-alike key of SFT's would mislead
+            what = (f"an RL phase's, not an SFT phase's ({prefix[:-1]}); put it under rl.{key}" if prefix else
+                    "`exactrl rl`'s, not `exactrl sft`'s; run `exactrl rl` for RL, or remove it")
+            raise ConfigError(f"{source}: unknown key '{dotted}': {key}.* is {what}")
         if field is None:
             # An unknown section ('trainer: {seed: 1}'): suggest for its first key, 'train.seed'.
             probe = f"{dotted}.{next(iter(value))}" if isinstance(value, dict) and value else dotted

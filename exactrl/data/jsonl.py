@@ -33,9 +33,10 @@ def read_jsonl(path: str | Path) -> list[Row]:
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                obj = json.loads(line.rstrip("\r\n"))  # a string left open is 'Unterminated', not a control character
             except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+                # some of json's messages end in "at" ('Unterminated string starting at'): the column completes them
+                raise DataError(f"{where}: not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})") from None
             except RecursionError:
                 raise DataError(f"{where}: JSON nested too deeply to read") from None
             if not isinstance(obj, dict):

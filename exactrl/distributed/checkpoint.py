@@ -149,6 +149,13 @@ def check_resumable(path: str | Path, world: int | None = None) -> dict:
         which = ": " + ", ".join(done) if done else " (this run has none)"
         raise CheckpointError(f"train.resume_from: '{p}' is a checkpoint whose write was interrupted (never renamed "
                               f"into place); resume from a complete one{which}")
+    if not p.is_dir():
+        done = [d.name for d in complete_checkpoints(p.parent)] if p.parent.is_dir() else []
+        there = (f"; '{p.parent}' holds {', '.join(done)}" if done else
+                 f"; '{p.parent}' holds no checkpoint-N" if p.parent.is_dir() else "")
+        what = "is not a directory" if p.exists() else "does not exist"
+        raise CheckpointError(f"train.resume_from: '{p}' {what}{there}; point it at a checkpoint-N directory of a "
+                              "run (or train.resume_from=latest)")
     # A full model's config.json, or a LoRA run's adapter_config.json.
     weights = lora.ADAPTER_CONFIG if (p / lora.ADAPTER_CONFIG).is_file() else "config.json"
     missing = [name for name in (STATE_FILE, weights) if not (p / name).is_file()]

@@ -17,6 +17,11 @@ class ModelLoadError(ValueError):
     """A model directory that cannot be loaded; the message says what is missing."""
 
 
+# What a tokenizer is made from: a fast tokenizer's one file, or a slow one's vocabulary (sentencepiece, BPE,
+# WordPiece, tiktoken) that transformers converts.
+TOKENIZER_FILES = ("tokenizer.json", "*.model", "vocab.json", "vocab.txt", "merges.txt", "*.tiktoken")
+
+
 def _load_error(what: str, p: Path, e: Exception, trust_remote_code: bool) -> ModelLoadError:
     """One line for a failed from_pretrained. Custom code (an auto_map in config.json or
     tokenizer_config.json) runs only when asked: trust_remote_code=False makes transformers
@@ -36,6 +41,11 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False, chat_templ
     try:
         tok = AutoTokenizer.from_pretrained(str(p), trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
+        if not any(next(p.glob(pattern), None) for pattern in TOKENIZER_FILES):  # else transformers blames
+            # sentencepiece or tiktoken, which would only convert a slow tokenizer's files
+            raise ModelLoadError(f"'{p}' holds no tokenizer files (tokenizer.json, or a slow tokenizer's "
+                                 "tokenizer.model / vocab.json and merges.txt / vocab.txt, with "
+                                 "tokenizer_config.json): copy them from the model it was made from") from None
         raise _load_error("a tokenizer from", p, e, trust_remote_code) from None
     if tok.pad_token_id is None:
         # Common for base LLMs: padding positions are masked everywhere, so EOS serves.

@@ -47,7 +47,7 @@ def run_eval(cfg: EvalCommandConfig, console: Console | None = None) -> dict:
     if cfg.model.base is not None and not is_adapter_dir(cfg.model.path):
         raise ConfigError(f"model.base={cfg.model.base}: '{cfg.model.path}' is not a LoRA adapter directory, so it has "
                           "no base to load; unset model.base")
-    device = use_device(cfg.model.device)
+    device = use_device(cfg.model.device, "model.device")
     model_path, data_path = resolve(cfg.model.path, "model"), resolve(cfg.data.eval, "eval")
     load, tokenizer_dir = _load(cfg, model_path, device)
     tok = load_tokenizer(tokenizer_dir, cfg.model.trust_remote_code, cfg.data.chat_template)

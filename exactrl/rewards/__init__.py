@@ -130,8 +130,19 @@ def _check(values: list, spec: str, completions: list[str], sources: list[str]) 
                               f"{completions[i]!r}); expected a finite float")
 
 
-def _batch_name(sources: list[str]) -> str:
-    return sources[0] if len(sources) == 1 else f"of {len(sources)} samples {sources[0]} .. {sources[-1]}"
+def _batch_name(sources: list[str], shown: int = 3) -> str:
+    """A batch by the rows its samples came from, the first ``shown`` in its order (a rollout draws its prompts
+    shuffled: a first .. last range would name rows the batch does not hold)."""
+    if len(sources) == 1:
+        return sources[0]
+    rows = list(dict.fromkeys(sources))  # a group's samples share their prompt's row
+    files = {s.rpartition(":")[0] for s in rows}
+    if len(files) == 1 and all(s.rpartition(":")[2].isdigit() for s in rows):
+        names = f"{files.pop()} rows " + ", ".join(s.rpartition(":")[2] for s in rows[:shown])
+    else:
+        names = ", ".join(rows[:shown])
+    more = f" and {len(rows) - shown} more" if len(rows) > shown else ""
+    return f"of {len(sources)} samples (from {names}{more})"
 
 
 def _isolate(reward: Reward, prompts, completions, answers, sources, timeout, fallback, batch_error) -> tuple[

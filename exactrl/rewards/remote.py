@@ -8,8 +8,10 @@ reference server is exactrl/rewards/server.py."""
 from __future__ import annotations
 
 import json
+import socket
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 
@@ -46,4 +48,25 @@ class RemoteReward:
                 raise RemoteRewardError(f"{self.url} answered {str(answer)[:200]!r}; expected "
                                         f"{{\"rewards\": [float, ...]}}")
             return answer["rewards"]
-        raise RemoteRewardError(f"{self.url} failed {self.retries + 1} times; last: {last}")
+        times = "once" if self.retries == 0 else f"{self.retries + 1} times"
+        raise RemoteRewardError(f"{self.url} failed {times}; last: {last}")
+
+
+def check_server(url: str, key: str, timeout: float = 10.0) -> None:
+    """Refuse, before anything starts, a reward server that accepts no connection (naming ``key`` and the
+    address): a run would find out at its first rollout, after its model loaded. A connection is all this asks:
+    servers need not answer anything but their POST."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        raise RemoteRewardError(f"{key}={url}: the port is not a number between 0 and 65535") from None
+    if not parts.hostname:
+        raise RemoteRewardError(f"{key}={url}: the address names no host (e.g. http://127.0.0.1:8000/)")
+    try:
+        socket.create_connection((parts.hostname, port), timeout=timeout).close()
+    except OSError as e:
+        why = e.strerror or str(e) or type(e).__name__
+        raise RemoteRewardError(f"{key}={url}: no reward server answers at {parts.hostname}:{port} ({why}); start it "
+                          f"(e.g. python -m exactrl.rewards.server MODULE:FUNCTION --port {port}) or fix {key}") \
+            from None

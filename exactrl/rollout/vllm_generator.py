@@ -34,10 +34,15 @@ from exactrl.device import use_device
 from exactrl.rollout import weight_channel
 from exactrl.rollout.generator import Generation, GeneratorError, SamplingParams, prompt_seeds, row_seed
 from exactrl.rollout.stops import StopStrings, response_ends
+from exactrl.rollout.vllm_env import engine_pythonpath
 
-ROOT = Path(__file__).resolve().parents[2]  # the checkout: on the engine's PYTHONPATH
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _STARTS = itertools.count()  # each engine this process starts logs to a file of its own
+
+
+class EngineStartError(GeneratorError):
+    """The engine did not start (vLLM broken in its environment, a model vLLM cannot load): the run's set-up, not a
+    run under way, is at fault."""
 
 
 class VLLMGenerator:
@@ -77,8 +82,7 @@ class VLLMGenerator:
         authkey = secrets.token_bytes(16)
         listener = Listener(("127.0.0.1", 0), authkey=authkey)
         spec = {"address": list(listener.address), "authkey": authkey.hex(), "backend": backend, "args": args}
-        paths = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-        child_env = {**os.environ, "EXACTRL_ENGINE": json.dumps(spec), "PYTHONPATH": os.pathsep.join(paths), **env}
+        child_env = {**os.environ, "EXACTRL_ENGINE": json.dumps(spec), "PYTHONPATH": engine_pythonpath(), **env}
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen([python, "-m", "exactrl.rollout.vllm_server"], env=child_env, stdout=log,
@@ -91,18 +95,22 @@ class VLLMGenerator:
             thread.join(0.2)
         listener.close()
         if not accepted:
-            self._fail("start", f"did not connect within {timeout:g} s (rollout.vllm.start_timeout)", start)
+            self._fail("start", f"did not connect within {timeout:g} s (rollout.vllm.start_timeout)", start,
+                       EngineStartError)
         self.conn = accepted[0]
-        self.info = self._reply("start", timeout - (time.monotonic() - start), "rollout.vllm.start_timeout")
+        self.info = self._reply("start", timeout - (time.monotonic() - start), "rollout.vllm.start_timeout",
+                                EngineStartError)
 
     def _fail(self, what: str, why: str, since: float, error=GeneratorError):
         code = self.proc.poll()
         died = f"died (exit code {code})" if code is not None else why
         if code is None:  # hung, or the protocol's state is unknown: it cannot serve this run any more
             self._kill()
-        tail = "".join(self.log.read_text(errors="replace").splitlines(keepends=True)[-8:]) if self.log.exists() else ""
+        # one line: the log's last (a traceback's: the exception); the rest is in the log
+        lines = self.log.read_text(errors="replace").split("\n") if self.log.exists() else []
+        last = next((ln.strip() for ln in reversed(lines) if ln.strip()), "")
         raise error(f"{self.name} {died} during {what}, {time.monotonic() - since:.1f} s in; its log {self.log} "
-                    f"ends:\n{tail}")
+                    + (f"ends: {last}" if last else "is empty"))
 
     def _reply(self, what: str, timeout: float, key: str = "rollout.vllm.request_timeout", error=GeneratorError):
         start = time.monotonic()
@@ -121,7 +129,10 @@ class VLLMGenerator:
         if answer[0] == "ok":
             return answer[1]
         kind, message = answer[1:]
-        error = WeightSyncError if kind == "WeightSyncError" else GeneratorError
+        if kind == "WeightSyncError":
+            error = WeightSyncError
+        elif error is not EngineStartError:
+            error = GeneratorError
         raise error(f"{self.name}: {what} failed in the engine: {kind}: {message} (traceback in {self.log})")
 
     def _send(self, op: str, args: tuple) -> None:

@@ -27,7 +27,7 @@ from exactrl.distributed.checkpoint import complete_checkpoints, save_checkpoint
 from exactrl.distributed.launch import broadcast_str, is_main, world_size
 from exactrl.metrics import MetricsLog
 from exactrl.progress import progress
-from exactrl.run.evaluation import Accuracy, EvalSet, greedy_accuracy
+from exactrl.run.evaluation import Accuracy, EvalSet, greedy_accuracy, no_eval_note
 from exactrl.run_dir import create_run_dir
 from exactrl.tracking import open_metrics, require_trackers
 
@@ -73,6 +73,8 @@ class RunContext:
                  eval_set: EvalSet | None, continues: bool = False):
         self.cfg, self.command, self.phase, self.tokenizer, self.eval_set = cfg, command, phase, tokenizer, eval_set
         self.run_dir, self.log = open_run(cfg, command, run_dir, data_files, continues)
+        if (note := no_eval_note(cfg)) and is_main():
+            print(note)
         self.steps, self.bar = 0, None
         self.faults = injected(cfg.fault)  # known bugs reproduced on purpose: labelled in every output
 

@@ -134,13 +134,17 @@ def eval_data(cfg) -> str | None:
     """data.eval with 'auto' decided: the built-in problems for built-in training data, else none."""
     if cfg.data.eval != "auto":
         return cfg.data.eval
-    if cfg.data.train == "builtin":
-        return "builtin"
-    if is_main():
-        print(f"note: no evaluation -- data.train={cfg.data.train} is your own data and data.eval is unset; set "
-              "data.eval=FILE ({prompt, answer} rows) to measure accuracy, or data.eval=builtin for the built-in "
-              "problems")
-    return None
+    return "builtin" if cfg.data.train == "builtin" else None
+
+
+def no_eval_note(cfg) -> str | None:
+    """What a run with data.eval left at 'auto' on data of the user's own says when it starts (RunContext): no
+    evaluation. Said once everything is checked, so that it never precedes the error that stops a run."""
+    if cfg.data.eval != "auto" or eval_data(cfg):
+        return None
+    return (f"note: no evaluation -- data.train={cfg.data.train} is your own data and data.eval is unset; set "
+            "data.eval=FILE ({prompt, answer} rows) to measure accuracy, or data.eval=builtin for the built-in "
+            "problems")
 
 
 def eval_reward_spec(cfg) -> str:

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from exactrl.tasks import arithmetic, builtin
 from exactrl.tasks.arithmetic import Problem, extract_answer, is_correct, reward, worked_solution
 from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin
-from exactrl.tasks.tiny_model import SIZES, build_tiny_model, save_tiny_model
+from exactrl.tasks.tiny_model import SIZES, build_tiny_model, parameters, save_tiny_model
 from exactrl.tasks.tokenizer import CHARS
 
 STEP_RE = re.compile(r"(\d)\+(\d)\+(\d)=(\d\d)")
@@ -161,13 +161,25 @@ def test_tiny_model_round_trip_gives_identical_logits(tmp_path, tokenizer, make_
     assert not torch.allclose(a, other)  # the seed matters, so the equality above means something
 
 
-def test_tiny_model_default_size(tokenizer):
-    model = build_tiny_model(len(tokenizer), tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id)
-    n = sum(p.numel() for p in model.parameters())
-    assert 0.5e6 < n < 2e6  # "about 1.2M parameters"
-    small = build_tiny_model(len(tokenizer), tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id,
-                             **SIZES["small"])
-    assert 0.08e6 < sum(p.numel() for p in small.parameters()) < 0.15e6 and small.config.num_hidden_layers == 2
+def test_tiny_model_sizes_are_the_ones_stated(tokenizer):
+    """The count the help and the README state (tiny_model.parameters, from the shapes) is the built model's, the
+    one a run's metrics record (n_params): the help once said 1.2M, the README 0.9M, the metrics 866,304."""
+    from pathlib import Path
+
+    from exactrl.compute import count_parameters
+    from exactrl.config.loader import describe_keys
+    from exactrl.config.schema_commands import DemoConfig
+
+    for size in SIZES:
+        model = build_tiny_model(len(tokenizer), tokenizer.pad_token_id, tokenizer.bos_token_id,
+                                 tokenizer.eos_token_id, **SIZES[size])
+        assert count_parameters(model) == parameters(size), size
+    assert parameters("tiny") == 866_304 and parameters("small") == 113_408  # the shapes' counts, by hand
+    (help_line,) = [ln for ln in describe_keys(DemoConfig) if ln.startswith("task.model =")]
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for figure in ("0.87M parameters, 4 layers", "0.11M parameters, 2 layers"):
+        assert figure in help_line and figure in readme
+    assert "a 0.87M-parameter Llama" in readme and not re.search(r"\b(1\.2|0\.9)M\b", readme)
 
 
 def test_the_forgetful_solution_adds_each_column_alone_and_is_right_exactly_without_carries():

@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 
 from exactrl.config.schema import DataConfig, EvalConfig, ModelConfig, OptimConfig, Section, SFTConfig, TrainConfig
 from exactrl.config.schema_rl import AlgoConfig, RLConfig, RolloutConfig
+from exactrl.tasks.tiny_model import SIZES, parameters
 
 
 class EvalModelConfig(Section):
@@ -102,6 +103,11 @@ class EvalCommandConfig(Section):
         return self
 
 
+def _size(name: str) -> str:
+    """The built-in model's size as the help states it: derived from its shapes, so it cannot drift from them."""
+    return f"{parameters(name) / 1e6:.2f}M parameters, {SIZES[name]['num_hidden_layers']} layers"
+
+
 class TaskConfig(Section):
     name: Literal["addition", "multiplication"] = Field("addition",
                                                         description="The built-in task: 'addition' (two operands "
@@ -123,10 +129,10 @@ class TaskConfig(Section):
                                                "last digit is below 10 x this (see exactrl/tasks/arithmetic.py).")
     skip_prob: float = Field(0.75, ge=0, le=1, description="How often the teacher skips the working on those problems.")
     model: Literal["tiny", "small"] = Field("tiny",
-                                            description="The initial model: 'tiny' (1.2M parameters, 4 layers: the "
-                                                        "demo's) or 'small' (0.11M, 2 layers: learns the worked "
-                                                        "solutions in fewer steps, at twice the step rate; the "
-                                                        "study's). Both: exactrl/tasks/tiny_model.py.")
+                                            description=f"The initial model: 'tiny' ({_size('tiny')}: the demo's) "
+                                                        f"or 'small' ({_size('small')}: learns the worked solutions "
+                                                        "in fewer steps, at twice the step rate; the study's). Both: "
+                                                        "exactrl/tasks/tiny_model.py.")
     n_sft: int = Field(20000, gt=0, description="SFT demonstrations.")
     n_rl: int = Field(20000, gt=0, description="RL prompts (disjoint from the SFT problems).")
     n_eval: int = Field(2000, gt=0, description="Held-out problems (disjoint from both).")

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import string
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+if TYPE_CHECKING:  # imported where used: the config's help reads VOCAB_SIZE without transformers
+    from transformers import PreTrainedTokenizerFast
 
 SPECIAL = ["<pad>", "<bos>", "<eos>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>"]
 CHARS = list(string.digits + string.ascii_lowercase + string.ascii_uppercase + " +-*/=#,.:;!?()[]{}'\"\n\\^_<>|$%&@~`")
+VOCAB_SIZE = len(SPECIAL) + len(CHARS)
 
 # Messages render as <|role|>content; an assistant turn ends with <eos> so a model trained on
 # rendered conversations learns to stop. add_generation_prompt opens an assistant turn.
@@ -28,6 +32,8 @@ CHAT_TEMPLATE = (
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
+    from transformers import PreTrainedTokenizerFast
+
     vocab = {tok: i for i, tok in enumerate(SPECIAL + CHARS)}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     # Special tokens are matched whole before this split runs; every other character is a token.
@@ -46,5 +52,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def save_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
+    from transformers import AutoTokenizer
+
     build_tokenizer().save_pretrained(str(path))
     return AutoTokenizer.from_pretrained(str(path))

@@ -57,7 +57,7 @@ class GenerationReport:
     logprob_error: float | None  # max |generator's - training forward's| log-prob of a sampled token; None: not run
     seconds: float
     notice: str | None = None
-    reasons: dict = field(default_factory=dict)  # why each rung left was left
+    reasons: dict = field(default_factory=dict)  # decoder -> why the check stepped down from it
     gap_corrected: str | None = None  # the algo.rollout_correction a run goes on under despite a gap; None: no gap
 
     def as_dict(self) -> dict:

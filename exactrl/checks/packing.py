@@ -1,7 +1,9 @@
-"""The packing self-check: before the first step, the loaded model runs a few sequences of
-different lengths packed into one row (the padding-free path, exactrl/models/packing.py), as a
+"""The packing self-check: before the first step, the loaded model runs a batch of sequences
+shaped like the run's (``probe_lengths``: rows of many lengths, some a few tokens short of the
+longest) packed into one row (the padding-free path, exactrl/models/packing.py), as a
 right-padded batch, and each alone through Hugging Face's own eager attention; the path the
-run will use must agree with the sequences alone.
+run will use must agree with the sequences alone. A few fixed lengths can pass a path that is
+wrong for other mixes (a top-k that breaks ties by the width of the row it searches).
 
 It is what catches the architecture nobody tested: a sliding window, attention chunk, logit
 softcap, attention sink or sparse-attention index the packed attention does not apply, a model

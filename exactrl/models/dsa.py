@@ -4,15 +4,16 @@ for every batch layout.
 The indexer of a DSA layer keeps, for each query, the ``index_topk`` keys of highest index
 score, a weighted sum over indexer heads of ReLU'd dot products. A key that every head scores
 at or below zero gets exactly 0, so keys tie, and ``torch.topk`` breaks ties by an order that
-depends on the width of the row it searches (on the CPU an nth_element over the row). The same
-sequence alone, right-padded beside a longer one, or decoded one token at a time (each step's
-row as wide as its prefix) then keeps different keys and computes other log-probs, through
-Hugging Face's own eager and SDPA paths alike: a padded training forward that is not each
-sequence's, and sampled log-probs that are not the training forward's.
+depends on the width of the row it searches (on the CPU std::nth_element or std::partial_sort
+over the row, neither stable: ATen's TopKImpl.h). The same sequence alone, right-padded beside
+a longer one, or decoded one token at a time (each step's row as wide as its prefix) then keeps
+different keys and computes other log-probs, through Hugging Face's own eager and SDPA paths
+alike: a padded training forward that is not each sequence's, and sampled log-probs that are
+not the training forward's.
 
 Tied keys are equally entitled to a place, so the model does not say which to keep; exactrl
 keeps the earliest (a stable descending sort), whatever the layout: in training forwards,
-self-checks and decoding alike. Where no scores tie, the choice is torch.topk's.
+self-checks and decoding alike. Where no scores tie it keeps the keys torch.topk keeps.
 """
 
 from __future__ import annotations

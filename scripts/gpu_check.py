@@ -26,6 +26,7 @@ usage: python scripts/gpu_check.py [--dry-run] [--steps N] [--runs sft-fp32,grpo
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -65,8 +66,6 @@ def run_tests(dry: bool, work: Path) -> list[tuple]:
 
 def vllm_python(given: str | None) -> str | None:
     """The interpreter whose environment has vLLM: --vllm-python, this one, or `make vllm`'s .venv-vllm."""
-    import importlib.util
-
     if given:
         return given
     if importlib.util.find_spec("vllm") is not None:
@@ -80,6 +79,8 @@ def run_training(kind: str, dtype: str, world: int, dry: bool, steps: int, work:
     name = f"{kind} {dtype} world {world}" + (f" ({'vllm' if vllm else 'hf'} engine)" if kind == "ray" else "")
     if kind == "vllm" and not vllm:
         return (name, "SKIP", "no environment with vLLM (--vllm-python, or make vllm)", "")
+    if kind == "ray" and importlib.util.find_spec("ray") is None:
+        return (name, "SKIP", "Ray is not installed here (pip install -e '.[ray]')", "")
     out = work / f"{kind}-{dtype}-w{world}.json"
     child = [str(Path(__file__).resolve()), "--child", kind, dtype, "cpu" if dry else "cuda", str(steps), str(out),
              vllm or "", str(gpus)]

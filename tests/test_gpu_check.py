@@ -27,14 +27,27 @@ def test_dry_run_passes_and_prints_the_table():
     assert all("needs" in s for s in skips), skips
 
 
-def test_a_failing_run_is_a_fail_row(tmp_path):
+def gpu_check_module():
     sys.path.insert(0, str(SCRIPT.parent))
     try:
         import gpu_check
     finally:
         sys.path.pop(0)
-    row = gpu_check.run_training("sft", "fp32", 1, True, -1, tmp_path)  # max_steps=-1: the config refuses it
+    return gpu_check
+
+
+def test_a_failing_run_is_a_fail_row(tmp_path):
+    row = gpu_check_module().run_training("sft", "fp32", 1, True, -1, tmp_path)  # max_steps=-1: the config refuses it
     assert row[1] == "FAIL" and "exit code" in row[2]
+
+
+def test_a_gpu_users_environment_without_ray_skips_the_ray_rows(monkeypatch, tmp_path):
+    """make gpu-check PY=python in an environment installed without the ray extra: SKIP with the reason, not FAIL."""
+    gpu_check = gpu_check_module()
+    find_spec = gpu_check.importlib.util.find_spec
+    monkeypatch.setattr(gpu_check.importlib.util, "find_spec", lambda name: None if name == "ray" else find_spec(name))
+    row = gpu_check.run_training("ray", "fp32", 1, True, 1, tmp_path)
+    assert row[1] == "SKIP" and "Ray is not installed" in row[2], row
 
 
 def test_the_gpu_tests_measure_the_update_where_the_engine_placed_the_model(monkeypatch, tokenizer, make_model):

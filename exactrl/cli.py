@@ -118,38 +118,6 @@ def _relaunch(nproc: int) -> typer.Exit:
     return _fail(cause["state"], cause["label"], cause["message"], cause["code"])
 
 
-def _phases(cfg) -> list[tuple[str, object]]:
-    """The command's training configs with their keys' prefixes: the config itself, and a pipeline's, demo's or
-    study's phases (base., sft., rl., mixed.)."""
-    from pydantic import BaseModel
-
-    return [("", cfg), *((f"{name}.", getattr(cfg, name)) for name in ("base", "sft", "rl", "mixed")
-                         if isinstance(getattr(cfg, name, None), BaseModel))]
-
-
-def _start_checks(cfg) -> None:
-    """What a run would otherwise find only after its model loaded, refused in a second and before anything is
-    written: a vLLM engine's interpreter without vLLM, a reward server that is not there."""
-    from exactrl.rewards.remote import check_server
-    from exactrl.rollout.vllm_env import check_vllm_python
-
-    servers: dict[str, tuple[str, float]] = {}
-    for prefix, c in _phases(cfg):
-        rollout, reward, ray = getattr(c, "rollout", None), getattr(c, "reward", None), getattr(c, "ray", None)
-        # on a cluster Ray joins (ray.address), the engines' interpreter is on other machines: theirs to say
-        if rollout is not None and rollout.engine == "vllm" and not (ray is not None and ray.enabled and ray.address):
-            check_vllm_python(rollout.vllm.python, prefix)
-        timeout = min(reward.timeout, 10.0) if reward is not None else 10.0
-        if reward is not None:
-            key = "reward.url" if reward.url else "reward.fn"
-            servers |= {url: (prefix + key, timeout) for url in reward.specs() if url.startswith(("http://", "https://"))}
-        eval_fn = getattr(getattr(c, "eval", None), "reward_fn", None)
-        if eval_fn and eval_fn.startswith(("http://", "https://")):
-            servers.setdefault(eval_fn, (prefix + "eval.reward_fn", timeout))
-    for url, (key, timeout) in servers.items():
-        check_server(url, key, timeout)
-
-
 def _run(kind: str, config: Path | None, overrides: list[str] | None, fn) -> None:
     """Exit codes: 0 success, 2 a problem in the config, data, model, checkpoint, output_dir,
     device, disk, vLLM environment or reward server (or a dynamic-sampling rollout that cannot be
@@ -181,6 +149,7 @@ def _run(kind: str, config: Path | None, overrides: list[str] | None, fn) -> Non
     from exactrl.rollout.schedule import StaleRolloutError
     from exactrl.rollout.vllm_generator import EngineStartError
     from exactrl.run.context import EvaluationError
+    from exactrl.run.start_checks import check_before_start
     from exactrl.run_dir import forget_current, note_end, record_event, set_status
 
     global _signalled
@@ -188,7 +157,7 @@ def _run(kind: str, config: Path | None, overrides: list[str] | None, fn) -> Non
     try:
         cfg = load_config(COMMANDS[kind], config, replay_overrides(config, overrides or [], console))
         if not under_launcher():  # the launcher checked for its ranks
-            _start_checks(cfg)
+            check_before_start(cfg)
         nproc = getattr(getattr(cfg, "distributed", None), "nproc_per_node", 1)
         if nproc > 1 and not under_launcher():
             preflight(cfg, nproc)  # what every rank would refuse, refused once and before the start-up

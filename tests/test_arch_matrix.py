@@ -167,8 +167,9 @@ def test_dsa_length_mixes_fail_the_old_probe_and_pass_the_new(tmp_path, monkeypa
         check_packing(broken, **check)
     fixed = load_causal_lm(tmp_path / "m")
     assert check_packing(fixed, **check).padded_error < 1e-5
-    with torch.no_grad():
-        assert mix_error(fixed, reference("deepseek_v32")) < 1e-5
+    with torch.no_grad():  # fp32 logits of the padded batch against each alone: 6e-6 on an AVX2 EPYC, whose kernels
+        # round otherwise than AVX-512's; the bound keeps 10x of that and stays 1000x under the wrong path's 0.1
+        assert mix_error(fixed, reference("deepseek_v32")) < 1e-4
 
 
 class Float64(TorchFunctionMode):

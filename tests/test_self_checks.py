@@ -122,7 +122,8 @@ def test_minimax_left_padded_decoding_is_caught_and_its_prompts_decode_unpadded(
                                                    r"prompts of each length apart \(no left padding\)"):
         check_generation(model, VOCAB, eos=2, pad=0, policy="error", tol=1e-3)
     report = check_generation(model, VOCAB, eos=2, pad=0, policy="fallback", tol=1e-3)
-    assert report.decoder == "generate, unpadded" and report.logprob_error < 1e-5, report
+    # log-prob gap 2.4e-6 on an AVX2 EPYC: 1e-4 keeps more than 10x for other CPUs' rounding, 1000x under a wrong mask
+    assert report.decoder == "generate, unpadded" and report.logprob_error < 1e-4, report
     assert hf.decodes_unpadded(model) and "no left padding" in report.notice
 
 

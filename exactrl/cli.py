@@ -130,7 +130,6 @@ def _run(kind: str, config: Path | None, overrides: list[str] | None, fn) -> Non
     from exactrl.algorithms.common import preflight
     from exactrl.checks.canary import CanaryError
     from exactrl.checks.determinism import DeterminismError
-    from exactrl.checks.generation import GenerationCheckError
     from exactrl.checks.on_policy import OnPolicyCheckError
     from exactrl.checks.packing import PackingCheckError
     from exactrl.data.jsonl import DataError
@@ -145,6 +144,7 @@ def _run(kind: str, config: Path | None, overrides: list[str] | None, fn) -> Non
     from exactrl.rewards import RewardError
     from exactrl.rewards.remote import RemoteRewardError
     from exactrl.rollout.collect import RolloutError
+    from exactrl.rollout.generation_check import GenerationCheckError
     from exactrl.rollout.generator import GeneratorError, WeightSyncError
     from exactrl.rollout.schedule import StaleRolloutError
     from exactrl.rollout.vllm_generator import EngineStartError

@@ -106,7 +106,7 @@ def measure(name: str, tmp: Path) -> dict:
     except Exception as e:
         row["logprob_err"] = f"raises {one_line(e)}"
     try:  # the generation self-check, where this version of exactrl has it
-        from exactrl.checks.generation import check_generation
+        from exactrl.rollout.generation_check import check_generation
 
         g = check_generation(model, VOCAB, eos=2, pad=0, policy="fallback", tol=1e-3, sampled=train_mode is None,
                              correction=CORRECTED.get(name, "none"))

@@ -26,11 +26,11 @@ from torch.overrides import TorchFunctionMode
 
 from archs import ARCHS, VOCAB, WINDOW, build, save
 from exactrl.checks import packing as packing_check
-from exactrl.checks.generation import check_generation
 from exactrl.checks.packing import PackingCheckError, check_packing
 from exactrl.losses.token_losses import token_logprobs
 from exactrl.models import dsa, packing
 from exactrl.models.loading import load_causal_lm
+from exactrl.rollout.generation_check import check_generation
 from exactrl.rollout.hf import sample
 from exactrl.tasks.tokenizer import build_tokenizer
 from test_cli_failures import exactrl

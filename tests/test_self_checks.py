@@ -1,6 +1,6 @@
 """The start-up self-checks catch what they exist for, made to fail by putting the bug back:
 
-* generation (exactrl/checks/generation.py): a decode loop that mixes up rows after they leave
+* generation (exactrl/rollout/generation_check.py): a decode loop that mixes up rows after they leave
   the batch, or feeds Mamba-2 the wrong cache argument (the bug before this check), is caught and
   the model decodes through ``generate``; a training forward that even ``generate`` cannot match
   stops the run;
@@ -25,12 +25,12 @@ import torch
 
 from archs import VOCAB, build, save
 from exactrl.checks.determinism import check_determinism
-from exactrl.checks.generation import GenerationCheckError, check_generation
 from exactrl.checks.packing import PackingCheckError, check_packing
 from exactrl.losses.token_losses import token_logprobs
 from exactrl.models import packing
 from exactrl.models.loading import load_causal_lm
 from exactrl.rollout import hf
+from exactrl.rollout.generation_check import GenerationCheckError, check_generation
 from test_cli_failures import TINY, exactrl, one_line_error
 
 ROOT = Path(__file__).resolve().parents[1]

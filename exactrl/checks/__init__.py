@@ -1,7 +1,8 @@
 """Runtime verification that runs inside every training command (see DESIGN.md, "Verification
 built in"): the canary (canary.py, every step), the on-policy ratio (on_policy.py, every
-rollout) and the start-up self-checks: determinism (determinism.py), packing (packing.py) and
-generation (generation.py)."""
+rollout) and the start-up self-checks: determinism (determinism.py) and packing (packing.py).
+The engines import them, so nothing here imports rollout or above: the generation self-check, which
+drives the decoders, is exactrl/rollout/generation_check.py."""
 
 
 def one_line(e: BaseException) -> str:

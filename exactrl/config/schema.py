@@ -161,7 +161,7 @@ class TrainConfig(Section):
                                                                               "picks on unpadded prompts, and the "
                                                                               "log-probs it samples with must equal "
                                                                               "the training forward's "
-                                                                              "(exactrl/checks/generation.py). "
+                                                                              "(exactrl/rollout/generation_check.py). "
                                                                               "fallback: where it disagrees, step "
                                                                               "down -- exactrl's decode loop, "
                                                                               "Hugging Face's generate, generate on "

@@ -1,2 +1,3 @@
 """Generators (generator.py: the interface; hf.py: the KV-cached decode loop over the trainer's
-model) and rollout collection (collect.py)."""
+model), rollout collection (collect.py) and the generation self-check on the decoders
+(generation_check.py)."""

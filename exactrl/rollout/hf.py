@@ -173,7 +173,7 @@ def sample(model, input_ids: torch.Tensor, attention: torch.Tensor, *, max_new_t
     Each step's inputs come from the model's own ``prepare_inputs_for_generation``, as in
     ``generate`` (Mamba's decode steps drop the mask, hybrid models pick their masks). A model
     whose cache the loop does not know, or that the generation self-check handed to ``generate``
-    (exactrl/checks/generation.py), is decoded by ``generate`` itself.
+    (exactrl/rollout/generation_check.py), is decoded by ``generate`` itself.
 
     A model the self-check set to decode unpadded (``use_unpadded``) decodes the prompts of each
     length as a batch of their own.

@@ -6,7 +6,7 @@ right. MiniMax-01 is one: its cache reports the sequence length of layer 0, a li
 layer that holds no keys, so from the first decode step on the softmax layers' mask is built as
 if nothing came before, and a left-padded row's pad columns decide what it attends to (Hugging
 Face's ``generate`` diverges at the first new token; prompts without padding need no mask). The
-generation self-check (exactrl/checks/generation.py) hands a model here when its left-padded
+generation self-check (exactrl/rollout/generation_check.py) hands a model here when its left-padded
 decoding disagrees with each prompt decoded alone. Sampling stays keyed by each row's seed, so a
 row draws the same tokens in any group.
 """

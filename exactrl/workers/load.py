@@ -1,7 +1,7 @@
 """Loading a worker's model: as cfg.model says, then the start-up self-checks on that very model:
 is its training forward deterministic (exactrl/checks/determinism.py), which path computes what
 the model computes on each sequence alone (exactrl/checks/packing.py), and, once the generator
-exists, does it decode what the model computes (exactrl/checks/generation.py)."""
+exists, does it decode what the model computes (exactrl/rollout/generation_check.py)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ import torch
 
 from exactrl.audit.manifest import record_check
 from exactrl.checks.determinism import DeterminismError, check_determinism, random_forward_message
-from exactrl.checks.generation import check_generation
 from exactrl.checks.packing import check_packing, probe_lengths
 from exactrl.device import place, process_device
 from exactrl.distributed.launch import is_main
 from exactrl.models.loading import load_causal_lm
 from exactrl.models.lora import apply_lora
+from exactrl.rollout.generation_check import check_generation
 
 
 def load_model(cfg, path, run_dir: Path, phase: str, role: str, longest: int, trainable: bool = True, loader=None,

@@ -29,15 +29,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from exactrl.dtypes import PRECISIONS
+
 
 class WeightSyncError(RuntimeError):
     """A generator's weights differ from the trainer's after a sync, or a sync did not complete."""
 
 
-# Default probe tolerances (max |log-prob difference| over the probe's tokens) by the dtype the
-# engine computes in. fp32: different kernels (vLLM's CPU attention, fused qkv matmuls) sum in
-# another order; bf16/fp16: rounding of the weights and activations themselves.
-PROBE_TOL = {"fp32": 1e-3, "bf16": 0.1}
 PROBE_LENGTH = 16
 
 
@@ -242,7 +240,7 @@ class SyncReport:
 @dataclass(frozen=True)
 class SyncCheck:
     """How a sync is verified: ``policy`` error or warn (rollout.sync_check), the probe's
-    tolerance ``probe_tol`` (rollout.probe_tol, else PROBE_TOL of ``dtype``)."""
+    tolerance ``probe_tol`` (rollout.probe_tol, else the probe_tol of model.dtype=``dtype``, exactrl/dtypes.py)."""
 
     policy: str = "error"
     dtype: str = "fp32"
@@ -250,7 +248,7 @@ class SyncCheck:
 
     @property
     def tol(self) -> float:
-        return self.probe_tol if self.probe_tol is not None else PROBE_TOL[self.dtype]
+        return self.probe_tol if self.probe_tol is not None else PRECISIONS[self.dtype].probe_tol
 
     def fail(self, message: str) -> None:
         if self.policy == "error":

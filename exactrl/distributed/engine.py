@@ -21,7 +21,6 @@ checks sample accounting and the canary (exactrl/checks/canary.py).
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import re
 import warnings
@@ -39,6 +38,7 @@ from exactrl.distributed.export import hf_tensors
 from exactrl.distributed.launch import is_main
 from exactrl.distributed.optim import build_optimizer, build_scheduler
 from exactrl.distributed.step_plan import StepPlan
+from exactrl.dtypes import autocast_for
 
 
 class SampleAccountingError(RuntimeError):
@@ -243,14 +243,6 @@ class SingleEngine:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step_count = state["step"]
-
-
-def autocast_for(dtype: str, device: torch.device):
-    """bf16 compute for the forward passes under it (model.dtype=bf16); the weights, their gradients
-    and the optimizer stay fp32. Every worker of a run computes under the same one."""
-    if dtype == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 def prepare_model(model: torch.nn.Module, train: TrainConfig, device: torch.device | None) -> torch.device:

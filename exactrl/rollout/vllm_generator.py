@@ -31,12 +31,12 @@ import torch
 
 from exactrl.checks.weight_sync import WeightsDigest, WeightsState, WeightSyncError
 from exactrl.device import use_device
+from exactrl.dtypes import PRECISIONS
 from exactrl.rollout import weight_channel
 from exactrl.rollout.generator import Generation, GeneratorError, SamplingParams, prompt_seeds, row_seed
 from exactrl.rollout.stops import StopStrings, response_ends
 from exactrl.rollout.vllm_env import engine_pythonpath
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _STARTS = itertools.count()  # each engine this process starts logs to a file of its own
 
 
@@ -60,13 +60,13 @@ class VLLMGenerator:
                  backend: str = "exactrl.rollout.vllm_server:VLLMBackend", env: dict | None = None,
                  trust_remote_code: bool = False, sleep_level: int = 0, tensor_parallel_size: int = 1):
         self.tok, self.index, self.sleep_level, self.tp = tokenizer, index, sleep_level, tensor_parallel_size
-        self.weights_dtype = DTYPES[dtype]
+        self.weights_dtype = PRECISIONS[dtype].weights
         self.sync_timeout, self.request_timeout, self.bucket_bytes = sync_timeout, request_timeout, bucket_mb << 20
         self._group, self._store, self._digest, self.conn, self._joined = None, None, None, None, False
         where = Path(log_dir or os.environ.get("TMPDIR", "/tmp"))
         self.log = where / f"vllm-engine-{index}-{os.getpid()}-{next(_STARTS)}.log"
         self.name = f"vllm engine {index}"
-        args = {"model": str(model_dir), "name": self.name, "dtype": {"fp32": "float32", "bf16": "bfloat16"}[dtype],
+        args = {"model": str(model_dir), "name": self.name, "dtype": PRECISIONS[dtype].vllm,
                 "seed": seed, "max_model_len": max_model_len, "enforce_eager": enforce_eager,
                 "gpu_memory_utilization": gpu_memory_utilization, "trust_remote_code": trust_remote_code,
                 "sleep_level": sleep_level, "tensor_parallel_size": tensor_parallel_size}

@@ -6,15 +6,15 @@ exists, does it decode what the model computes (exactrl/rollout/generation_check
 from __future__ import annotations
 
 import warnings
+from functools import partial
 from pathlib import Path
-
-import torch
 
 from exactrl.audit.manifest import record_check
 from exactrl.checks.determinism import DeterminismError, check_determinism, random_forward_message
 from exactrl.checks.packing import check_packing, probe_lengths
 from exactrl.device import place, process_device
 from exactrl.distributed.launch import is_main
+from exactrl.dtypes import PRECISIONS, autocast_for
 from exactrl.models.loading import load_causal_lm
 from exactrl.models.lora import apply_lora
 from exactrl.rollout.generation_check import check_generation
@@ -54,7 +54,7 @@ def load_model(cfg, path, run_dir: Path, phase: str, role: str, longest: int, tr
                               UserWarning, stacklevel=2)
     if t.packing_check != "off":
         # Under bf16 autocast, as the engine runs the forwards: where flash-attention can take them.
-        autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if m.dtype == "bf16" else None
+        autocast = partial(autocast_for, m.dtype, device) if PRECISIONS[m.dtype].autocast is not None else None
         report = check_packing(model, vocab, longest, t.padding_free, t.packing_check, t.packing_check_tol,
                                what=f"the {role} model", autocast=autocast, train_mode=train_mode)
         if is_main():

@@ -38,9 +38,10 @@ from exactrl.checks.weight_sync import Digesting, SyncCheck, SyncReport, probe_i
 from exactrl.data.batch import Sample, collate
 from exactrl.device import process_device
 from exactrl.distributed.collectives import gather
-from exactrl.distributed.engine import SampleAccountingError, autocast_for, build_engine
+from exactrl.distributed.engine import SampleAccountingError, build_engine
 from exactrl.distributed.launch import rank, world_size
 from exactrl.distributed.step_plan import StepPlan
+from exactrl.dtypes import autocast_for
 from exactrl.losses.objective import Metrics, Objective, micro_batch_loss
 from exactrl.losses.token_losses import kept_logprobs, token_entropy, token_logprobs
 from exactrl.models.lora import reference_mode

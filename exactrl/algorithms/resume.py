@@ -1,5 +1,6 @@
 """What a resume must agree with: the checkpoint's command, its step and its run's config;
-and where ``train.resume_from=latest`` continues from.
+where ``train.resume_from=latest`` continues from; and where a run stands after a step (SFTPosition,
+RLPosition: what its checkpoint keeps so that the resumed run continues exactly).
 
 Exact continuation needs the same data, model, batch layout, optimizer and algorithm, so a
 resume that changes any of them is refused, naming the keys, unless they are listed in
@@ -8,6 +9,7 @@ resume that changes any of them is refused, naming the keys, unless they are lis
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import yaml
@@ -115,3 +117,45 @@ def check_resume(cfg, command: str, steps: int) -> None:
         raise CheckpointError(f"train.resume_from: this config differs from the checkpoint's run ({saved_path}) in "
                               f"{shown}. Exact resume needs the same data and layout: restore them, or continue "
                               f"anyway with train.resume_allow_changes=[{','.join(diff)}]")
+
+
+def since(default):
+    """A position field that checkpoints written before it was kept lack: they resume with ``default``.
+    Still required where a position is made, so that no save leaves it out."""
+    return field(metadata={"since": default})
+
+
+@dataclass
+class SFTPosition:
+    """Where an sft run stands after an optimizer step: its checkpoint's "extra" keys are the fields, by name."""
+
+    step: int  # optimizer steps done
+    flops_trained_tokens: int = since(0)  # exactrl/compute.py FlopsCounter's counts, so the resumed ones continue
+    flops_generated_tokens: int = since(0)
+
+    def state(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def load(cls, state: dict):
+        """The position a checkpoint's ``state`` (``state()`` as it was saved) holds."""
+        values = {}
+        for f in fields(cls):
+            if f.name in state:
+                values[f.name] = state[f.name]
+            elif "since" in f.metadata:
+                values[f.name] = f.metadata["since"]
+            else:
+                raise CheckpointError(f"train.resume_from: the checkpoint's position lacks '{f.name}', which "
+                                      f"{cls.__name__} needs; resume from a checkpoint this command wrote")
+        return cls(**values)
+
+
+@dataclass
+class RLPosition(SFTPosition):
+    """Where an rl run stands after an optimizer step (checkpoints are written between rollouts only)."""
+
+    rollout: int  # the rollout that step belongs to (a checkpoint ends one); the resumed run starts at the next
+    group_rng: tuple  # random.Random state that groups a rollout's samples into mini-batches
+    kl_coef: float | None = since(None)  # the adaptive KL controller's; None (older checkpoints): algo.kl_coef
+    sft_buffer: list[int] | None  # ReLIFT's pending prompts (None: the method keeps no buffer)

@@ -38,7 +38,7 @@ from exactrl.advantages import AdvantageInput, get_advantage
 from exactrl.advantages.estimators import EPS, whiten
 from exactrl.algorithms.common import check_data_size, check_world
 from exactrl.algorithms.registry import ALGORITHMS, gap_spec
-from exactrl.algorithms.resume import prepare_resume
+from exactrl.algorithms.resume import RLPosition, prepare_resume
 from exactrl.algorithms.sft import resolve
 from exactrl.algorithms.sft_rl import SFTBuffer, relift_sft
 from exactrl.audit.manifest import record
@@ -322,13 +322,15 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
         buffer = SFTBuffer(a.relift.buffer_size) if alg.sft_buffer else None
         first_rollout, flops = 0, FlopsCounter(policy.apply(count_parameters))
         if t.resume_from:
-            position = resume(t.resume_from, {"policy": policy, "critic": critic} if critic else {"policy": policy})
-            first_rollout = position["rollout"] + 1
-            group_rng.setstate(position["group_rng"])
-            kl_control.coef = position.get("kl_coef", kl_control.coef)
+            saved = {"policy": policy, "critic": critic} if critic else {"policy": policy}
+            position = RLPosition.load(resume(t.resume_from, saved))
+            first_rollout = position.rollout + 1
+            group_rng.setstate(position.group_rng)
+            if position.kl_coef is not None:  # None: a checkpoint from before the controller's coefficient was kept
+                kl_control.coef = position.kl_coef
             if buffer is not None:
-                buffer.pending = position["sft_buffer"]
-            flops.load(position)
+                buffer.pending = position.sft_buffer
+            flops.load(position.state())
         # After the resume: FSDP2 leaves a forward-only call's root parameters unsharded, which a
         # sharded optimizer state cannot be loaded against.
         policy.check_generation(cfg, tok, ctx.run_dir, phase, sampled=True)
@@ -384,8 +386,9 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
                                      "gen_tokens_per_s": rstats["generated_tokens"] / gen_seconds, **flops.record(),
                                      "wall_seconds": time.perf_counter() - t0})
                 ctx.step_done(step, {"policy": policy, "critic": critic},
-                              {"step": step, "rollout": rollout, "group_rng": group_rng.getstate(),
-                               "kl_coef": kl_control.coef, "sft_buffer": buffer and buffer.pending, **flops.state()},
+                              RLPosition(step=step, rollout=rollout, group_rng=group_rng.getstate(),
+                                         kl_coef=kl_control.coef, sft_buffer=buffer and buffer.pending,
+                                         **flops.state()).state(),
                               {"reward": f"{rstats['reward_mean']:.3f}"})
         seconds = time.perf_counter() - t0
         getattr(generator, "close", lambda: None)()  # a vLLM engine's memory back before the final save and eval

@@ -19,7 +19,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from exactrl.algorithms.common import check_data_size, check_world, steps_for
-from exactrl.algorithms.resume import prepare_resume
+from exactrl.algorithms.resume import SFTPosition, prepare_resume
 from exactrl.compute import FlopsCounter, count_parameters
 from exactrl.config.schema import SFTConfig
 from exactrl.config.schema_commands import DemoConfig
@@ -81,9 +81,9 @@ def train_sft(cfg: SFTConfig, run_dir: Path | None = None, spec: BuiltinSpec = B
     policy = Worker.build(cfg, "policy", model_path, run_dir=ctx.run_dir, phase=phase, longest=cfg.data.max_length,
                           pad_id=tok.pad_token_id, total_steps=steps, checkpoint=t.resume_from)
     model = policy.model
-    position = resume(t.resume_from, {"policy": policy}) if t.resume_from else {"step": 0}
-    start, flops = position["step"], FlopsCounter(count_parameters(model))
-    flops.load(position)
+    position = SFTPosition.load(resume(t.resume_from, {"policy": policy}) if t.resume_from else {"step": 0})
+    start, flops = position.step, FlopsCounter(count_parameters(model))
+    flops.load(position.state())
     if eval_set is not None:  # evaluations decode greedily: checked before training, not after it (and after the
         # resume: FSDP2 leaves a forward-only call's root parameters unsharded, against which no state loads)
         check_generator(cfg, model, tok, ctx.run_dir, phase, sampled=False, synced=policy.engine.synced_decoding)
@@ -105,7 +105,8 @@ def train_sft(cfg: SFTConfig, run_dir: Path | None = None, spec: BuiltinSpec = B
                              "tokens_per_s": trained_tokens / (time.perf_counter() - t0),
                              "loss_tokens": plan.normalizer.num_tokens, **result.stats, **flops.record(),
                              "wall_seconds": time.perf_counter() - t0})
-        ctx.step_done(step, {"policy": policy}, {"step": step, **flops.state()}, {"loss": f"{result.loss:.4f}"})
+        ctx.step_done(step, {"policy": policy}, SFTPosition(step, **flops.state()).state(),
+                      {"loss": f"{result.loss:.4f}"})
     seconds = time.perf_counter() - t0
     final = ctx.finish({final_name: policy})
     return SFTResult(ctx.run_dir, final, steps, seconds, trained_tokens, flops.record())

@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV   := .venv
 VPY    := $(VENV)/bin/python
-# The interpreter `make gpu-check` runs; PY=python runs it in an environment of your own (README "Installing into
+# The interpreter `make gpu-check` runs; PY=python runs it in an environment of your own (docs/gpus.md, "Installing into
 # your own environment") and builds no .venv.
 PY     := $(VPY)
 # torch goes in first, pinned, so nothing lets pip pick a multi-GB CUDA build by itself.

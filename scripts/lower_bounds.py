@@ -4,7 +4,7 @@
 
 `make lower-bounds` installs them into .venv-lower (beside the Makefile's torch) and runs a fast exactness subset of the
 suite there, so a lower bound that the code has outgrown fails there, not on a user's machine. torch is left out: its
-lower bound is stated from the code (README "Installing into your own environment") and only the torch on this
+lower bound is stated from the code (docs/gpus.md, "Installing into your own environment") and only the torch on this
 machine's disk is installed; every other build is a multi-GB CUDA download.
 """
 

@@ -232,11 +232,11 @@ def test_hostile_files_are_unreadable_evidence_quickly(tmp_path, name, text, say
 # ---------------------------------------------------------------- exit codes
 
 
-def test_exit_codes_are_documented_in_help_and_readme():
+def test_exit_codes_are_documented_in_help_and_docs():
     out = CliRunner().invoke(app, ["audit", "run", "--help"], terminal_width=200).output
     assert all(text in " ".join(out.split()) for text in ("0:", "1:", "2:", "CONDITIONAL"))
-    readme = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
-    assert "Exit code 0 when every verdict is NOT AFFECTED, 1 when any is AFFECTED, 2 otherwise" in readme
+    page = " ".join((Path(__file__).parents[1] / "docs" / "audit.md").read_text().split())
+    assert "Exit code 0 when every verdict is NOT AFFECTED, 1 when any is AFFECTED, 2 otherwise" in page
 
 
 def test_cli_json_and_exit_code_on_a_conditional_run():

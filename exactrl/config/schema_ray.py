@@ -1,4 +1,4 @@
-"""`exactrl rl`'s Ray section: the same run as Ray actor groups (README "Scaling out")."""
+"""`exactrl rl`'s Ray section: the same run as Ray actor groups (docs/scaling-out.md)."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ def check_vllm_python(python: str | None, prefix: str = "", timeout: float = 60.
     vLLM. Without it the run would find out after its model loaded, at the engine's start."""
     key = f"{prefix}rollout.vllm.python"
     how = (f"on CPU, `make vllm` builds .venv-vllm: then set {key}=.venv-vllm/bin/python (on a GPU: pip install vllm "
-           "beside exactrl and leave it unset; README \"Rollout engines and verified weight sync\")")
+           "beside exactrl and leave it unset; docs/scaling-out.md, \"vLLM on a CPU\")")
     given = f"{key}={python}" if python else f"{prefix}rollout.engine=vllm with {key} unset (this Python)"
     exe = python or sys.executable
     found = shutil.which(exe)

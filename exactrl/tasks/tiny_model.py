@@ -22,7 +22,7 @@ SIZES = {"tiny": TINY, "small": SMALL}
 def parameters(size: str) -> int:
     """The built-in model ``size``'s parameter count, from its shapes: a Llama with the tied embedding of the
     built-in tokenizer, attention and MLP without biases, two RMS norms a layer and one at the end (what `help` and
-    the README say; tests/test_tasks.py holds it to the built model's count, which a run's metrics record)."""
+    the docs say; tests/test_tasks.py holds it to the built model's count, which a run's metrics record)."""
     d = SIZES[size]
     h, kv = d["hidden_size"], d["hidden_size"] // d["num_attention_heads"] * d["num_key_value_heads"]
     layer = 2 * h * h + 2 * h * kv + 3 * h * d["intermediate_size"] + 2 * h  # q, o; k, v; gate, up, down; norms

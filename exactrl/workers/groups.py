@@ -1,4 +1,4 @@
-"""Ray actor groups behind the Worker and Generator interfaces (ray.enabled; README "Scaling out").
+"""Ray actor groups behind the Worker and Generator interfaces (ray.enabled; docs/scaling-out.md).
 
 One actor class, RoleActor, is one process of the run: a rank of a trainer role holding its
 worker (policy, reference, critic: exactrl/workers/worker.py, built as in one process), or a

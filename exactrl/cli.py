@@ -17,6 +17,7 @@ from rich.markup import escape
 from exactrl.audit.commands import audit_app
 from exactrl.config import ConfigError, DemoConfig, PipelineConfig, RLConfig, SFTConfig, load_config
 from exactrl.config.loader import describe_keys
+from exactrl.config.methods import METHODS
 from exactrl.config.schema_commands import EvalCommandConfig
 from exactrl.config.schema_study import StudyConfig
 from exactrl.run_dir import replay_overrides
@@ -247,23 +248,23 @@ def sft(config: Path | None = ConfigOpt, overrides: list[str] | None = Overrides
     _run("sft", config, overrides, lambda cfg: _say_final(train_sft(cfg).final_model))
 
 
-@app.command(short_help="RL from verifiable rewards: ppo, grpo, dr_grpo, dapo, rloo, reinforce_pp(_baseline), gspo; "
-                      "mixed-policy luffy, srft, chord, hpt, relift, uft, prefix_rft.")
-def rl(config: Path | None = ConfigOpt, overrides: list[str] | None = OverridesArg):
-    """RL from verifiable rewards. algo.name (README "RL algorithms"):
+def _rl_help() -> tuple[str, str]:
+    """The rl command's one-line help and its table of algo.name's choices, from the methods' rows."""
+    families = {}
+    for m in METHODS.values():
+        families.setdefault(m.family, []).append(m.name)
+    short = "RL from verifiable rewards: " + "; ".join(
+        ("" if family == "policy-gradient" else family + " ") + ", ".join(names) for family, names in families.items())
+    width = max(map(len, METHODS)) + 2
+    table = "\n".join(f"{m.name:<{width}}{m.summary} ({m.short_paper})" for m in METHODS.values())
+    return short + ".", f'RL from verifiable rewards. algo.name (README "RL algorithms"):\n\n\b\n{table}'
 
-    \b
-    ppo                    critic + GAE, clipped policy and value losses (Schulman 2017)
-    grpo                   group-normalised advantages, PPO clip (Shao 2024)
-    dr_grpo                group-centred only, constant-length loss (Liu 2025)
-    dapo                   clip-higher, dynamic sampling, overlong penalty (Yu 2025)
-    rloo                   leave-one-out baseline (Ahmadian 2024)
-    reinforce_pp           REINFORCE++: return to go, global whitening (Hu 2025)
-    reinforce_pp_baseline  REINFORCE++ after subtracting the group mean
-    gspo                   sequence-level ratio and clipping (Zheng 2025)
-    luffy                  demonstrations in the group, p/(p+0.1) on their tokens (Yan 2025)
-    srft                   entropy-weighted SFT and RL on demonstrations and samples (Fu 2025)
-    """
+
+RL_SHORT_HELP, RL_HELP = _rl_help()
+
+
+@app.command(short_help=RL_SHORT_HELP, help=RL_HELP)
+def rl(config: Path | None = ConfigOpt, overrides: list[str] | None = OverridesArg):
     from exactrl.algorithms.rl import train_rl
 
     _run("rl", config, overrides, lambda cfg: _say_final(train_rl(cfg).final_model))

@@ -147,7 +147,7 @@ def verl_grpo_with_kl_in_reward(scores, kl, mask, group_size, std_normalize, eps
 
 @pytest.mark.parametrize("name,std_normalize", [("grpo", True), ("grpo", False), ("dr_grpo", False)])
 def test_group_estimators_take_the_kl_in_the_reward_as_verl_does(name, std_normalize):
-    """Before: grpo, dr_grpo, rloo (and gspo, dapo, which use grpo's) ignored token_rewards, so
+    """Before: the group estimators (and the methods built on grpo's) ignored token_rewards, so
     algo.kl_in_reward=true trained with no KL penalty at all."""
     g = torch.Generator().manual_seed(0)
     mask = (torch.rand(8, 6, generator=g, dtype=torch.float64) < 0.8).double()

@@ -36,10 +36,10 @@ def test_every_algorithm_has_an_example_config_that_loads():
     from pathlib import Path
 
     from exactrl.config import RLConfig, SFTConfig, load_config
-    from exactrl.config.schema_rl import RL_ALGOS
+    from exactrl.config.methods import METHODS
 
     root = Path(__file__).resolve().parents[1] / "examples"
-    for algo in RL_ALGOS:
+    for algo in METHODS:
         path = root / ("grpo_tiny.yaml" if algo == "grpo" else f"{algo}.yaml")
         assert load_config(RLConfig, path).algo.name == algo, path
     assert load_config(SFTConfig, root / "sft_tiny.yaml").model.path == "builtin"

@@ -16,6 +16,7 @@ import torch
 
 from exactrl.algorithms.registry import ALGORITHMS
 from exactrl.config import ConfigError, RLConfig, SFTConfig, load_config
+from exactrl.config.methods import names
 from exactrl.data.batch import Sample, collate
 from exactrl.data.encode import Prompt
 from exactrl.distributed.engine import build_engine
@@ -239,7 +240,7 @@ def one_pass(model, samples, name, pad_id):
     return (clipped_surrogate(logp, old, adv * (pol + kept)) * (pol + demo)).sum() / (pol + demo).sum()
 
 
-@pytest.mark.parametrize("name", ["uft", "prefix_rft"])
+@pytest.mark.parametrize("name", names(hinted=True))
 @pytest.mark.parametrize("micro", [1, 3, 8])
 def test_micro_batches_of_different_prefix_shares_apply_the_one_pass_gradient(tokenizer, make_model, name, micro):
     """Rows whose prefix share runs from none to all but one token, in micro-batches of 1, of at

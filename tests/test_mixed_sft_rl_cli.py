@@ -64,7 +64,8 @@ def test_chord_with_mu_zero_is_grpo_on_the_same_rollouts(tmp_path, cache, data):
     assert [r["samples"] for r in rows] == [16 + PROMPTS] * 2 and {r["canary"] for r in rows} == {1.0}
     assert all(r["grad_norm"] > 0 for r in rows)
     run(tmp_path, cache, data, "grpo", "algo.name=grpo", *varied)
-    chord, grpo = (load_file(tmp_path / name / "final" / "model.safetensors") for name in ("chord", "grpo"))
+    chord = load_file(tmp_path / "chord" / "final" / "model.safetensors")
+    grpo = load_file(tmp_path / "grpo" / "final" / "model.safetensors")
     for key, value in grpo.items():
         assert torch.allclose(chord[key], value, rtol=1e-5, atol=1e-7), key
 

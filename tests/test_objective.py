@@ -11,6 +11,7 @@ import torch
 from exactrl.algorithms.registry import ALGORITHMS, Algorithm
 from exactrl.algorithms.sft import demonstration
 from exactrl.config import ConfigError, RLConfig, SFTConfig, load_config
+from exactrl.config.methods import Method
 from exactrl.data.batch import ORIGINS, Sample, collate
 from exactrl.data.encode import encode_sft
 from exactrl.data.jsonl import Row
@@ -44,7 +45,7 @@ def test_a_kl_in_the_reward_must_land_somewhere():
     cfg = load_config(RLConfig, None, ["algo.kl_coef=0.1", "algo.kl_in_reward=true"])
     with pytest.raises(ConfigError,
                        match="estimator 'mine' does not read per-token rewards, so the KL would land nowhere"):
-        Algorithm("x", "mine", "ppo", "").objective(cfg)
+        Algorithm(Method("x", "", "", "mine")).objective(cfg)
 
 
 def test_a_scheduled_coefficient_is_resolved_per_step():

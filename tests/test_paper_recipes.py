@@ -12,11 +12,12 @@ from typer.testing import CliRunner
 from exactrl.cli import COMMANDS, app
 from exactrl.compute import rl_flops, sft_flops
 from exactrl.config import PipelineConfig, RLConfig, load_config
+from exactrl.config.methods import names
 from exactrl.pipelines.plan import Options, plan
 
 PAPER = Path(__file__).resolve().parents[1] / "examples" / "paper"
 RECIPES = sorted(PAPER.glob("*.yaml"))
-ONE_STAGE = ("luffy", "srft")  # mixed-policy recipes: `exactrl rl` from the base model
+ONE_STAGE = names(demonstrations=True)  # mixed-policy recipes: `exactrl rl` from the base model
 SFT_THEN_RL = [p for p in RECIPES if not any(m in p.name for m in ONE_STAGE)]
 OPTIONS = Options(params=7e9, tokens_per_sample=4200, data_rows=46_000)
 

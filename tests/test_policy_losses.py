@@ -96,8 +96,8 @@ def test_kl_estimators_by_hand():
 
 def test_registry():
     assert set(POLICY_LOSSES) == {"ppo", "gspo", "reinforce"}
-    with pytest.raises(ValueError, match="unknown policy loss 'dapo'; choose one of gspo, ppo, reinforce"):
-        get_policy_loss("dapo")
+    with pytest.raises(ValueError, match="unknown policy loss 'clip'; choose one of gspo, ppo, reinforce"):
+        get_policy_loss("clip")
 
 
 def dual_clip_by_the_paper(r: float, a: float, eps: float, c: float) -> float:

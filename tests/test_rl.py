@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from exactrl.algorithms.rl import AdaptiveKL, attach_advantages, train_rl
 from exactrl.checks.on_policy import OnPolicyCheckError, on_policy_check
 from exactrl.config import RLConfig, load_config
+from exactrl.config.methods import names
 from exactrl.data.batch import Sample
 from exactrl.distributed.engine import build_engine
 from exactrl.distributed.step_plan import plan_step
@@ -157,8 +158,7 @@ def test_attach_advantages_puts_the_kl_in_the_reward_for_reinforce_pp(tokenizer)
                                                               abs=1e-6)
 
 
-@pytest.mark.parametrize("algo", ["ppo", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline",
-                                  "gspo"])
+@pytest.mark.parametrize("algo", names(demonstrations=False))
 def test_every_algorithm_trains_end_to_end(algo, tmp_path, monkeypatch):
     monkeypatch.setenv("EXACTRL_CACHE", str(tmp_path / "cache"))
     cfg = load_config(RLConfig, None, ["data.eval=null", "train.global_batch_size=8", "train.micro_batch_size=4",

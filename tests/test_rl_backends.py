@@ -21,9 +21,12 @@ from pathlib import Path
 import pytest
 
 from distributed_harness import layout_params, layout_results, over_bound
+from exactrl.algorithms.registry import ALGORITHMS
+from exactrl.losses.policy import POLICY_LOSSES
 
 SCRIPT = Path(__file__).parent / "dist" / "rl_equivalence.py"
-LOSSES = {"ppo", "gspo", "reinforce", "value", "luffy", "srft", "uft", "prefix_rft", "chord", "hpt", "relift_sft"}
+# the script's cases: every policy loss, the critic's value loss, every method's own terms, ReLIFT's SFT step
+LOSSES = {*POLICY_LOSSES, "value", *(a.name for a in ALGORITHMS.values() if a.reshape), "relift_sft"}
 
 
 # DeepSpeed at world size 1 under `slow` (~30 s): tests/test_deepspeed.py holds every stage at world size 1 to the

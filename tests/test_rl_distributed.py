@@ -20,6 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from exactrl.config.methods import names
 from exactrl.tasks.builtin import BuiltinSpec
 from old_deepspeed import ds_env
 from test_resume_distributed import rel_err
@@ -88,7 +89,7 @@ def test_distributed_rl_runs_with_the_canary_and_resumes_exactly(tmp_path, layou
         assert rel_err(checkpoint / "critic", full / "final-critic") > 1e-4
 
 
-ALGOS = ["ppo", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo"]
+ALGOS = names(demonstrations=False)
 MATRIX = {
     "fsdp2": ["distributed.backend=fsdp2"],
     "zero0": ["distributed.backend=deepspeed", "deepspeed.zero_stage=0"],

@@ -46,6 +46,7 @@ from exactrl.checks.on_policy import on_policy_check
 from exactrl.checks.rollout_gap import rollout_gap_metrics
 from exactrl.checks.weight_sync import SyncCheck
 from exactrl.compute import FlopsCounter, count_parameters
+from exactrl.config.aggregation import norm_len
 from exactrl.config.schema_rl import RLConfig
 from exactrl.data.batch import Sample
 from exactrl.data.batching import StepSampler, pad_right
@@ -181,7 +182,7 @@ def fragile_settings(cfg: RLConfig) -> list[str]:
 def step_plan(batch: list[Sample], cfg: RLConfig, world_size: int) -> StepPlan:
     """One optimizer step over ``batch`` (all ranks' samples, each its own unit)."""
     t = cfg.train
-    return plan_samples(batch, t.micro_batch_size, t.loss_agg, t.loss_agg_norm or cfg.rollout.max_new_tokens,
+    return plan_samples(batch, t.micro_batch_size, t.loss_agg, norm_len(cfg),
                         world_size)
 
 

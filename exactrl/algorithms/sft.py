@@ -21,6 +21,7 @@ from filelock import FileLock
 from exactrl.algorithms.common import check_data_size, check_world, steps_for
 from exactrl.algorithms.resume import SFTPosition, prepare_resume
 from exactrl.compute import FlopsCounter, count_parameters
+from exactrl.config.aggregation import norm_len as loss_agg_norm
 from exactrl.config.schema import SFTConfig
 from exactrl.config.schema_commands import DemoConfig
 from exactrl.data.batch import Sample
@@ -88,7 +89,7 @@ def train_sft(cfg: SFTConfig, run_dir: Path | None = None, spec: BuiltinSpec = B
         # resume: FSDP2 leaves a forward-only call's root parameters unsharded, against which no state loads)
         check_generator(cfg, model, tok, ctx.run_dir, phase, sampled=False, synced=policy.engine.synced_decoding)
     sampler = StepSampler(len(examples), t.global_batch_size, t.seed)
-    norm_len = t.loss_agg_norm or cfg.data.max_length
+    norm_len = loss_agg_norm(cfg)
     objective, samples = sft_objective(t.loss_agg, norm_len), [demonstration(e) for e in examples]
 
     trained_tokens, t0 = 0, time.perf_counter()

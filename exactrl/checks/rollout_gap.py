@@ -9,7 +9,7 @@ Where the trainer's side comes from, with the same weights version as the genera
   the gap in it (Objective.with_gap(measure=True), reduced over ranks with the step's metrics): no
   extra forward. srft, whose objective takes no ratio, measures it there too.
 Either way the metrics land in the rollout's records of metrics.jsonl (and the trackers) under
-``rollout_gap/``. Rollouts without generator log-probs (uft's and prefix_rft's hinted ones: the
+``rollout_gap/``. Rollouts without generator log-probs (the hinted methods' ones: the
 generator never scores the hint) have none to compare.
 """
 

@@ -1,6 +1,6 @@
-"""The mixed-policy methods' own sections of algo (algo.luffy, algo.srft, algo.chord, algo.hpt,
-algo.relift, algo.uft, algo.prefix_rft): each default names its source, the paper or its
-official code, and where the two differ the other's choice is an option."""
+"""The mixed-policy methods' own sections of algo (algo.<config> of their rows in
+config/methods.py): each default names its source, the paper or its official code, and where the
+two differ the other's choice is an option."""
 
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, Field, model_validator
 
+from exactrl.config.methods import METHODS, NAMES, names
 from exactrl.config.schema import CheckPolicy, CommonConfig, OptimConfig, Section, check_layout
 from exactrl.config.schema_mixed import (
     ChordConfig,
@@ -72,17 +73,6 @@ class RolloutConfig(Section):
         return self
 
 
-# The mixed-policy methods (issue 23): each learns from a demonstration of every prompt.
-MIXED_ALGOS = ("luffy", "srft", "chord", "hpt", "relift", "uft", "prefix_rft")
-RL_ALGOS = ("ppo", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", *MIXED_ALGOS)
-# Algorithms whose baseline is the other responses to the same prompt.
-GROUP_ALGOS = ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp_baseline", "gspo", *MIXED_ALGOS)
-# Algorithms whose GRPO groups hold demonstrations beside the policy's samples (exactrl/rollout/mixed.py).
-DEMO_GROUP_ALGOS = ("luffy", "srft")
-# Mixed-policy methods whose steps hold the demonstrations of their own prompts: one optimizer step per rollout.
-ONE_STEP_ALGOS = ("chord", "hpt")
-
-
 class GAEConfig(Section):
     lam: float = Field(0.95, ge=0, le=1, description="GAE lambda (1 = Monte Carlo returns minus the critic's value).")
     whiten_advantages: bool = Field(True,
@@ -131,8 +121,8 @@ ALIASES = {
 
 
 class AlgoConfig(Section):
-    name: Literal[RL_ALGOS] = Field("grpo", description="RL algorithm: " + ", ".join(RL_ALGOS)
-                                    + " (see `exactrl rl --help`).")
+    name: Literal[NAMES] = Field("grpo", description="RL algorithm: " + ", ".join(NAMES)
+                                 + " (see `exactrl rl --help`).")
     group_size: int = Field(8, ge=1,
                             description="Responses sampled per prompt (>= 2 for the group-baseline algorithms).")
     policy_loss: Literal["ppo", "gspo", "reinforce"] | None = Field(None,
@@ -153,8 +143,8 @@ class AlgoConfig(Section):
                                                 "(3 in the paper, verl's clip_ratio_c, OpenRLHF's dual_clip); unset "
                                                 "= off.")
     std_normalize: bool = Field(True,
-                                description="Divide group-centred rewards by the group std (grpo, gspo, dapo, luffy, "
-                                            "srft); dr_grpo never does.")
+                                description="Divide group-centred rewards by the group std ("
+                                            + ", ".join(names(std_normalize=True)) + "); dr_grpo never does.")
     overlong_buffer: int = Field(0, ge=0,
                                  description="DAPO's soft overlong penalty: the last this-many tokens before "
                                              "rollout.max_new_tokens cost up to overlong_penalty (0 = off).")
@@ -162,7 +152,7 @@ class AlgoConfig(Section):
                                     description="Reward lost by a response that reaches rollout.max_new_tokens (with "
                                                 "overlong_buffer > 0).")
     gamma: float = Field(1.0, ge=0, le=1,
-                         description="Discount of the return to go (ppo's GAE, reinforce_pp, reinforce_pp_baseline).")
+                         description="Discount of the return to go (" + ", ".join(names(discount=True)) + ").")
     reward_norm: Literal["none", "whiten", "scale"] = Field("none",
                                                             description="Before advantages: 'whiten' the rollout's "
                                                                         "rewards to mean 0, std 1, or only 'scale' "
@@ -177,9 +167,9 @@ class AlgoConfig(Section):
                             description="Adaptive KL horizon (responses): how slowly the coefficient moves.")
     kl_in_reward: bool = Field(False,
                                description="Put -kl_coef x KL (k1, per token) in the reward instead of in the loss: "
-                                           "reinforce_pp and ppo take it per token (return to go, GAE); grpo, "
-                                           "dr_grpo, rloo, gspo and dapo add its sum over the response to the "
-                                           "response's score before the group baseline, as verl does.")
+                                           + ", ".join(names(discount=True)) + " take it per token (return to go, "
+                                           "GAE); the others add its sum over the response to the response's score "
+                                           "before the group baseline, as verl does.")
     entropy_coef: float = Field(0.0, ge=0,
                                 description="Weight of the entropy bonus (subtracted from the loss per token, same "
                                             "aggregation).")
@@ -345,15 +335,15 @@ class RLConfig(CommonConfig):
 
     @model_validator(mode="after")
     def _algorithm_needs(self):
-        a = self.algo
-        if a.name in GROUP_ALGOS and a.group_size < 2:
+        a, m = self.algo, METHODS[self.algo.name]
+        if m.group_baseline and a.group_size < 2:
             raise ValueError(f"algo.name={a.name} compares responses to the same prompt: algo.group_size must be >= 2 "
                              f"(given {a.group_size}); reinforce_pp works with 1")
-        if a.name in DEMO_GROUP_ALGOS and getattr(a, a.name).demonstrations >= a.group_size:
-            raise ValueError(f"algo.{a.name}.demonstrations={getattr(a, a.name).demonstrations} leaves no response for "
+        if m.demonstrations_in_group and (demos := getattr(a, m.config).demonstrations) >= a.group_size:
+            raise ValueError(f"algo.{m.config}.demonstrations={demos} leaves no response for "
                              f"the policy to sample in a group of algo.group_size={a.group_size}; the group holds "
                              "both: raise algo.group_size or lower the demonstrations")
-        if a.name in ONE_STEP_ALGOS and a.ppo_epochs * a.mini_batches != 1:
+        if m.one_step and a.ppo_epochs * a.mini_batches != 1:
             raise ValueError(f"algo.name={a.name} trains each rollout's responses and its prompts' demonstrations in "
                              f"one optimizer step: set algo.ppo_epochs=1 and algo.mini_batches=1 (given "
                              f"{a.ppo_epochs} and {a.mini_batches})")
@@ -376,8 +366,9 @@ class RLConfig(CommonConfig):
 def check_rl_layout(cfg: RLConfig, world: int) -> None:
     """A rollout's prompts (whole groups) spread evenly over ``world`` ranks."""
     prompts = cfg.train.global_batch_size * cfg.algo.mini_batches // cfg.algo.group_size
-    if cfg.algo.name == "relift" and cfg.algo.relift.buffer_size < world:
-        raise ValueError(f"algo.relift.buffer_size={cfg.algo.relift.buffer_size} is smaller than the {world} ranks an "
+    m = METHODS[cfg.algo.name]
+    if m.sft_buffer and (size := getattr(cfg.algo, m.config).buffer_size) < world:
+        raise ValueError(f"algo.{m.config}.buffer_size={size} is smaller than the {world} ranks an "
                          "SFT step spreads its demonstrations over: each rank needs at least one")
     if prompts % world:
         raise ValueError(f"a rollout of {prompts} prompts (train.global_batch_size x algo.mini_batches / "

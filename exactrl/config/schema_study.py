@@ -7,9 +7,10 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from exactrl.config.methods import NAMES
 from exactrl.config.schema import DataConfig, OptimConfig, Section, SFTConfig, TrainConfig
 from exactrl.config.schema_commands import TaskConfig
-from exactrl.config.schema_rl import RL_ALGOS, AlgoConfig, RLConfig, RolloutConfig
+from exactrl.config.schema_rl import AlgoConfig, RLConfig, RolloutConfig
 
 # The methods a study compares besides the mixed-policy algorithms of the registry: SFT alone,
 # SFT then RL (rl.algo.name, GRPO by default) and its truncated variant (truncated.*).
@@ -88,7 +89,7 @@ class StudyConfig(Section):
                              description="The built-in task (the small initial model: exactrl/tasks/tiny_model.py).")
     methods: list[str] = Field(list(DEFAULT_GRID),
                                description="The grid's methods: sft, sft_rl, sft_rl_truncated, or an RL algo.name "
-                                           "trained from the task's initial model (" + ", ".join(RL_ALGOS) + "): "
+                                           "trained from the task's initial model (" + ", ".join(NAMES) + "): "
                                            "grpo is RL alone, a mixed-policy method learns from the demonstrations "
                                            "too.")
     seeds: list[int] = Field([0, 1], description="Training seeds (train.seed of every phase); the task stays the same. "
@@ -131,7 +132,7 @@ class StudyConfig(Section):
 
     @model_validator(mode="after")
     def _known_methods(self):
-        known = (*SFT_BASED, *RL_ALGOS)
+        known = (*SFT_BASED, *NAMES)
         for where, names in (("methods", self.methods), ("bugs.methods", self.bugs.methods),
                              ("method_overrides", list(self.method_overrides))):
             unknown = [m for m in names if m not in known]

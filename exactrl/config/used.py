@@ -7,15 +7,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
+from exactrl.config.methods import METHODS, names
 from exactrl.config.schema import CommonConfig, OptimConfig
 from exactrl.config.schema_ray import RayConfig
-
-# Which algorithms use which settings (algorithms/registry.py declares the same; tests check they agree).
-CRITIC_ALGOS = ("ppo",)  # train a critic (critic.*) and estimate advantages with GAE (algo.gae.*)
-# the grpo estimator: group-centred rewards / group std
-STD_ALGOS = ("grpo", "gspo", "dapo", "luffy", "srft", "chord", "hpt", "relift", "uft")
-DISCOUNT_ALGOS = ("ppo", "reinforce_pp", "reinforce_pp_baseline")  # returns to go, discounted by algo.gamma
-HINTED_ALGOS = ("uft", "prefix_rft")  # rollouts continue a hint: no generator log-probs (rollout/hinted.py)
 
 
 class UsedWhen(NamedTuple):
@@ -34,31 +28,29 @@ class UsedWhen(NamedTuple):
 USED_WHEN = [
     UsedWhen("model.lora.", lambda c: c.model.lora.rank > 0, "LoRA is off (model.lora.rank=0)",
              "set model.lora.rank > 0"),
-    UsedWhen("critic.", lambda c: c.algo.name in CRITIC_ALGOS, "only ppo trains a critic (algo.name={c.algo.name})",
-             "set algo.name=ppo"),
-    UsedWhen("algo.gae.", lambda c: c.algo.name in CRITIC_ALGOS, "only ppo estimates advantages with GAE "
-             "(algo.name={c.algo.name})", "set algo.name=ppo"),
-    UsedWhen("algo.dapo.", lambda c: c.algo.name == "dapo", "dynamic sampling is dapo's (algo.name={c.algo.name})",
-             "set algo.name=dapo"),
-    *(UsedWhen(f"algo.{name}.", lambda c, n=name: c.algo.name == n, f"these are {name}'s settings "
-               "(algo.name={c.algo.name})", f"set algo.name={name}") for name in ("luffy", "srft")),
+    UsedWhen("critic.", lambda c: _method(c).critic, "only " + " and ".join(names(critic=True)) + " trains a critic "
+             "(algo.name={c.algo.name})", "set algo.name=" + " or ".join(names(critic=True))),
+    # each method's own section (algo.gae, algo.dapo, algo.luffy, ...), refused under another algo.name in its words
+    *(UsedWhen(f"algo.{m.config}.", lambda c, s=m.config: _method(c).config == s, m.section_refusal
+               + " (algo.name={c.algo.name})", f"set algo.name={m.name}") for m in METHODS.values() if m.config),
     UsedWhen("algo.luffy.clip", lambda c: c.algo.policy_loss is None, "algo.policy_loss={c.algo.policy_loss} is the "
              "loss on the policy's tokens", "unset algo.policy_loss"),
-    UsedWhen("algo.policy_loss", lambda c: c.algo.name != "srft", "srft has no ratio loss on the policy's responses "
-             "(its positive and negative terms are log-likelihoods)", "use another algo.name"),
-    UsedWhen("algo.clip_eps_high", lambda c: c.algo.name != "srft", "srft clips only its demonstrations' ratio p, "
-             "which never exceeds 1, so no upper bound acts", "use another algo.name"),
-    UsedWhen("algo.dual_clip", lambda c: c.algo.name != "srft", "srft clips only its demonstrations' ratio, with no "
-             "dual clip", "use another algo.name"),
-    *(UsedWhen(key, lambda c: _clips(c), "nothing is clipped (algo.luffy.clip=false or algo.srft.demo_clip=false)",
+    UsedWhen("algo.policy_loss", lambda c: _method(c).policy_ratio, "{c.algo.name} has no ratio loss on the policy's "
+             "responses (its positive and negative terms are log-likelihoods)", "use another algo.name"),
+    UsedWhen("algo.clip_eps_high", lambda c: _method(c).clips == "policy", "{c.algo.name} clips only its "
+             "demonstrations' ratio p, which never exceeds 1, so no upper bound acts", "use another algo.name"),
+    UsedWhen("algo.dual_clip", lambda c: _method(c).clips == "policy", "{c.algo.name} clips only its "
+             "demonstrations' ratio, with no dual clip", "use another algo.name"),
+    *(UsedWhen(key, lambda c: _clips(c), "nothing is clipped (" + " or ".join(
+        f"algo.{m.config}.{m.clip_switch}=false" for m in METHODS.values() if m.clip_switch) + ")",
                "turn that clip on") for key in ("algo.clip_eps", "algo.clip_eps_high", "algo.dual_clip")),
-    *(UsedWhen(key, lambda c: c.algo.name != "srft", "srft's loss takes no ratio to the policy that sampled, so "
-               "there is no on-policy ratio to check", "use another algo.name") for key in (
+    *(UsedWhen(key, lambda c: _method(c).policy_ratio, "{c.algo.name}'s loss takes no ratio to the policy that "
+               "sampled, so there is no on-policy ratio to check", "use another algo.name") for key in (
         "algo.ratio_check", "algo.ratio_tol", "algo.gen_ratio_tol")),
-    UsedWhen("algo.rollout_correction", lambda c: c.algo.name != "srft", "srft's loss takes no ratio on the "
-             "policy's samples for a correction to weigh (its terms on them are log-likelihoods)",
+    UsedWhen("algo.rollout_correction", lambda c: _method(c).policy_ratio, "{c.algo.name}'s loss takes no ratio on "
+             "the policy's samples for a correction to weigh (its terms on them are log-likelihoods)",
              "use another algo.name"),
-    *(UsedWhen(key, lambda c: c.algo.name not in HINTED_ALGOS, "algo.name={c.algo.name}'s samples carry no generator "
+    *(UsedWhen(key, lambda c: not _method(c).hinted, "algo.name={c.algo.name}'s samples carry no generator "
                "log-probs (the generator never scores the hint it continues), so there is no gap to measure or "
                "correct", "use another algo.name") for key in ("algo.rollout_correction", "algo.rollout_gap_cap")),
     *(UsedWhen(key, lambda c: c.algo.rollout_correction != "none", "no correction is applied "
@@ -67,20 +59,14 @@ USED_WHEN = [
     UsedWhen("algo.rollout_correction_cap_low", lambda c: c.algo.rollout_correction in ("icepop", "seq_mask"),
              "algo.rollout_correction={c.algo.rollout_correction} has no lower bound (tis truncates from above)",
              "set algo.rollout_correction=icepop or seq_mask"),
-    UsedWhen("algo.uft.", lambda c: c.algo.name == "uft", "the scheduled hint is uft's (algo.name={c.algo.name})",
-             "set algo.name=uft"),
-    UsedWhen("algo.prefix_rft.", lambda c: c.algo.name == "prefix_rft", "the scheduled prefix is prefix_rft's "
-             "(algo.name={c.algo.name})", "set algo.name=prefix_rft"),
     UsedWhen("algo.uft.nll_agg", lambda c: c.algo.uft.nll_coef > 0, "there is no hint NLL (algo.uft.nll_coef=0)",
              "set algo.uft.nll_coef > 0"),
     UsedWhen("algo.prefix_rft.clip_prefix", lambda c: c.algo.policy_loss != "reinforce", "algo.policy_loss=reinforce "
              "does not clip", "use another algo.policy_loss"),
-    *(UsedWhen(f"algo.{name}.", lambda c, n=name: c.algo.name == n, f"algo.{name}.* is {name}'s (algo.name="
-               "{c.algo.name})", f"set algo.name={name}") for name in ("chord", "hpt", "relift")),
-    UsedWhen("algo.std_normalize", lambda c: c.algo.name in STD_ALGOS, "algo.name={c.algo.name} does not divide by the "
-             "group std (only " + ", ".join(STD_ALGOS) + " do)", "use one of those"),
-    UsedWhen("algo.gamma", lambda c: c.algo.name in DISCOUNT_ALGOS, "algo.name={c.algo.name} does not discount returns "
-             "(only " + ", ".join(DISCOUNT_ALGOS) + " do)", "use one of those"),
+    UsedWhen("algo.std_normalize", lambda c: _method(c).std_normalize, "algo.name={c.algo.name} does not divide by "
+             "the group std (only " + ", ".join(names(std_normalize=True)) + " do)", "use one of those"),
+    UsedWhen("algo.gamma", lambda c: _method(c).discount, "algo.name={c.algo.name} does not discount returns "
+             "(only " + ", ".join(names(discount=True)) + " do)", "use one of those"),
     UsedWhen("algo.kl_target", lambda c: c.algo.kl_coef > 0, "there is no KL term (algo.kl_coef=0)",
              "set a starting algo.kl_coef > 0 (the adaptive controller scales it)"),
     UsedWhen("algo.kl_in_reward", lambda c: c.algo.kl_coef > 0, "there is no KL term (algo.kl_coef=0)",
@@ -150,12 +136,18 @@ USED_WHEN = [
 ]
 
 
+def _method(c):
+    return METHODS[c.algo.name]
+
+
 def _clips(c) -> bool:
-    """Whether some term clips a ratio: luffy's policy tokens (unless algo.luffy.clip=false picks the
-    unclipped ratio), srft's demonstrations (unless algo.srft.demo_clip=false), every other algorithm's."""
-    if c.algo.name == "luffy":
-        return c.algo.luffy.clip or c.algo.policy_loss is not None
-    return c.algo.srft.demo_clip if c.algo.name == "srft" else True
+    """Whether some term clips a ratio: every method's, unless its clip_switch (a key of its section) is
+    false; on the policy's samples algo.policy_loss, when set, is the loss that clips (luffy's own loss is
+    the switched one)."""
+    m = _method(c)
+    if m.clip_switch is None:
+        return True
+    return getattr(getattr(c.algo, m.config), m.clip_switch) or (m.clips == "policy" and c.algo.policy_loss is not None)
 
 
 def _optim(cfg: CommonConfig, section: str) -> OptimConfig:

@@ -19,7 +19,7 @@ import yaml
 
 from exactrl.compute import count_parameters, rl_flops, sft_flops
 from exactrl.config.loader import ConfigError, load_config
-from exactrl.config.schema_rl import DEMO_GROUP_ALGOS
+from exactrl.config.methods import METHODS
 
 # A section only one command's config has, checked in this order: the first found names the command.
 SIGNATURES = (("study", "methods"), ("study", "seeds"), ("study", "mixed"), ("study", "bugs"), ("demo", "task"),
@@ -127,7 +127,6 @@ def plan_rl(cfg, spec, opts: Options, model_path: str | None = None) -> PhasePla
     """Every RL sample is planned as a rollout (8ND), but the demonstrations a luffy or srft group holds
     (6ND, of --tokens-per-sample tokens: a demonstration's length, --rollout-tokens a rollout's); the
     demonstrations other mixed-policy methods add as they go are not planned (a note says so)."""
-    from exactrl.algorithms.registry import ALGORITHMS
     from exactrl.data.encode import load_prompts
     from exactrl.data.files import read_rows
     from exactrl.pipelines.pipeline import rl_data_kind
@@ -155,12 +154,13 @@ def plan_rl(cfg, spec, opts: Options, model_path: str | None = None) -> PhasePla
                        f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}): the FLOPs are an upper bound")
     p.n_params = _n_params(model_dir, opts, p.notes, cfg)
     # a group of luffy or srft holds m demonstrations (6ND each, of a demonstration's length) and the rest rollouts
-    demos = getattr(a, a.name).demonstrations if a.name in DEMO_GROUP_ALGOS else 0
+    m = METHODS[a.name]
+    demos = getattr(a, m.config).demonstrations if m.demonstrations_in_group else 0
     demo_tokens = opts.tokens_per_sample or p.tokens_per_sample
     if demos:
         p.notes.append(f"{a.group_size - demos} rollouts (8ND, D = {p.tokens_per_sample}) and {demos} "
                        f"demonstration(s) (6ND, D = {demo_tokens}) per prompt")
-    elif ALGORITHMS.lookup(a.name).demonstrations:
+    elif m.demonstrations:
         p.notes.append(f"algo.name={a.name} also trains on demonstrations it adds to a rollout as it goes: planned "
                        "as rollouts alone, a lower bound")
     if None not in (p.rollouts, p.tokens_per_sample, p.n_params):

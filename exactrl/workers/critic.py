@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from exactrl.config.aggregation import norm_len
 from exactrl.config.schema_rl import RLConfig
 from exactrl.data.batch import Sample
 from exactrl.distributed.engine import build_engine
@@ -66,7 +67,7 @@ class Critic(Worker):
         """The critic's loss: the value term, aggregated like the policy's loss."""
         t = self.cfg.train
         return Objective((ValueTerm(clip=self.cfg.critic.value_clip, agg=t.loss_agg,
-                                    norm_len=t.loss_agg_norm or self.cfg.rollout.max_new_tokens),))
+                                    norm_len=norm_len(self.cfg)),))
 
     def step(self, batch: list[Sample], plan: StepPlan) -> dict:
         """One critic optimizer step on the policy's mini-batch, in the policy's micro-batches."""

@@ -46,6 +46,7 @@ from mixed_references import (
 from transformers import LlamaForTokenClassification
 
 from exactrl.algorithms.registry import ALGORITHMS
+from exactrl.config.methods import METHODS, names
 from exactrl.algorithms.rl import attach_advantages, step_plan
 from exactrl.algorithms.sft_rl import SFT_OBJECTIVE, sft_step_plan
 from exactrl.data.batch import Sample
@@ -256,11 +257,11 @@ POLICY_CASES = [
     dict(loss="uft", mode="token-mean", nll=0.5),  # on hinted(): prefix and policy tokens in one sequence
     dict(loss="prefix_rft", mode="seq-mean-token-sum-norm", keep=0.4),
 ]
-GROUP_DEMO = ("luffy", "srft")
+GROUP_DEMO = names(demonstrations_in_group=True)
 # demonstrations in the groups, each method's own terms (exactrl/algorithms/luffy_srft.py)
 GROUP_DEMO_CASES = [dict(loss="luffy", mode="token-mean"), dict(loss="srft", mode="token-mean")]
 # GRPO plus SFT on demonstrations in one step (exactrl/algorithms/sft_rl.py), token-mean per kind of sample
-SFT_MIX = ("chord", "hpt")
+SFT_MIX = names(sft_demonstrations=True)
 SFT_MIX_CASES = [dict(loss=name, mode="token-mean") for name in SFT_MIX]
 # ReLIFT's SFT step with its code's mean of micro-batch means (algo.relift.mean_of_means)
 SFT_MIX_CASES.append(dict(loss="relift_sft", mode="token-mean"))
@@ -366,8 +367,9 @@ def main(backend: str, world: int, out_path: str) -> None:
         elif case["loss"] == "relift_sft":
             rollout = [Sample(s.prompt_ids, s.response_ids, source="demonstration") for s in samples]
         else:
-            rollout = {"gspo": sequence_advantages, "luffy": in_groups, "srft": in_groups, "uft": hinted,
-                       "prefix_rft": hinted}.get(case["loss"], list)(samples)
+            m = METHODS.get(case["loss"])  # a method's own terms, or a policy loss under grpo
+            rollout = (sequence_advantages if case["loss"] == "gspo" else in_groups if m and m.demonstrations_in_group
+                       else hinted if m and m.hinted else list)(samples)
         got = exactrl_run(case, rollout, tok, case["layout"])
         if not dist.is_initialized() or dist.get_rank() == 0:
             cfg = case_config(case, case["layout"])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import os
 import signal
 import sys
@@ -20,6 +19,8 @@ from exactrl.config.loader import describe_keys
 from exactrl.config.methods import METHODS
 from exactrl.config.schema_commands import EvalCommandConfig
 from exactrl.config.schema_study import StudyConfig
+from exactrl.run import exits
+from exactrl.run.exits import Terminated
 from exactrl.run_dir import replay_overrides
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -51,10 +52,6 @@ def _quiet_libraries() -> None:
     transformers.utils.logging.set_verbosity_error()
 
 
-class Terminated(BaseException):
-    """SIGTERM, raised in the main thread so the run records how it ended (as SIGINT does)."""
-
-
 _signalled: int | None = None  # the signal that is stopping this process
 _again: list[threading.Timer] = []
 
@@ -72,9 +69,8 @@ def _on_signal(signum, frame):
 
 
 def _stopped(signum: int):
-    if signum == signal.SIGINT:
-        return _fail("interrupted", "interrupted", "SIGINT (Ctrl-C); checkpoints written so far are intact", 130)
-    return _fail("interrupted", "terminated", "SIGTERM; checkpoints written so far are intact", 143)
+    end, name = (exits.SIGINT, "SIGINT (Ctrl-C)") if signum == signal.SIGINT else (exits.SIGTERM, "SIGTERM")
+    return _fail(end.status, end.label, f"{name}; checkpoints written so far are intact", end.code)
 
 
 def _fail(status: str, label: str, message: str, code: int):
@@ -120,36 +116,12 @@ def _relaunch(nproc: int) -> typer.Exit:
 
 
 def _run(kind: str, config: Path | None, overrides: list[str] | None, fn) -> None:
-    """Exit codes: 0 success, 2 a problem in the config, data, model, checkpoint, output_dir,
-    device, disk, vLLM environment or reward server (or a dynamic-sampling rollout that cannot be
-    filled), 1 the final evaluation failed (the model is saved), a study's cell failed (the others
-    are done), a Ray actor of the run or a rollout engine died, 3 stopped by a verification check
-    (the canary; the packing, generation or determinism self-check; the on-policy ratio; a weight
-    sync; a rollout of other weights than its schedule's), 4 a non-finite loss, gradient or
-    weight, 130/143 SIGINT/SIGTERM.
-    Every run directory's status.json records the same end."""
+    """Runs a command; its end (exit code, the one line, status.json) is the row of exactrl/run/exits.py's table
+    that the error raised matches (docs/exit-codes.md): 0 success, 2 a problem in the input, 3 a check stopped it,
+    4 a non-finite step, 1 a failure after training or a bug, 130/143 SIGINT/SIGTERM."""
     from exactrl.algorithms.common import preflight
-    from exactrl.checks.canary import CanaryError
-    from exactrl.checks.determinism import DeterminismError
-    from exactrl.checks.on_policy import OnPolicyCheckError
-    from exactrl.checks.packing import PackingCheckError
-    from exactrl.data.jsonl import DataError
-    from exactrl.device import DeviceError
-    from exactrl.distributed.checkpoint import CheckpointError
     from exactrl.distributed.engine import NonFiniteError
     from exactrl.distributed.launch import end_rank, shutdown, under_launcher
-    from exactrl.distributed.ray_cluster import RoleDied
-    from exactrl.models.loading import ModelLoadError
-    from exactrl.pipelines.pipeline import PhaseError
-    from exactrl.pipelines.study import StudyIncomplete
-    from exactrl.rewards import RewardError
-    from exactrl.rewards.remote import RemoteRewardError
-    from exactrl.rollout.collect import RolloutError
-    from exactrl.rollout.generation_check import GenerationCheckError
-    from exactrl.rollout.generator import GeneratorError, WeightSyncError
-    from exactrl.rollout.schedule import StaleRolloutError
-    from exactrl.rollout.vllm_generator import EngineStartError
-    from exactrl.run.context import EvaluationError
     from exactrl.run.start_checks import check_before_start
     from exactrl.run_dir import forget_current, note_end, record_event, set_status
 
@@ -167,28 +139,6 @@ def _run(kind: str, config: Path | None, overrides: list[str] | None, fn) -> Non
         fn(cfg)
         set_status("success")
         shutdown()
-    except (ConfigError, DataError, ModelLoadError, RewardError, RemoteRewardError, CheckpointError, RolloutError,
-            DeviceError, EngineStartError) as e:
-        raise _fail("error", "error", str(e), 2) from None
-    except (PackingCheckError, GenerationCheckError, DeterminismError, OnPolicyCheckError, WeightSyncError,
-            StaleRolloutError) as e:
-        raise _fail("check", "stopped by a self-check", str(e), 3) from None
-    except PhaseError as e:  # a pipeline's phase that ran as a command of its own: its end is the pipeline's
-        raise _fail("error", "error", str(e), e.code) from None
-    except (EvaluationError, StudyIncomplete) as e:  # the model (the other cells) saved; the run still failed
-        raise _fail("error", "error", str(e), 1) from None
-    except (RoleDied, GeneratorError) as e:  # a Ray actor of the run (a trainer rank, a rollout engine) or a vLLM
-        # engine died or stopped answering: named, with its log, no traceback
-        raise _fail("error", "error", str(e), 1) from None
-    except CanaryError as e:  # the step was not applied; checkpoints written so far are intact
-        raise _fail("canary", "stopped by the canary", str(e), 3) from None
-    except NonFiniteError as e:
-        record_event({"event": "nonfinite", "step": None if e.step is None else e.step + 1, "message": str(e)})
-        raise _fail("nonfinite", "stopped", str(e), 4) from None
-    except OSError as e:  # a full disk, a file that cannot be written: the OS's reason and the file
-        where = f" '{e.filename}'" if e.filename else ""
-        fix = "check that path" if e.errno == errno.ENOENT else "free space or fix the permissions"
-        raise _fail("error", "error", f"{e.strerror or e}{where}; {fix}, then run again", 2) from None
     except KeyboardInterrupt:
         raise _stopped(signal.SIGINT) from None
     except Terminated:
@@ -196,12 +146,18 @@ def _run(kind: str, config: Path | None, overrides: list[str] | None, fn) -> Non
     except typer.Exit:
         raise
     except BaseException as e:
-        if _signalled is not None:  # e.g. a collective broken by a peer that stopped first: the signal is the cause
-            raise _stopped(_signalled) from None
-        # A bug: record it, keep the traceback.
-        set_status("error", f"{type(e).__name__}: {e}")
-        note_end("error", "error", f"{type(e).__name__}: {e} (a bug; the traceback is above)", 1)
-        raise
+        end = exits.ending(e)
+        if end is None:
+            if _signalled is not None:  # e.g. a collective broken by a peer that stopped first: the signal is the cause
+                raise _stopped(_signalled) from None
+            # A bug: record it, keep the traceback.
+            set_status(exits.BUG.status, f"{type(e).__name__}: {e}")
+            note_end(exits.BUG.status, exits.BUG.label, f"{type(e).__name__}: {e} (a bug; the traceback is above)",
+                     exits.BUG.code)
+            raise
+        if isinstance(e, NonFiniteError):
+            record_event({"event": "nonfinite", "step": None if e.step is None else e.step + 1, "message": str(e)})
+        raise _fail(end.status, end.label, exits.message(e), e.code if end.code is None else end.code) from None
     finally:
         for timer in _again:  # none may fire once the handlers are restored
             timer.cancel()
@@ -357,7 +313,8 @@ app.add_typer(audit_app, name="audit")
 
 
 @app.command("config")
-def show_config(command: Annotated[str, typer.Argument(help="sft, rl, pipeline, demo or eval; or check")],
+def show_config(command: Annotated[str, typer.Argument(help="sft, rl, pipeline, demo, eval or study; or check, "
+                                                           "or docs")],
                 file: Annotated[Path | None, typer.Argument(help="check: the config file")] = None,
                 overrides: list[str] | None = OverridesArg,
                 as_command: Annotated[str | None, typer.Option("--command", help="check: the file's command "
@@ -366,9 +323,19 @@ def show_config(command: Annotated[str, typer.Argument(help="sft, rl, pipeline, 
                 tokens_per_sample: Annotated[float | None, typer.Option(help="check: D per trained sequence "
                                                                              "(default: local data's)")] = None,
                 rollout_tokens: Annotated[float | None, typer.Option(help="check: D per RL rollout")] = None,
-                data_rows: Annotated[int | None, typer.Option(help="check: rows of absent data")] = None):
+                data_rows: Annotated[int | None, typer.Option(help="check: rows of absent data")] = None,
+                out: Annotated[Path, typer.Option(help="docs: the folder to write into")] = Path("docs"),
+                check_docs: Annotated[bool, typer.Option("--check", help="docs: write nothing; exit 1 if the "
+                                                                         "committed pages differ")] = False):
     """Print every key of a command's config with its default and meaning; or, as `exactrl config check FILE`,
-    validate a config without running it and print its plan (steps, samples, tokens per step, FLOPs)."""
+    validate a config without running it and print its plan (steps, samples, tokens per step, FLOPs); or, as
+    `exactrl config docs`, write docs/configuration.md and docs/exit-codes.md from the schema and exits table."""
+    if command == "docs":
+        from exactrl.config.reference import write_docs
+
+        code, line = write_docs(COMMANDS, out, check_docs)
+        console.print(line, highlight=False, soft_wrap=True)
+        raise typer.Exit(code)
     if command == "check":
         from exactrl.pipelines.plan import Options, run_check
 
@@ -377,7 +344,7 @@ def show_config(command: Annotated[str, typer.Argument(help="sft, rl, pipeline, 
                                                                               rollout_tokens, data_rows), COMMANDS))
     if command not in COMMANDS:
         console.print(f"[bold red]error:[/bold red] unknown command '{command}'; choose {', '.join(COMMANDS)} "
-                      "(or check FILE)")
+                      "(or check FILE, or docs)")
         raise typer.Exit(2)
     for line in describe_keys(COMMANDS[command]):
         print(line)

@@ -333,7 +333,7 @@ def show_config(command: Annotated[str, typer.Argument(help="sft, rl, pipeline, 
     if command == "docs":
         from exactrl.config.reference import write_docs
 
-        code, line = write_docs(COMMANDS, out, check_docs)
+        code, line = write_docs(generated_pages(), out, check_docs)
         console.print(line, highlight=False, soft_wrap=True)
         raise typer.Exit(code)
     if command == "check":
@@ -348,6 +348,13 @@ def show_config(command: Annotated[str, typer.Argument(help="sft, rl, pipeline, 
         raise typer.Exit(2)
     for line in describe_keys(COMMANDS[command]):
         print(line)
+
+
+def generated_pages() -> dict[str, str]:
+    """The docs/ pages `exactrl config docs` writes: the configuration reference and the exit codes."""
+    from exactrl.config.reference import CONFIGURATION, render
+
+    return {CONFIGURATION: render(COMMANDS), "exit-codes.md": exits.render()}
 
 
 def main() -> None:

@@ -1,8 +1,9 @@
 """docs/configuration.md, generated from the schema: every key of every command with its type, default,
 description (the Field's own), the other frameworks' names the loader knows for it (schema_rl.ALIASES), its old
 names (schema_rl.RENAMED) and when it is refused for having no effect (used.USED_WHEN). `exactrl config docs`
-writes it (and docs/exit-codes.md, from exactrl/run/exits.py); tests/test_reference.py fails when the committed
-files differ. A key's text lives in the schema only: edit the Field, then regenerate."""
+writes it, and docs/exit-codes.md from exactrl/run/exits.py (cli.generated_pages: config/ imports nothing of run/);
+tests/test_reference.py fails when the committed files differ. A key's text lives in the schema only: edit the
+Field, then regenerate."""
 
 from __future__ import annotations
 
@@ -306,17 +307,9 @@ def _phase(title: str, path: str, cls, description: str, defaults: dict, command
     return "\n".join(lines) + "\n"
 
 
-def generated(commands: dict[str, type[BaseModel]]) -> dict[str, str]:
-    """Every generated page, by file name under docs/."""
-    from exactrl.run.exits import render as exit_codes
-
-    return {CONFIGURATION: render(commands), "exit-codes.md": exit_codes()}
-
-
-def write_docs(commands: dict[str, type[BaseModel]], out: Path, check: bool) -> tuple[int, str]:
-    """Write the generated pages into ``out``; with ``check``, write nothing and say which differ.
-    Returns the exit code and the line to print."""
-    pages = generated(commands)
+def write_docs(pages: dict[str, str], out: Path, check: bool) -> tuple[int, str]:
+    """Write the generated ``pages`` (file name -> text, cli.generated_pages) into ``out``; with ``check``, write
+    nothing and say which differ. Returns the exit code and the line to print."""
     if check:
         stale = [name for name, text in pages.items()
                  if not (out / name).is_file() or (out / name).read_text(encoding="utf-8") != text]

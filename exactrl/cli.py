@@ -213,7 +213,7 @@ def _rl_help() -> tuple[str, str]:
         ("" if family == "policy-gradient" else family + " ") + ", ".join(names) for family, names in families.items())
     width = max(map(len, METHODS)) + 2
     table = "\n".join(f"{m.name:<{width}}{m.summary} ({m.short_paper})" for m in METHODS.values())
-    return short + ".", f'RL from verifiable rewards. algo.name (README "RL algorithms"):\n\n\b\n{table}'
+    return short + ".", f'RL from verifiable rewards. algo.name (docs/algorithms/<family>.md):\n\n\b\n{table}'
 
 
 RL_SHORT_HELP, RL_HELP = _rl_help()

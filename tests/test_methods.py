@@ -164,3 +164,14 @@ def test_the_aggregation_fallback_is_written_once():
 @pytest.mark.parametrize("name", names(demonstrations=True))
 def test_a_mixed_policy_method_is_its_own_family(name):
     assert METHODS[name].family == "mixed-policy" and METHODS["grpo"].family == "policy-gradient"
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_each_method_has_its_row_on_its_family_page(name):
+    """The docs row a new method adds (docs/algorithms/<family>.md) exists on the page its row's family
+    names, and cites the row's paper as the row states it: the docs cannot drift from the declaration."""
+    m = METHODS[name]
+    page = ROOT / "docs" / "algorithms" / f"{m.family}.md"
+    rows = [line for line in page.read_text().splitlines() if line.startswith(f"| `{name}` |")]
+    assert rows, f"{page.relative_to(ROOT)} has no table row for {name} (its family: {m.family})"
+    assert any(m.paper in row for row in rows), f"{page.relative_to(ROOT)}: {name}'s row does not cite '{m.paper}'"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from exactrl.tasks import arithmetic, multiplication
+from exactrl.tasks import arithmetic, multiplication, preference
 from exactrl.tasks.tiny_model import SIZES, save_tiny_model
 from exactrl.tasks.tokenizer import save_tokenizer
 
@@ -147,12 +147,25 @@ def _build_multiplication(spec: BuiltinSpec, paths: BuiltinPaths) -> None:
     (paths.root / "DONE").write_text(json.dumps(asdict(spec)))
 
 
+def ensure_builtin_preference(spec: BuiltinSpec = BuiltinSpec(),
+                              cache: Path | None = None) -> preference.PreferencePaths:
+    """Build (once) and return the paths of the preference, unpaired and step-labelled sets of
+    ``spec`` (exactrl/tasks/preference.py), beside its model and data; they need no model."""
+    if spec.name != "addition":
+        raise ValueError(f"the built-in preference sets come from the addition task; task {spec.name!r} has none")
+    return preference.ensure_preference(Path(cache or cache_dir()) / spec.key(), spec.seed, spec.digits, spec.n_sft,
+                                        spec.n_rl, spec.n_eval)
+
+
 def resolve(path: str | None, kind: str, spec: BuiltinSpec = BuiltinSpec()) -> str | None:
     """Map 'builtin' in model.path / data.* to the built-in files; other paths pass through
     ('builtin-sft', the model after SFT, needs training: exactrl/algorithms/sft.py).
 
-    ``kind`` is one of model, sft_train, rl_train, eval, mixed_train, pretrain.
+    ``kind`` is one of model, sft_train, rl_train, eval, mixed_train, pretrain, or one of the
+    preference sets' (preference.KINDS: pairs_train, pairs_eval, unpaired_*, steps_*), which need no model.
     """
     if path != "builtin":
         return path
+    if kind in preference.KINDS:
+        return str(getattr(ensure_builtin_preference(spec), kind))
     return str(getattr(ensure_builtin(spec), kind))

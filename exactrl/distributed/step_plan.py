@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from exactrl.data.batch import SOURCE_ORIGIN
-from exactrl.losses.aggregation import StepNormalizer
+from exactrl.losses.aggregation import UNIT_MEAN, StepNormalizer, UnitNormalizer
 
 
 @dataclass(frozen=True)
@@ -75,9 +75,16 @@ class StepPlan:
         scoped = [(sum(n for o, n in c.origins if o in origins), c.seqs) for c in chosen]
         return sum(t for t, _ in scoped), sum(s for t, s in scoped if t)
 
+    def units(self, sources: Iterable[str] | None = None) -> int:
+        """The step's units (preference pairs with ``unit=2``) whose first sample is from ``sources`` (None: all)."""
+        return sum(c.units for c in self.counts if sources is None or c.source in sources)
+
     def normalizer_for(self, mode: str, norm_len: float | None, sources: Iterable[str] | None = None,
-                       origins: Iterable[str] | None = None) -> StepNormalizer:
-        """The step-wide normaliser of a loss term over the samples of ``sources``, their tokens of ``origins``."""
+                       origins: Iterable[str] | None = None) -> StepNormalizer | UnitNormalizer:
+        """The step-wide normaliser of a loss term over the samples of ``sources``, their tokens of ``origins``;
+        a loss per unit (UNIT_MEAN, a pair loss) is normalised by the units of ``sources`` in the step."""
+        if mode == UNIT_MEAN:
+            return UnitNormalizer(self.units(sources))
         tokens, seqs = self.count(sources, origins)
         return StepNormalizer(mode=mode, num_tokens=tokens, num_seqs=seqs, norm_len=norm_len)
 

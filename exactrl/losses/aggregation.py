@@ -100,3 +100,39 @@ def micro_batch_normalizer(norm: StepNormalizer, mask: torch.Tensor, micro_batch
     if tokens == 0:
         return None
     return StepNormalizer(norm.mode, tokens * micro_batches, seqs * micro_batches, norm.norm_len)
+
+
+# A loss defined per unit of the step plan (a preference pair: plan_step's ``unit`` consecutive samples), not per token.
+UNIT_MEAN = "unit-mean"
+
+
+@dataclass(frozen=True)
+class UnitNormalizer:
+    """The step-wide normaliser of a loss per unit: step_loss = sum over the step's units of l_u / U, U = the
+    units in the whole step (all micro-batches, all ranks; the plan counts them before the first backward).
+    TRL's and OpenRLHF's DPO-family and reward-model losses take each micro-batch's mean over its own pairs and
+    divide it by the accumulation steps (and the ranks): the same only when every micro-batch holds as many pairs."""
+
+    num_units: int
+    mode = UNIT_MEAN
+
+    def __post_init__(self):
+        if self.num_units <= 0:
+            raise ValueError(f"a step with {self.num_units} units (preference pairs) has nothing to learn from")
+
+
+def aggregate_units(unit_losses: torch.Tensor, norm: UnitNormalizer) -> torch.Tensor:
+    """This micro-batch's share of the step loss: the sum of its units' losses [U_mb] over the step's units."""
+    return unit_losses.sum() / norm.num_units
+
+
+def unit_share(units: int, norm: UnitNormalizer) -> float:
+    """This micro-batch's canary share: its units over the step's (the shares of a step sum to exactly 1)."""
+    return units / norm.num_units
+
+
+def micro_batch_units(units: int, micro_batches: int) -> UnitNormalizer | None:
+    """The peers' per-micro-batch mean over pairs, reproduced on purpose (fault.mean_of_means): this micro-batch's
+    ``units`` averaged, then divided by the step's ``micro_batches`` (all ranks), as TRL's and OpenRLHF's DPO and
+    RM trainers let gradient accumulation and DDP do. None when the micro-batch has no unit (it adds nothing)."""
+    return UnitNormalizer(units * micro_batches) if units else None

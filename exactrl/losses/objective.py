@@ -12,7 +12,9 @@ aggregation share a normaliser: their token losses are summed (in declaration or
 aggregated once, as one loss would be. Each normaliser counts its tokens over the whole step
 (the plan's per-source, per-origin counts), so every term keeps the one rule of the maths
 (aggregation.py) by itself. A term whose samples or tokens a step lacks adds nothing to it; a
-step that no term applies to is refused.
+step that no term applies to is refused. A term whose loss is per unit of the plan (a preference pair,
+losses/pairs.py PairTerm) gives ``unit_loss`` (one loss per unit) and aggregates as "unit-mean": a sum
+over the micro-batch's units divided by the step's units (aggregation.UnitNormalizer).
 
 The canary share of a micro-batch is the mean over the step's normalisers of its share under
 each: every normaliser's shares sum to exactly 1 over the step, so their mean does too.
@@ -27,7 +29,15 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from exactrl.data.batch import ORIGINS
-from exactrl.losses.aggregation import aggregate, canary_share, micro_batch_normalizer
+from exactrl.losses.aggregation import (
+    UnitNormalizer,
+    aggregate,
+    aggregate_units,
+    canary_share,
+    micro_batch_normalizer,
+    micro_batch_units,
+    unit_share,
+)
 from exactrl.losses.policy import PolicyInput, demonstration_loss, get_policy_loss, value_loss
 from exactrl.losses.rollout_gap import RolloutGap, correction_weight, measure, policy_tokens, trainer_logprobs
 from exactrl.losses.token_losses import TOKEN_WEIGHTS, kl_penalty
@@ -380,6 +390,10 @@ def micro_batch_loss(objective: Objective, f: dict[str, torch.Tensor], b: dict[s
         on_cpu = _scope(cpu, sources, key[0], key[1])
         if norm is None:
             continue
+        if isinstance(norm, UnitNormalizer):  # a loss per unit (losses/pairs.py PairTerm), over the step's units
+            part, share = _unit_loss(terms, f, b, sources, _scope(b, sources, key[0], key[1]), norm, m, mean_of)
+            loss, shares = part if loss is None else loss + part, [*shares, share]
+            continue
         if mean_of is not None:  # a micro-batch without this group's tokens adds 0 under either normaliser
             norm = micro_batch_normalizer(norm, on_cpu, mean_of) or norm
         rows = _scope(b, sources, key[0], key[1])
@@ -398,3 +412,15 @@ def micro_batch_loss(objective: Objective, f: dict[str, torch.Tensor], b: dict[s
     if gap is not None and "gen_logprobs" in b:
         measure(f[gap.logprob_field()] - b["gen_logprobs"], policy_tokens(b, mask), gap.gap_cap, m)
     return loss, 1.0 / mean_of if mean_of is not None else sum(shares) / len(shares)
+
+
+def _unit_loss(terms: list[Term], f: dict, b: dict, sources: list[str], rows: torch.Tensor, norm: UnitNormalizer,
+               m: Metrics, mean_of: int | None) -> tuple[torch.Tensor, float]:
+    """A group of per-unit terms (each ``unit_loss`` gives one loss per unit of this micro-batch): the sum of their
+    weighted losses over the step's units, and this micro-batch's canary share. Under ``mean_of`` (the peers'
+    per-micro-batch mean over pairs) a micro-batch without units adds nothing under either normaliser."""
+    per_unit = sum(t.coef * t.unit_loss(f, b, rows, sources, m) for t in terms)
+    units = per_unit.numel()
+    if mean_of is not None:
+        norm = micro_batch_units(units, mean_of) or norm
+    return aggregate_units(per_unit, norm), unit_share(units, norm)

@@ -18,6 +18,7 @@ from exactrl.config import ConfigError, DemoConfig, PipelineConfig, RLConfig, SF
 from exactrl.config.loader import describe_keys
 from exactrl.config.methods import METHODS
 from exactrl.config.schema_commands import EvalCommandConfig
+from exactrl.config.schema_pref import DPOConfig
 from exactrl.config.schema_study import StudyConfig
 from exactrl.run import exits
 from exactrl.run.exits import Terminated
@@ -34,8 +35,8 @@ DemoOverridesArg = typer.Argument(None, help="Dotted overrides, e.g. task.n_sft=
                                               "rl.optim.lr=1e-4")
 PipelineOverridesArg = typer.Argument(None, help="Dotted overrides, e.g. sft.train.epochs=3 rl.optim.lr=1e-6 "
                                                   "truncate.rollouts=50")
-COMMANDS = {"sft": SFTConfig, "rl": RLConfig, "pipeline": PipelineConfig, "demo": DemoConfig, "eval": EvalCommandConfig,
-            "study": StudyConfig}
+COMMANDS = {"sft": SFTConfig, "dpo": DPOConfig, "rl": RLConfig, "pipeline": PipelineConfig, "demo": DemoConfig,
+            "eval": EvalCommandConfig, "study": StudyConfig}
 
 
 def _quiet_libraries() -> None:
@@ -219,6 +220,14 @@ def _rl_help() -> tuple[str, str]:
 RL_SHORT_HELP, RL_HELP = _rl_help()
 
 
+@app.command()
+def dpo(config: Path | None = ConfigOpt, overrides: list[str] | None = OverridesArg):
+    """Preference pairs {prompt, chosen, rejected}: dpo, robust, ipo, simpo, orpo, exact per pair."""
+    from exactrl.algorithms.dpo import train_dpo
+
+    _run("dpo", config, overrides, lambda cfg: _say_final(train_dpo(cfg).final_model))
+
+
 @app.command(short_help=RL_SHORT_HELP, help=RL_HELP)
 def rl(config: Path | None = ConfigOpt, overrides: list[str] | None = OverridesArg):
     from exactrl.algorithms.rl import train_rl
@@ -313,7 +322,7 @@ app.add_typer(audit_app, name="audit")
 
 
 @app.command("config")
-def show_config(command: Annotated[str, typer.Argument(help="sft, rl, pipeline, demo, eval or study; or check, "
+def show_config(command: Annotated[str, typer.Argument(help="sft, dpo, rl, pipeline, demo, eval or study; or check, "
                                                            "or docs")],
                 file: Annotated[Path | None, typer.Argument(help="check: the config file")] = None,
                 overrides: list[str] | None = OverridesArg,

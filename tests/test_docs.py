@@ -6,16 +6,17 @@ from pathlib import Path
 
 import pytest
 
-from exactrl.config import PipelineConfig, RLConfig, SFTConfig, load_config
+from exactrl.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.yaml")), ids=lambda p: p.name)
 def test_examples_are_valid_configs(path):
+    from exactrl.cli import COMMANDS
     from exactrl.pipelines.plan import detect_command
 
-    load_config({"sft": SFTConfig, "rl": RLConfig, "pipeline": PipelineConfig}[detect_command(path)], path)
+    load_config(COMMANDS[detect_command(path)], path)
 
 
 def test_every_algorithm_has_an_example_config_that_loads():

@@ -54,7 +54,6 @@ STAND_INS = {"my.yaml": {"sft": "examples/sft_tiny.yaml", "rl": "examples/grpo_t
              "my_rl.yaml": {"rl": "examples/grpo_tiny.yaml"}}
 STAND_IN_OVERRIDES = ["train.micro_batch_size=1"]
 PATH_STAND_INS = {"/path/to/old/run": "tests/fixtures/runs/openrlhf_old_flags_affected"}
-TRAINING = ("sft", "rl", "pipeline", "demo", "eval", "study")
 FLAGS = {"study": {"--with-bugs"}}  # a command's own flags besides --config
 LAUNCHERS = {"torchrun": ["torchrun", "--help"], "deepspeed": ["deepspeed", "--help"],
              "ray start": ["ray", "start", "--help"], "ray job submit": ["ray", "job", "submit", "--help"]}
@@ -171,7 +170,9 @@ def check(page, line, command: str, tools: dict[str, str]) -> str:
             return "exactrl (run)"
         if sub in EXACTRL_TESTS:
             return "exactrl (test)"
-        assert sub in TRAINING, f"{where}: no route for exactrl {sub}"
+        from exactrl.cli import COMMANDS
+
+        assert sub in COMMANDS, f"{where}: no route for exactrl {sub}"
         load_as_cli(args)
         return f"{tool} flags + exactrl (loaded)" if tool else "exactrl (loaded)"
     if tool is not None:

@@ -55,7 +55,7 @@ def steps_for(train_cfg, num_items: int, items_per_step: int) -> int:
 def check_data_size(num_items: int, per_step: int, what: str, path) -> None:
     """A step larger than the data would hold some of it twice: a mistake, not a schedule."""
     if per_step > num_items:
-        key = ("train.global_batch_size" if what == "samples"
+        key = ("train.global_batch_size" if what in ("samples", "pairs")
                else "train.global_batch_size x algo.mini_batches / algo.group_size")
         raise ConfigError(f"{key} asks for {per_step} {what} per step (or rollout), but '{path}' has only {num_items}: "
                           "a step would repeat some of them; lower the batch size or add data")

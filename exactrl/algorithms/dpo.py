@@ -1,0 +1,111 @@
+"""`exactrl dpo`: a policy trained on preference pairs (the DPO family), exact per pair.
+
+Per optimizer step:
+  1. the sampler draws the step's pairs (independent of micro-batch size and ranks);
+  2. the step plan keeps each pair's two sequences together (unit=2) and counts the step's pairs
+     and chosen tokens before any backward;
+  3. the frozen reference scores both sequences of every pair (reference-free losses skip it);
+  4. each micro-batch backpropagates its pairs' losses over the step's number of pairs
+     (losses/pairs.py), plus an NLL on the chosen answers over the step's chosen tokens when asked;
+  5. the worker checks every sample was seen once (the canary) and the engine steps.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from exactrl.algorithms.common import check_data_size, check_world, steps_for
+from exactrl.algorithms.resume import SFTPosition, prepare_resume
+from exactrl.algorithms.sft import resolve
+from exactrl.compute import FlopsCounter, count_parameters
+from exactrl.config.loader import ConfigError
+from exactrl.config.schema_pref import DPOConfig
+from exactrl.data.batch import Sample
+from exactrl.data.batching import StepSampler
+from exactrl.data.preference import load_pairs
+from exactrl.distributed.checkpoint import resume
+from exactrl.distributed.launch import is_main
+from exactrl.distributed.step_plan import plan_samples
+from exactrl.losses.objective import NLLTerm, Objective
+from exactrl.losses.pairs import PairTerm
+from exactrl.losses.preference import PAIR_LOSSES, PairParams
+from exactrl.models.loading import load_tokenizer
+from exactrl.run.context import RunContext
+from exactrl.run.evaluation import eval_data, load_eval_set
+from exactrl.seeding import seed_everything
+from exactrl.tasks.builtin import BuiltinSpec
+from exactrl.workers.worker import Worker
+
+KNOBS = ("beta", "label_smoothing", "gamma", "ipo_length_normalized", "orpo_lambda")
+
+
+@dataclass
+class DPOResult:
+    run_dir: Path
+    final_model: Path
+    steps: int
+    seconds: float
+    compute: dict
+
+
+def dpo_objective(cfg: DPOConfig) -> Objective:
+    """The pair term of dpo.loss, and the NLL on the chosen answers when dpo.nll_coef (orpo: 1) is set."""
+    d = cfg.dpo
+    unused = [k for k in KNOBS if k not in PAIR_LOSSES[d.loss].uses and getattr(d, k) != DPOConfig().dpo.__dict__[k]]
+    if unused:
+        raise ConfigError(f"dpo.{unused[0]} is set, but dpo.loss={d.loss} does not read it (it reads "
+                          f"{', '.join('dpo.' + k for k in PAIR_LOSSES[d.loss].uses) or 'none of them'}); unset it")
+    terms = [PairTerm(loss=d.loss, params=PairParams(**{k: getattr(d, k) for k in KNOBS}))]
+    if d.nll() > 0:
+        terms.append(NLLTerm(sources=("chosen",), coef=d.nll(), agg=cfg.train.loss_agg))
+    return Objective(tuple(terms))
+
+
+def train_dpo(cfg: DPOConfig, run_dir: Path | None = None, spec: BuiltinSpec = BuiltinSpec(),
+              phase: str = "dpo", final_name: str = "final") -> DPOResult:
+    check_world(cfg)
+    seed_everything(cfg.train.seed)
+    t, d = cfg.train, cfg.dpo
+    objective = dpo_objective(cfg)
+    model_path = resolve(cfg.model.path, "model", spec)
+    train_path, eval_path = resolve(cfg.data.train, "pairs_train", spec), resolve(eval_data(cfg), "eval", spec)
+    tok = load_tokenizer(model_path, cfg.model.trust_remote_code, cfg.data.chat_template)
+    pairs, note = load_pairs(train_path, tok, cfg.data)  # every row read and checked before the model loads
+    if note and is_main():
+        print(note)
+    eval_set = load_eval_set(cfg, tok, eval_path)
+    steps = steps_for(t, len(pairs), t.global_batch_size)
+    check_data_size(len(pairs), t.global_batch_size, "pairs", train_path)
+    continues = prepare_resume(cfg, "dpo", steps)
+    ctx = RunContext(cfg, "dpo", phase, run_dir, {"train": train_path, "eval": eval_path}, tok, eval_set, continues)
+    where = {"run_dir": ctx.run_dir, "phase": phase, "longest": cfg.data.max_length, "pad_id": tok.pad_token_id}
+    policy = Worker.build(cfg, "policy", model_path, total_steps=steps, checkpoint=t.resume_from, **where)
+    reference = Worker.build(cfg, "reference", resolve(d.reference, "model", spec) or model_path, policy=policy,
+                             **where) if PAIR_LOSSES[d.loss].needs_reference else None
+    position = SFTPosition.load(resume(t.resume_from, {"policy": policy}) if t.resume_from else {"step": 0})
+    start, flops = position.step, FlopsCounter(count_parameters(policy.model))
+    flops.load(position.state())
+    sampler = StepSampler(len(pairs), t.global_batch_size, t.seed)
+
+    t0 = time.perf_counter()
+    ctx.start(steps, start)
+    for step in range(start + 1, steps + 1):
+        batch: list[Sample] = [s for i in sampler.batch(step - 1) for s in pairs[i].samples()]
+        plan = plan_samples(batch, 2 * t.micro_batch_size, t.loss_agg, None, policy.world_size, unit=2)
+        if reference is not None:  # the reference's log-probs of both answers, in the step's own micro-batches
+            layout = [[list(mb) for mb in plan.for_rank(r).micro_batches] for r in range(policy.world_size)]
+            for s, v in zip(batch, reference.forward(batch, "logprobs", layout)):
+                s.ref_logprobs = v
+        result = policy.train_step(batch, plan, objective)
+        flops.trained(batch)
+        if ctx.logs(step):
+            ctx.write(step, {"loss": result.loss, "epoch": sampler.epoch_of(step), "pairs": len(batch) // 2,
+                             **result.metrics, **result.stats, **flops.record(),
+                             "wall_seconds": time.perf_counter() - t0})
+        ctx.step_done(step, {"policy": policy}, SFTPosition(step, **flops.state()).state(),
+                      {"loss": f"{result.loss:.4f}", "acc": f"{result.metrics.get('reward_accuracy', 0):.2f}"})
+    seconds = time.perf_counter() - t0
+    final = ctx.finish({final_name: policy})
+    return DPOResult(ctx.run_dir, final, steps, seconds, flops.record())

@@ -1,0 +1,67 @@
+"""`exactrl dpo`'s config: a policy trained on preference pairs against a frozen reference
+(the DPO family of exactrl/losses/preference.py), each pair a unit of the step (losses/pairs.py)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from exactrl.config.schema import CommonConfig, DataConfig, Section, TrainConfig
+
+# The pair losses a policy trains with (losses/preference.py PAIR_LOSSES; "bt" scores a reward model's head).
+POLICY_PAIR_LOSSES = ("dpo", "robust", "ipo", "simpo", "orpo")
+REFERENCE_FREE = ("simpo", "orpo")
+
+
+class PrefDataConfig(DataConfig):
+    train: str = Field("builtin",
+                       description="Preference pairs: a JSONL, Parquet or Arrow file (or a save_to_disk directory) "
+                                   "of rows {prompt, chosen, rejected} (text, or TRL's chat forms), or 'builtin': "
+                                   "the built-in task's pairs (a worked, correct solution against a wrong answer).")
+
+
+class PrefTrainConfig(TrainConfig):
+    global_batch_size: int = Field(32, gt=0, description="Preference pairs per optimizer step, all ranks together "
+                                                         "(each pair is two sequences, never split).")
+    micro_batch_size: int = Field(8, gt=0, description="Pairs per forward/backward on one rank.")
+
+
+class DPOSection(Section):
+    loss: Literal[POLICY_PAIR_LOSSES] = Field("dpo", description="The pair loss (docs/algorithms/preference.md): dpo "
+                                              "(sigmoid; conservative DPO with dpo.label_smoothing), robust, ipo, "
+                                              "simpo and orpo (these two reference-free).")
+    beta: float = Field(0.1, gt=0, description="DPO's beta (IPO's tau, SimPO's beta: its paper uses 2 to 10).")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="dpo: conservative DPO's label noise; robust: "
+                                                                  "robust DPO's flip rate.")
+    gamma: float = Field(0.5, description="simpo: the target reward margin, absolute (the paper's eq. 6; TRL's "
+                                          "simpo_gamma).")
+    ipo_length_normalized: bool = Field(True, description="ipo: on per-token (average) log-ratios, as TRL; false "
+                                                          "sums them, as OpenRLHF.")
+    orpo_lambda: float = Field(0.1, ge=0, description="orpo: the odds-ratio term's weight beside the NLL.")
+    nll_coef: float | None = Field(None, ge=0, description="Weight of an NLL term on the chosen answers, normalised "
+                                                           "over the step's chosen tokens (RPO's alpha); unset = 1 "
+                                                           "for orpo (its NLL), 0 otherwise.")
+    reference: str | None = Field(None, description="The frozen reference model's directory; unset = model.path "
+                                                    "(with LoRA: the policy with its adapters off).")
+
+    def nll(self) -> float:
+        return (1.0 if self.loss == "orpo" else 0.0) if self.nll_coef is None else self.nll_coef
+
+
+class DPOConfig(CommonConfig):
+    """`exactrl dpo`: a policy trained on preference pairs, normalised over all pairs of each step."""
+
+    data: PrefDataConfig = PrefDataConfig()
+    train: PrefTrainConfig = PrefTrainConfig()
+    dpo: DPOSection = DPOSection()
+
+    @model_validator(mode="after")
+    def _reference_is_used(self):
+        d = self.dpo
+        if d.loss in REFERENCE_FREE and d.reference is not None:
+            raise ValueError(f"dpo.reference={d.reference}: dpo.loss={d.loss} is reference-free; unset dpo.reference")
+        if self.data.eval not in (None, "auto", "builtin") and self.eval.reward_fn is None:
+            raise ValueError(f"data.eval={self.data.eval} needs eval.reward_fn=module:function to score it, or "
+                             "data.eval=null")
+        return self

@@ -46,6 +46,9 @@ class Sample:
     finished: bool = per_sequence(True, "the model stopped by itself within rollout.max_new_tokens")
     parts: dict[str, float] = field(default_factory=dict)  # each reward.fn's own value
     penalty: float = per_sequence(0.0, "overlong shaping included in ``reward``")
+    # a preference pair's own margin, the same on its two rows (data/preference.py; read by a reward model's
+    # Bradley-Terry loss when asked, losses/pairs.py ScoreTerm): a column of the data, so declared here to be collated
+    margin: float = per_sequence(0.0, "a preference pair's margin column (0 where the row has none)")
     source: Source = "on_policy"
     weights_version: int | None = None  # the generator's weights version that sampled it (on-policy)
     weights_digest: str | None = None  # the digest of those weights (exactrl/checks/weight_sync.py)

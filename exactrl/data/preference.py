@@ -80,7 +80,8 @@ class UnpairedExample:
 def _sample(e: PairExample, side: str) -> Sample:
     ids, mask = e.sequence(side)
     # the mask on next-token targets: target t is token t + 1, so the prompt's last token predicts the answer's first
-    return Sample(list(e.prompt_ids), ids[len(e.prompt_ids):], source=side, mask=tuple(mask[1:]))
+    return Sample(list(e.prompt_ids), ids[len(e.prompt_ids):], source=side, mask=tuple(mask[1:]),
+                  margin=e.margin or 0.0)
 
 
 def _prompt_ids(row: Row, tokenizer, text: str) -> list[int]:

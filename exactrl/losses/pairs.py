@@ -77,18 +77,7 @@ class PairTerm(Term):
         """One loss per pair of this micro-batch [P]: ``rows`` is the loss mask of its chosen/rejected rows."""
         spec = PAIR_LOSSES[self.loss]
         chosen, rejected = (torch.tensor(r, dtype=torch.long, device=rows.device) for r in pair_rows(sources))
-        mask = rows.to(f["logprobs"].dtype)
-        sums, tokens = (f["logprobs"] * mask).sum(-1), mask.sum(-1)
-        ref = None
-        if spec.needs_reference:
-            if "ref_logprobs" not in b:
-                raise ValueError(f"the {self.loss} pair loss needs the reference's log-probs (ref_logprobs) of every "
-                                 "chosen and rejected sample: compute them with the reference worker before the step")
-            ref = (b["ref_logprobs"].to(mask.dtype) * mask).sum(-1)
-        x = PairInput(chosen=sums[chosen], rejected=sums[rejected], chosen_tokens=tokens[chosen],
-                      rejected_tokens=tokens[rejected], ref_chosen=None if ref is None else ref[chosen],
-                      ref_rejected=None if ref is None else ref[rejected])
-        loss, extra = spec.fn(x, self.params)
+        loss, extra = spec.fn(self.pair_input(f, b, rows, chosen, rejected), self.params)
         with torch.no_grad():
             every = torch.ones_like(loss, dtype=torch.float64)
             for name, values in extra.items():
@@ -98,3 +87,57 @@ class PairTerm(Term):
                 m.mean("reward_margin", margin, every)
                 m.mean("reward_accuracy", (margin > 0).double(), every)
         return loss
+
+    def pair_input(self, f: dict, b: dict, rows: torch.Tensor, chosen: torch.Tensor,
+                   rejected: torch.Tensor) -> PairInput:
+        """The loss's per-pair input: each row's log-probs (and the reference's) summed over its loss tokens."""
+        spec = PAIR_LOSSES[self.loss]
+        mask = rows.to(f["logprobs"].dtype)
+        sums, tokens = (f["logprobs"] * mask).sum(-1), mask.sum(-1)
+        ref = None
+        if spec.needs_reference:
+            if "ref_logprobs" not in b:
+                raise ValueError(f"the {self.loss} pair loss needs the reference's log-probs (ref_logprobs) of every "
+                                 "chosen and rejected sample: compute them with the reference worker before the step")
+            ref = (b["ref_logprobs"].to(mask.dtype) * mask).sum(-1)
+        return PairInput(chosen=sums[chosen], rejected=sums[rejected], chosen_tokens=tokens[chosen],
+                         rejected_tokens=tokens[rejected], ref_chosen=None if ref is None else ref[chosen],
+                         ref_rejected=None if ref is None else ref[rejected])
+
+
+def last_token_scores(scores: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Each row's score [B] at its answer's last token: ``scores`` [B, L-1] holds at target t the head's output at
+    target t's own token (Worker field "scores", workers/reward_model.py), ``rows`` [B, L-1] the loss mask, so the
+    last target it marks is the answer's last real token (its EOS), wherever padding, packing or a pad id equal to
+    EOS put other tokens. Found from the mask, never by looking for a pad id: with pad = eos the first "pad" can be
+    an end of turn inside the prompt, and the last non-pad token is the one before the answer's EOS."""
+    width = rows.size(-1)
+    if not bool((rows > 0).any(-1).all()):
+        raise ValueError("a reward model scores a sequence at its answer's last token, but a row has no loss token "
+                         "(an empty answer): drop the pair or shorten its prompt")
+    last = width - 1 - (rows > 0).flip(-1).to(torch.uint8).argmax(-1)
+    return scores.gather(-1, last[:, None])[:, 0]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScoreTerm(PairTerm):
+    """A reward model's pair loss (``loss="bt"``, Bradley-Terry): each answer's reward is the scalar head's output at
+    its answer's last real token (last_token_scores), not a sum of log-probs. ``margin``: subtract each pair's margin
+    column (the samples' ``margin``, data/preference.py); off, the column is not read."""
+
+    kind = "pair"
+    fields: tuple[str, ...] = ("scores",)
+    loss: str = "bt"
+    margin: bool = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.loss != "bt":
+            raise ValueError(f"a score term trains a reward model with the 'bt' loss, not '{self.loss}'")
+
+    def pair_input(self, f, b, rows, chosen, rejected) -> PairInput:
+        c, r = (last_token_scores(f["scores"][i], rows[i]) for i in (chosen, rejected))
+        tokens = rows.sum(-1).to(c.dtype)
+        margin = b["margin"].to(c.dtype)[chosen] if self.margin else None
+        return PairInput(chosen=c, rejected=r, chosen_tokens=tokens[chosen], rejected_tokens=tokens[rejected],
+                         margin=margin)

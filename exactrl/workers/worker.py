@@ -55,6 +55,7 @@ ROLES = {
     "policy": "exactrl.workers.worker:Worker",
     "reference": "exactrl.workers.worker:Worker",
     "critic": "exactrl.workers.critic:Critic",
+    "reward_model": "exactrl.workers.reward_model:RewardModel",
 }
 
 

@@ -1,0 +1,163 @@
+"""`exactrl rm`: a Bradley-Terry reward model on preference pairs, exact per pair.
+
+Per optimizer step:
+  1. the sampler draws the step's pairs (independent of micro-batch size and ranks);
+  2. the step plan keeps each pair's two sequences together (unit=2) and counts the step's pairs;
+  3. each micro-batch scores its answers at their last real token (workers/reward_model.py) and
+     backpropagates -log sigma(r_c - r_r [- margin]) [+ c (r_c + r_r)^2] over the step's number of pairs
+     (losses/pairs.py ScoreTerm);
+  4. the worker checks every sample was seen once (the canary) and the engine steps.
+At the end: the held-out pairwise accuracy (share of data.eval's pairs whose chosen answer scores above the
+rejected one, Wilson 95% interval), and the mean and std of the final model's scores over every training
+pair's two answers, saved as final/reward_stats.json so a scorer can normalise as the model was trained.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from exactrl.algorithms.common import check_data_size, check_world, steps_for
+from exactrl.algorithms.resume import SFTPosition, prepare_resume
+from exactrl.algorithms.sft import resolve
+from exactrl.compute import FlopsCounter, count_parameters
+from exactrl.config.loader import ConfigError
+from exactrl.config.schema_rm import RMConfig
+from exactrl.data.batch import Sample
+from exactrl.data.batching import StepSampler
+from exactrl.data.preference import PairExample, load_pairs
+from exactrl.distributed.checkpoint import resume
+from exactrl.distributed.launch import is_main
+from exactrl.distributed.step_plan import plan_samples
+from exactrl.losses.objective import Objective
+from exactrl.losses.pairs import ScoreTerm
+from exactrl.losses.preference import PairParams
+from exactrl.models.loading import load_tokenizer
+from exactrl.run.context import RunContext
+from exactrl.run.evaluation import eval_data, wilson_interval
+from exactrl.seeding import seed_everything
+from exactrl.tasks.builtin import BuiltinSpec
+from exactrl.workers.worker import Worker
+
+STATS_FILE = "reward_stats.json"
+
+
+@dataclass
+class RMResult:
+    run_dir: Path
+    final_model: Path
+    steps: int
+    seconds: float
+    stats: dict
+
+
+def rm_objective(cfg: RMConfig) -> Objective:
+    return Objective((ScoreTerm(params=PairParams(center_rewards=cfg.rm.center_rewards), margin=cfg.rm.margin),))
+
+
+def _check_margins(cfg: RMConfig, pairs: list[PairExample], path) -> None:
+    missing = next((p for p in pairs if p.margin is None), None)
+    if cfg.rm.margin and missing is not None:
+        raise ConfigError(f"rm.margin=true, but {missing.source} has no 'margin': give every pair of {path} one, or "
+                          "set rm.margin=false")
+    if not cfg.rm.margin and any(p.margin is not None for p in pairs) and is_main():
+        print(f"note: {path} has a 'margin' column, which rm.margin=false leaves unread; set rm.margin=true to use it")
+
+
+def _layout(pairs: int, per_forward: int, world: int) -> list[list[list[int]]]:
+    """Every rank's micro-batches over the samples of ``pairs`` pairs (each pair's two kept together), as even as
+    can be and the same number on each rank: a sharded model's forwards are collectives."""
+    chunks = world * max(1, math.ceil(pairs / (per_forward * world)))
+    if pairs < chunks:
+        raise ConfigError(f"{pairs} pairs cannot give each of {world} ranks one to score; use more pairs")
+    bounds = [2 * (i * pairs // chunks) for i in range(chunks + 1)]
+    parts = [list(range(bounds[i], bounds[i + 1])) for i in range(chunks)]
+    return [parts[r::world] for r in range(world)]
+
+
+def score_pairs(model: Worker, pairs: list[PairExample], pairs_per_forward: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reward model's scores [P] of every pair's chosen and of its rejected answer (no gradient)."""
+    samples: list[Sample] = [s for p in pairs for s in p.samples()]
+    scores = model.score(samples, _layout(len(pairs), pairs_per_forward, model.world_size)).double()
+    return scores[0::2], scores[1::2]
+
+
+def pairwise_accuracy(chosen: torch.Tensor, rejected: torch.Tensor) -> dict:
+    """Share of pairs whose chosen answer scores strictly above the rejected one (a tie counts as wrong), with
+    its Wilson 95% interval, and the mean score margin."""
+    k, n = int((chosen > rejected).sum()), chosen.numel()
+    return {"pairwise_accuracy": k / n, "ci95": list(wilson_interval(k, n)), "correct": k, "n": n,
+            "mean_margin": float((chosen - rejected).mean())}
+
+
+def reward_stats(chosen: torch.Tensor, rejected: torch.Tensor) -> dict:
+    """Mean and std (population, ddof 0) of the scores over all answers of the given pairs, and per side."""
+    both = torch.cat([chosen, rejected])
+    return {"mean": float(both.mean()), "std": float(both.std(correction=0)), "n": both.numel(),
+            "chosen_mean": float(chosen.mean()), "chosen_std": float(chosen.std(correction=0)),
+            "rejected_mean": float(rejected.mean()), "rejected_std": float(rejected.std(correction=0))}
+
+
+def train_rm(cfg: RMConfig, run_dir: Path | None = None, spec: BuiltinSpec = BuiltinSpec(), phase: str = "rm",
+             final_name: str = "final") -> RMResult:
+    check_world(cfg)
+    seed_everything(cfg.train.seed)
+    t = cfg.train
+    objective = rm_objective(cfg)
+    model_path = resolve(cfg.model.path, "model", spec)
+    train_path, eval_path = resolve(cfg.data.train, "pairs_train", spec), resolve(eval_data(cfg), "pairs_eval", spec)
+    tok = load_tokenizer(model_path, cfg.model.trust_remote_code, cfg.data.chat_template)
+    pairs, note = load_pairs(train_path, tok, cfg.data)  # every row read and checked before the model loads
+    held_out, eval_note = load_pairs(eval_path, tok, cfg.data) if eval_path else ([], None)
+    held_out = held_out[: cfg.data.eval_size]
+    for n in (note, eval_note):
+        if n and is_main():
+            print(n)
+    _check_margins(cfg, pairs, train_path)
+    steps = steps_for(t, len(pairs), t.global_batch_size)
+    check_data_size(len(pairs), t.global_batch_size, "pairs", train_path)
+    continues = prepare_resume(cfg, "rm", steps)
+    ctx = RunContext(cfg, "rm", phase, run_dir, {"train": train_path, "eval": eval_path}, tok, None, continues)
+    where = {"run_dir": ctx.run_dir, "phase": phase, "longest": cfg.data.max_length, "pad_id": tok.pad_token_id}
+    model = Worker.build(cfg, "reward_model", model_path, total_steps=steps, checkpoint=t.resume_from, **where)
+    position = SFTPosition.load(resume(t.resume_from, {"policy": model}) if t.resume_from else {"step": 0})
+    start, flops = position.step, FlopsCounter(count_parameters(model.model))
+    flops.load(position.state())
+    sampler = StepSampler(len(pairs), t.global_batch_size, t.seed)
+
+    t0 = time.perf_counter()
+    ctx.start(steps, start)
+    for step in range(start + 1, steps + 1):
+        batch: list[Sample] = [s for i in sampler.batch(step - 1) for s in pairs[i].samples()]
+        plan = plan_samples(batch, 2 * t.micro_batch_size, t.loss_agg, None, model.world_size, unit=2)
+        result = model.train_step(batch, plan, objective)
+        flops.trained(batch)
+        if ctx.logs(step):
+            ctx.write(step, {"loss": result.loss, "epoch": sampler.epoch_of(step), "pairs": len(batch) // 2,
+                             **result.metrics, **result.stats, **flops.record(),
+                             "wall_seconds": time.perf_counter() - t0})
+        ctx.step_done(step, {"policy": model}, SFTPosition(step, **flops.state()).state(),
+                      {"loss": f"{result.loss:.4f}", "acc": f"{result.metrics.get('reward_accuracy', 0):.2f}"})
+    seconds = time.perf_counter() - t0
+
+    # The final model's scores: statistics over the training pairs, accuracy over the held-out ones.
+    stats = {"score_position": "the answer's last real token (its EOS)", "train": reward_stats(
+        *score_pairs(model, pairs, t.micro_batch_size)), "train_file": str(train_path)}
+    if held_out:
+        stats |= {"eval": pairwise_accuracy(*score_pairs(model, held_out, t.micro_batch_size)),
+                  "eval_file": str(eval_path)}
+        ctx.write(steps, {"eval_pairwise_accuracy": stats["eval"]["pairwise_accuracy"],
+                          "eval_ci95": stats["eval"]["ci95"], "eval_mean_margin": stats["eval"]["mean_margin"]})
+        if is_main():
+            e = stats["eval"]
+            print(f"[{phase}] held-out pairwise accuracy on {e['n']} pairs {100 * e['pairwise_accuracy']:.1f}% "
+                  f"[{100 * e['ci95'][0]:.1f}, {100 * e['ci95'][1]:.1f}]")
+    final = ctx.finish({final_name: model})
+    if is_main():  # beside config.json: what a scorer normalises with, (r - mean) / std
+        (final / STATS_FILE).write_text(json.dumps(stats, indent=2) + "\n")
+    return RMResult(ctx.run_dir, final, steps, seconds, stats)

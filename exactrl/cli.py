@@ -18,7 +18,7 @@ from exactrl.config import ConfigError, DemoConfig, PipelineConfig, RLConfig, SF
 from exactrl.config.loader import describe_keys
 from exactrl.config.methods import METHODS
 from exactrl.config.schema_commands import EvalCommandConfig
-from exactrl.config.schema_pref import DPOConfig
+from exactrl.config.schema_pref import DPOConfig, KTOConfig
 from exactrl.config.schema_rm import RMConfig
 from exactrl.config.schema_study import StudyConfig
 from exactrl.run import exits
@@ -36,8 +36,8 @@ DemoOverridesArg = typer.Argument(None, help="Dotted overrides, e.g. task.n_sft=
                                               "rl.optim.lr=1e-4")
 PipelineOverridesArg = typer.Argument(None, help="Dotted overrides, e.g. sft.train.epochs=3 rl.optim.lr=1e-6 "
                                                   "truncate.rollouts=50")
-COMMANDS = {"sft": SFTConfig, "dpo": DPOConfig, "rm": RMConfig, "rl": RLConfig, "pipeline": PipelineConfig,
-            "demo": DemoConfig, "eval": EvalCommandConfig, "study": StudyConfig}
+COMMANDS = {"sft": SFTConfig, "dpo": DPOConfig, "kto": KTOConfig, "rm": RMConfig, "rl": RLConfig,
+            "pipeline": PipelineConfig, "demo": DemoConfig, "eval": EvalCommandConfig, "study": StudyConfig}
 
 
 def _quiet_libraries() -> None:
@@ -227,6 +227,14 @@ def dpo(config: Path | None = ConfigOpt, overrides: list[str] | None = Overrides
     from exactrl.algorithms.dpo import train_dpo
 
     _run("dpo", config, overrides, lambda cfg: _say_final(train_dpo(cfg).final_model))
+
+
+@app.command()
+def kto(config: Path | None = ConfigOpt, overrides: list[str] | None = OverridesArg):
+    """Unpaired rows {prompt, completion, label}: KTO, its reference point z over each whole step."""
+    from exactrl.algorithms.kto import train_kto
+
+    _run("kto", config, overrides, lambda cfg: _say_final(train_kto(cfg).final_model))
 
 
 @app.command()

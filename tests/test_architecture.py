@@ -86,7 +86,7 @@ def test_the_typed_batch_refuses_undeclared_fields_and_collates_declared_ones():
                             "old_values", "returns")
     t = Sample([1], [3, 4], 0.0, source="demonstration", advantages=torch.tensor([2.0, 3.0]))
     b = collate([s, t], pad_id=0)
-    assert SEQUENCE_FIELDS == ("reward", "finished", "penalty", "margin")  # per-sequence, declared like per-token
+    assert SEQUENCE_FIELDS == ("reward", "finished", "penalty", "margin", "kto_z")  # declared as per-token
     # only fields every sample holds
     assert set(b) == {"input_ids", "attention_mask", "loss_mask", "origin", "advantages", *SEQUENCE_FIELDS}
     assert b["origin"].tolist() == [[0, 0, 0, 0], [1, 1, 0, 0]]  # each row's source's origin: policy, demonstration

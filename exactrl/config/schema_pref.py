@@ -65,3 +65,39 @@ class DPOConfig(CommonConfig):
             raise ValueError(f"data.eval={self.data.eval} needs eval.reward_fn=module:function to score it, or "
                              "data.eval=null")
         return self
+
+
+# `exactrl kto`: unpaired rows {prompt, completion, label}, each a sample of the step (losses/kto.py).
+class UnpairedDataConfig(DataConfig):
+    train: str = Field("builtin",
+                       description="Unpaired rows: a JSONL, Parquet or Arrow file (or a save_to_disk directory) of "
+                                   "rows {prompt, completion, label: true|false} (text, or TRL's chat form), or "
+                                   "'builtin': the built-in task's rows (a worked, correct solution is desirable, a "
+                                   "wrong answer undesirable).")
+
+
+class KTOSection(Section):
+    beta: float = Field(0.1, gt=0, description="KTO's beta (the paper's default 0.1).")
+    desirable_weight: float = Field(1.0, gt=0, description="w_d, the weight of a desirable row's loss (the paper "
+                                                           "keeps w_d n_d / (w_u n_u) in [1, 4/3]).")
+    undesirable_weight: float = Field(1.0, gt=0, description="w_u, the weight of an undesirable row's loss.")
+    z: Literal["step", "micro_batch"] = Field(
+        "step", description="KTO's reference point z: 'step', from the whole step's mismatched pairs (a no-grad "
+                            "pre-pass; the update does not depend on micro-batch size or world size); "
+                            "'micro_batch', each micro-batch's own, averaged over the ranks' (TRL's; to compare).")
+    reference: str | None = Field(None, description="The frozen reference model's directory; unset = model.path "
+                                                    "(with LoRA: the policy with its adapters off).")
+
+
+class KTOConfig(CommonConfig):
+    """`exactrl kto`: a policy trained on unpaired desirable/undesirable rows, z over each whole step."""
+
+    data: UnpairedDataConfig = UnpairedDataConfig()
+    kto: KTOSection = KTOSection()
+
+    @model_validator(mode="after")
+    def _eval_is_scored(self):
+        if self.data.eval not in (None, "auto", "builtin") and self.eval.reward_fn is None:
+            raise ValueError(f"data.eval={self.data.eval} needs eval.reward_fn=module:function to score it, or "
+                             "data.eval=null")
+        return self

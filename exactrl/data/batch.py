@@ -49,6 +49,9 @@ class Sample:
     # a preference pair's own margin, the same on its two rows (data/preference.py; read by a reward model's
     # Bradley-Terry loss when asked, losses/pairs.py ScoreTerm): a column of the data, so declared here to be collated
     margin: float = per_sequence(0.0, "a preference pair's margin column (0 where the row has none)")
+    # KTO's reference point of the row's micro-batch, set only under kto.z=micro_batch (the peers' form, to compare;
+    # losses/kto.py): the default z is one number for the whole step, the KTO term's own
+    kto_z: float = per_sequence(0.0, "KTO's per-micro-batch reference point (kto.z=micro_batch only)")
     source: Source = "on_policy"
     weights_version: int | None = None  # the generator's weights version that sampled it (on-policy)
     weights_digest: str | None = None  # the digest of those weights (exactrl/checks/weight_sync.py)

@@ -8,8 +8,8 @@ Per optimizer step:
      (losses/pairs.py ScoreTerm);
   4. the worker checks every sample was seen once (the canary) and the engine steps.
 At the end: the held-out pairwise accuracy (share of data.eval's pairs whose chosen answer scores above the
-rejected one, Wilson 95% interval), and the mean and std of the final model's scores over every training
-pair's two answers, saved as final/reward_stats.json so a scorer can normalise as the model was trained.
+rejected one, Wilson 95% interval), and the mean and std of the final model's scores over both answers of
+the first rm.stats_pairs training pairs, saved as final/reward_stats.json for a scorer to normalise with.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def train_rm(cfg: RMConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
 
     # The final model's scores: statistics over the training pairs, accuracy over the held-out ones.
     stats = {"score_position": "the answer's last real token (its EOS)", "train": reward_stats(
-        *score_pairs(model, pairs, t.micro_batch_size)), "train_file": str(train_path)}
+        *score_pairs(model, pairs[: cfg.rm.stats_pairs], t.micro_batch_size)), "train_file": str(train_path)}
     if held_out:
         stats |= {"eval": pairwise_accuracy(*score_pairs(model, held_out, t.micro_batch_size)),
                   "eval_file": str(eval_path)}

@@ -20,6 +20,8 @@ class RMSection(Section):
     margin: bool = Field(False, description="Subtract each pair's 'margin' column inside the loss, -log sigma(r_c - "
                                             "r_r - margin) (Llama 2's reward model); every training pair must then "
                                             "carry one. false: the column is not read.")
+    stats_pairs: int = Field(2000, gt=0, description="How many training pairs (the first N) the final model scores "
+                                                     "for the mean and std saved in final/reward_stats.json.")
     center_rewards: float = Field(0.0, ge=0, description="Weight of (r_c + r_r)^2 per pair, which centres the "
                                                          "rewards on 0 (Eisenstein et al. 2023; TRL's "
                                                          "center_rewards_coefficient, 0.01 in its docs); 0 = off.")

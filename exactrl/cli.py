@@ -339,7 +339,7 @@ app.add_typer(audit_app, name="audit")
 
 
 @app.command("config")
-def show_config(command: Annotated[str, typer.Argument(help="sft, dpo, rl, pipeline, demo, eval or study; or check, "
+def show_config(command: Annotated[str, typer.Argument(help=", ".join(COMMANDS) + "; or check, "
                                                            "or docs")],
                 file: Annotated[Path | None, typer.Argument(help="check: the config file")] = None,
                 overrides: list[str] | None = OverridesArg,

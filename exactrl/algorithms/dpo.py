@@ -12,11 +12,11 @@ Per optimizer step:
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from exactrl.algorithms.common import check_data_size, check_world, steps_for
+from exactrl.algorithms.offline import run_steps
 from exactrl.algorithms.resume import SFTPosition, prepare_resume
 from exactrl.algorithms.sft import resolve
 from exactrl.compute import FlopsCounter, count_parameters
@@ -89,23 +89,16 @@ def train_dpo(cfg: DPOConfig, run_dir: Path | None = None, spec: BuiltinSpec = B
     flops.load(position.state())
     sampler = StepSampler(len(pairs), t.global_batch_size, t.seed)
 
-    t0 = time.perf_counter()
-    ctx.start(steps, start)
-    for step in range(start + 1, steps + 1):
-        batch: list[Sample] = [s for i in sampler.batch(step - 1) for s in pairs[i].samples()]
+    def step(n: int):
+        batch: list[Sample] = [s for i in sampler.batch(n - 1) for s in pairs[i].samples()]
         plan = plan_samples(batch, 2 * t.micro_batch_size, t.loss_agg, None, policy.world_size, unit=2)
         if reference is not None:  # the reference's log-probs of both answers, in the step's own micro-batches
             layout = [[list(mb) for mb in plan.for_rank(r).micro_batches] for r in range(policy.world_size)]
             for s, v in zip(batch, reference.forward(batch, "logprobs", layout)):
                 s.ref_logprobs = v
-        result = policy.train_step(batch, plan, objective)
-        flops.trained(batch)
-        if ctx.logs(step):
-            ctx.write(step, {"loss": result.loss, "epoch": sampler.epoch_of(step), "pairs": len(batch) // 2,
-                             **result.metrics, **result.stats, **flops.record(),
-                             "wall_seconds": time.perf_counter() - t0})
-        ctx.step_done(step, {"policy": policy}, SFTPosition(step, **flops.state()).state(),
-                      {"loss": f"{result.loss:.4f}", "acc": f"{result.metrics.get('reward_accuracy', 0):.2f}"})
-    seconds = time.perf_counter() - t0
+        return batch, policy.train_step(batch, plan, objective)
+
+    seconds = run_steps(ctx, policy, flops, sampler, steps, start, step, lambda batch, r: {"pairs": len(batch) // 2},
+                        lambda r: {"acc": f"{r.metrics.get('reward_accuracy', 0):.2f}"})
     final = ctx.finish({final_name: policy})
     return DPOResult(ctx.run_dir, final, steps, seconds, flops.record())

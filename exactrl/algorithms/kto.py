@@ -13,11 +13,11 @@ Per optimizer step:
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from exactrl.algorithms.common import check_data_size, check_world, steps_for
+from exactrl.algorithms.offline import run_steps
 from exactrl.algorithms.resume import SFTPosition, prepare_resume
 from exactrl.algorithms.sft import resolve
 from exactrl.compute import FlopsCounter, count_parameters
@@ -110,20 +110,16 @@ def train_kto(cfg: KTOConfig, run_dir: Path | None = None, spec: BuiltinSpec = B
     flops.load(position.state())
     sampler = StepSampler(len(rows), t.global_batch_size, t.seed)
 
-    t0 = time.perf_counter()
-    ctx.start(steps, start)
-    for step in range(start + 1, steps + 1):
-        batch: list[Sample] = [rows[i].sample() for i in sampler.batch(step - 1)]
+    def step(n: int):
+        batch: list[Sample] = [rows[i].sample() for i in sampler.batch(n - 1)]
         plan = plan_samples(batch, t.micro_batch_size, t.loss_agg, None, policy.world_size)
-        result = kto_step(policy, reference, batch, plan, objective, k.z)
-        flops.trained(batch)
-        if ctx.logs(step):
-            desirable = sum(s.source == "chosen" for s in batch)
-            ctx.write(step, {"loss": result.loss, "epoch": sampler.epoch_of(step), "desirable": desirable,
-                             "undesirable": len(batch) - desirable, **result.metrics, **result.stats,
-                             **flops.record(), "wall_seconds": time.perf_counter() - t0})
-        ctx.step_done(step, {"policy": policy}, SFTPosition(step, **flops.state()).state(),
-                      {"loss": f"{result.loss:.4f}", "z": f"{result.metrics.get('kto_z', 0):.3f}"})
-    seconds = time.perf_counter() - t0
+        return batch, kto_step(policy, reference, batch, plan, objective, k.z)
+
+    def counts(batch, result) -> dict:
+        desirable = sum(s.source == "chosen" for s in batch)
+        return {"desirable": desirable, "undesirable": len(batch) - desirable}
+
+    seconds = run_steps(ctx, policy, flops, sampler, steps, start, step, counts,
+                        lambda r: {"z": f"{r.metrics.get('kto_z', 0):.3f}"})
     final = ctx.finish({final_name: policy})
     return KTOResult(ctx.run_dir, final, steps, seconds, flops.record())

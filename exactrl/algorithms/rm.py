@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from exactrl.algorithms.common import check_data_size, check_world, steps_for
+from exactrl.algorithms.offline import run_steps
 from exactrl.algorithms.resume import SFTPosition, prepare_resume
 from exactrl.algorithms.sft import resolve
 from exactrl.compute import FlopsCounter, count_parameters
@@ -130,20 +130,13 @@ def train_rm(cfg: RMConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     flops.load(position.state())
     sampler = StepSampler(len(pairs), t.global_batch_size, t.seed)
 
-    t0 = time.perf_counter()
-    ctx.start(steps, start)
-    for step in range(start + 1, steps + 1):
-        batch: list[Sample] = [s for i in sampler.batch(step - 1) for s in pairs[i].samples()]
+    def step(n: int):
+        batch: list[Sample] = [s for i in sampler.batch(n - 1) for s in pairs[i].samples()]
         plan = plan_samples(batch, 2 * t.micro_batch_size, t.loss_agg, None, model.world_size, unit=2)
-        result = model.train_step(batch, plan, objective)
-        flops.trained(batch)
-        if ctx.logs(step):
-            ctx.write(step, {"loss": result.loss, "epoch": sampler.epoch_of(step), "pairs": len(batch) // 2,
-                             **result.metrics, **result.stats, **flops.record(),
-                             "wall_seconds": time.perf_counter() - t0})
-        ctx.step_done(step, {"policy": model}, SFTPosition(step, **flops.state()).state(),
-                      {"loss": f"{result.loss:.4f}", "acc": f"{result.metrics.get('reward_accuracy', 0):.2f}"})
-    seconds = time.perf_counter() - t0
+        return batch, model.train_step(batch, plan, objective)
+
+    seconds = run_steps(ctx, model, flops, sampler, steps, start, step, lambda batch, r: {"pairs": len(batch) // 2},
+                        lambda r: {"acc": f"{r.metrics.get('reward_accuracy', 0):.2f}"})
 
     # The final model's scores: statistics over the training pairs, accuracy over the held-out ones.
     stats = {"score_position": "the answer's last real token (its EOS)", "train": reward_stats(

@@ -53,6 +53,10 @@ class StepPlan:
     # mean of micro-batch means, kept for what reproduces it on purpose (ReLIFT's code, algo.relift.mean_of_means;
     # fault.mean_of_means sets it through the engine); losses/aggregation.py micro_batch_normalizer
     micro_means: bool = False
+    unit: int = 1  # samples per unit (2: a preference pair), which no micro-batch, rank or packed row may split
+
+    def __post_init__(self):
+        check_units(self.micro_batches, self.unit)
 
     @property
     def num_samples(self) -> int:
@@ -87,6 +91,24 @@ class StepPlan:
             return UnitNormalizer(self.units(sources))
         tokens, seqs = self.count(sources, origins)
         return StepNormalizer(mode=mode, num_tokens=tokens, num_seqs=seqs, norm_len=norm_len)
+
+
+def check_units(micro_batches: Sequence[Sequence[int]], unit: int) -> None:
+    """Refuse a layout that splits a unit: every sample of the step once, and each micro-batch whole units in order
+    (samples u*unit .. u*unit + unit - 1 side by side). A micro-batch runs on one rank as one packed row (or one
+    padded batch), so a unit kept in one micro-batch is kept on one rank and in one row: a pair loss then sees its
+    chosen and rejected answers together (losses/pairs.py pair_rows). O(samples), checked wherever a plan is made."""
+    flat = [i for mb in micro_batches for i in mb]
+    if sorted(flat) != list(range(len(flat))):
+        raise ValueError(f"a step plan must hold every sample of the step exactly once; its micro-batches hold "
+                         f"{sorted(flat)[:12]}{'...' if len(flat) > 12 else ''}")
+    for c, mb in enumerate(micro_batches):
+        starts = mb[0::unit]
+        if len(mb) % unit or any(s % unit or tuple(mb[k * unit : (k + 1) * unit]) != tuple(range(s, s + unit))
+                                 for k, s in enumerate(starts)):
+            raise ValueError(f"micro-batch {c} of the step plan, samples {list(mb)[:12]}, splits a unit of {unit} "
+                             f"samples (a preference pair's chosen and rejected rows must share a micro-batch, rank "
+                             f"and packed row, side by side): build the plan with plan_step(..., unit={unit})")
 
 
 def plan_step(loss_tokens: Sequence[int], micro_batch_size: int, mode: str, norm_len: float | None = None,
@@ -129,7 +151,7 @@ def plan_step(loss_tokens: Sequence[int], micro_batch_size: int, mode: str, norm
                                tuple((o, sum(origins[i][o] for i in group)) for o in present))
                    for (src, present), group in rows.items())
     normalizer = StepNormalizer(mode=mode, num_tokens=int(sum(loss_tokens)), num_seqs=n, norm_len=norm_len)
-    return StepPlan(micro, world_size, counts, normalizer)
+    return StepPlan(micro, world_size, counts, normalizer, unit=unit)
 
 
 def plan_samples(samples: Sequence, micro_batch_size: int, mode: str, norm_len: float | None = None,

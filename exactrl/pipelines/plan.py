@@ -173,8 +173,12 @@ def plan_rl(cfg, spec, opts: Options, model_path: str | None = None) -> PhasePla
 def plan(cfg, command: str, opts: Options) -> list[PhasePlan]:
     from exactrl.tasks.builtin import BuiltinSpec
 
-    if command in ("eval", "dpo", "kto", "rm"):  # dpo, kto, rm: their FLOPs plans are still to come (issue 36)
+    if command == "eval":
         return []
+    if command in ("dpo", "kto", "rm"):
+        from exactrl.pipelines.plan_pref import plan_preference
+
+        return [plan_preference(cfg, command, BuiltinSpec(), opts)]
     if command == "sft":
         return [plan_sft(cfg, BuiltinSpec(), opts)]
     if command == "rl":
@@ -224,6 +228,8 @@ def describe(phases: list[PhasePlan]) -> list[str]:
     for p in phases:
         steps = "?" if p.steps is None else str(p.steps)
         head = f"{p.name}: {steps} optimizer steps of {p.samples_per_step} samples"
+        if p.name in ("dpo", "rm"):
+            head = f"{p.name}: {steps} optimizer steps of {p.samples_per_step // 2} pairs ({p.samples_per_step} seqs)"
         if p.name.endswith("rl"):
             rollouts = "?" if p.rollouts is None else str(p.rollouts)
             head += f" ({rollouts} rollouts of {p.prompts_per_rollout} prompts x {p.group_size} responses)"

@@ -239,7 +239,7 @@ def kto(config: Path | None = ConfigOpt, overrides: list[str] | None = Overrides
 
 @app.command()
 def rm(config: Path | None = ConfigOpt, overrides: list[str] | None = OverridesArg):
-    """A Bradley-Terry reward model on preference pairs, exact per pair; held-out pairwise accuracy."""
+    """A reward model: Bradley-Terry on preference pairs, or (rm.kind=process) per step; exact per pair/step."""
     from exactrl.algorithms.rm import train_rm
 
     _run("rm", config, overrides, lambda cfg: _say_final(train_rm(cfg).final_model))

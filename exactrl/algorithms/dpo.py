@@ -4,10 +4,13 @@ Per optimizer step:
   1. the sampler draws the step's pairs (independent of micro-batch size and ranks);
   2. the step plan keeps each pair's two sequences together (unit=2) and counts the step's pairs
      and chosen tokens before any backward;
-  3. the frozen reference scores both sequences of every pair (reference-free losses skip it);
+  3. the frozen reference scores both sequences of every pair (reference-free losses skip it), or they are read
+     from dpo.reference_cache=precompute's cache, filled once before the first step (workers/reference_cache.py);
   4. each micro-batch backpropagates its pairs' losses over the step's number of pairs
      (losses/pairs.py), plus an NLL on the chosen answers over the step's chosen tokens when asked;
   5. the worker checks every sample was seen once (the canary) and the engine steps.
+At the end: the implicit-reward pairwise accuracy on held-out pairs (data.eval_pairs; the loss's own chosen and
+rejected rewards, beta log-ratios for dpo) with its Wilson interval, then the greedy task accuracy (data.eval).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from exactrl.algorithms.common import check_data_size, check_world, steps_for
-from exactrl.algorithms.offline import run_steps
+from exactrl.algorithms.offline import heldout_pairwise, load_eval_pairs, reference_cache, reference_logprobs, run_steps
 from exactrl.algorithms.resume import SFTPosition, prepare_resume
 from exactrl.algorithms.sft import resolve
 from exactrl.compute import FlopsCounter, count_parameters
@@ -76,29 +79,52 @@ def train_dpo(cfg: DPOConfig, run_dir: Path | None = None, spec: BuiltinSpec = B
     if note and is_main():
         print(note)
     eval_set = load_eval_set(cfg, tok, eval_path)
+    held_out, pairs_path = load_eval_pairs(cfg, tok, spec)
     steps = steps_for(t, len(pairs), t.global_batch_size)
     check_data_size(len(pairs), t.global_batch_size, "pairs", train_path)
     continues = prepare_resume(cfg, "dpo", steps)
-    ctx = RunContext(cfg, "dpo", phase, run_dir, {"train": train_path, "eval": eval_path}, tok, eval_set, continues)
+    ctx = RunContext(cfg, "dpo", phase, run_dir, {"train": train_path, "eval": eval_path, "eval_pairs": pairs_path},
+                     tok, eval_set, continues)
     where = {"run_dir": ctx.run_dir, "phase": phase, "longest": cfg.data.max_length, "pad_id": tok.pad_token_id}
     policy = Worker.build(cfg, "policy", model_path, total_steps=steps, checkpoint=t.resume_from, **where)
-    reference = Worker.build(cfg, "reference", resolve(d.reference, "model", spec) or model_path, policy=policy,
-                             **where) if PAIR_LOSSES[d.loss].needs_reference else None
     position = SFTPosition.load(resume(t.resume_from, {"policy": policy}) if t.resume_from else {"step": 0})
     start, flops = position.step, FlopsCounter(count_parameters(policy.model))
     flops.load(position.state())
     sampler = StepSampler(len(pairs), t.global_batch_size, t.seed)
 
+    # The reference (LoRA: the policy's model, adapters off), or its log-probs of every sequence the run reads,
+    # computed once and cached (then the reference model is loaded only when the cache lacks some).
+    needs_reference, reference, cache = PAIR_LOSSES[d.loss].needs_reference, None, None
+    ref_path = resolve(d.reference, "model", spec) or model_path
+
+    def build_reference() -> Worker:
+        return Worker.build(cfg, "reference", ref_path, policy=policy, **where)
+
+    if needs_reference and d.reference_cache == "precompute":
+        needed = [s for n in range(start + 1, steps + 1) for i in sampler.batch(n - 1) for s in pairs[i].samples()]
+        cache = reference_cache(cfg, d, ref_path, [s for p in pairs for s in p.samples()],
+                                needed + [s for p in held_out for s in p.samples()], build_reference, ctx.run_dir)
+    elif needs_reference:
+        reference = build_reference()
+
     def step(n: int):
         batch: list[Sample] = [s for i in sampler.batch(n - 1) for s in pairs[i].samples()]
         plan = plan_samples(batch, 2 * t.micro_batch_size, t.loss_agg, None, policy.world_size, unit=2)
-        if reference is not None:  # the reference's log-probs of both answers, in the step's own micro-batches
+        if needs_reference:  # the reference's log-probs of both answers, in the step's own micro-batches
             layout = [[list(mb) for mb in plan.for_rank(r).micro_batches] for r in range(policy.world_size)]
-            for s, v in zip(batch, reference.forward(batch, "logprobs", layout)):
+            for s, v in zip(batch, reference_logprobs(cache, reference, batch, layout)):
                 s.ref_logprobs = v
         return batch, policy.train_step(batch, plan, objective)
 
     seconds = run_steps(ctx, policy, flops, sampler, steps, start, step, lambda batch, r: {"pairs": len(batch) // 2},
                         lambda r: {"acc": f"{r.metrics.get('reward_accuracy', 0):.2f}"})
+    term = objective.terms[0]
+
+    def rewards(x):  # the loss's own implicit rewards (dpo: beta times each answer's log-ratio)
+        extra = PAIR_LOSSES[d.loss].fn(x, term.params)[1]
+        return extra["chosen_reward"], extra["rejected_reward"]
+
+    heldout_pairwise(ctx, policy, held_out, rewards, (lambda samples, layout: reference_logprobs(
+        cache, reference, samples, layout)) if needs_reference else None, t.micro_batch_size, steps)
     final = ctx.finish({final_name: policy})
     return DPOResult(ctx.run_dir, final, steps, seconds, flops.record())

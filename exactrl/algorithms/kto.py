@@ -3,12 +3,15 @@
 Per optimizer step:
   1. the sampler draws the step's rows (independent of micro-batch size and ranks); the plan lays them out,
      each row a unit of one sample, and counts the step's rows before any backward;
-  2. the frozen reference scores every row's completion;
+  2. the frozen reference scores every row's completion (or kto.reference_cache=precompute's cache, filled once
+     before the first step with every row and KL row the run reads, holds its log-probs);
   3. a no-grad pre-pass scores the KL rows (each prompt with the previous row's completion, over the whole
      step) with the policy and the reference, on every rank in the step's micro-batches, gathered: z is the
      mean gap over the step's KL rows, clamped at 0 (kto.z=micro_batch: TRL's per-micro-batch z, to compare);
   4. each micro-batch backpropagates its rows' KTO losses over the step's number of rows (losses/kto.py);
   5. the worker checks every sample was seen once (the canary) and the engine steps.
+At the end: the implicit-reward pairwise accuracy on held-out pairs (data.eval_pairs; beta times each answer's
+log-ratio) with its Wilson interval, then the greedy task accuracy (data.eval).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from exactrl.algorithms.common import check_data_size, check_world, steps_for
-from exactrl.algorithms.offline import run_steps
+from exactrl.algorithms.offline import heldout_pairwise, load_eval_pairs, reference_cache, reference_logprobs, run_steps
 from exactrl.algorithms.resume import SFTPosition, prepare_resume
 from exactrl.algorithms.sft import resolve
 from exactrl.compute import FlopsCounter, count_parameters
@@ -35,6 +38,7 @@ from exactrl.run.context import RunContext
 from exactrl.run.evaluation import eval_data, load_eval_set
 from exactrl.seeding import seed_everything
 from exactrl.tasks.builtin import BuiltinSpec
+from exactrl.workers.reference_cache import ReferenceCache
 from exactrl.workers.worker import Worker
 
 
@@ -58,15 +62,21 @@ def layout_of(plan: StepPlan) -> list[list[list[int]]]:
     return [[list(mb) for mb in plan.for_rank(r).micro_batches] for r in range(plan.world_size)]
 
 
-def reference_point(policy: Worker, reference: Worker, batch: list[Sample], plan: StepPlan, mode: str = "step"):
+def kl_rows_of(batch: list[Sample], plan: StepPlan, mode: str) -> list[Sample]:
+    """The step's KL rows: its rows rotated by one over the whole step (mode "step") or within each micro-batch."""
+    return mismatched(batch, [list(range(len(batch)))] if mode == "step" else [list(mb) for mb in plan.micro_batches])
+
+
+def reference_point(policy: Worker, reference: Worker | None, batch: list[Sample], plan: StepPlan, mode: str = "step",
+                    cache: ReferenceCache | None = None):
     """KTO's z for this step: a float (mode "step": over the step's KL rows, the step's order rotated by one)
     or, for mode "micro_batch", None after setting each row's ``kto_z`` to its micro-batch's (TRL's form).
-    Both forwards run without a graph on every rank, in the step's micro-batches, and are gathered."""
-    groups = [list(range(len(batch)))] if mode == "step" else [list(mb) for mb in plan.micro_batches]
-    kl_rows = mismatched(batch, groups)
+    Both forwards run without a graph on every rank, in the step's micro-batches, and are gathered (the
+    reference's read from ``cache`` when given)."""
+    kl_rows = kl_rows_of(batch, plan, mode)
     layout = layout_of(plan)
-    gaps = kl_gaps(kl_rows, policy.forward(kl_rows, "logprobs", layout), reference.forward(kl_rows, "logprobs",
-                                                                                           layout))
+    gaps = kl_gaps(kl_rows, policy.forward(kl_rows, "logprobs", layout),
+                   reference_logprobs(cache, reference, kl_rows, layout))
     if mode == "step":
         return step_z(gaps)
     for s, z in zip(batch, micro_batch_z(gaps, plan.micro_batches, plan.world_size)):
@@ -74,13 +84,14 @@ def reference_point(policy: Worker, reference: Worker, batch: list[Sample], plan
     return None
 
 
-def kto_step(policy: Worker, reference: Worker, batch: list[Sample], plan: StepPlan, objective: Objective,
-             mode: str = "step"):
+def kto_step(policy: Worker, reference: Worker | None, batch: list[Sample], plan: StepPlan, objective: Objective,
+             mode: str = "step", cache: ReferenceCache | None = None):
     """One KTO optimizer step over ``batch`` laid out by ``plan`` (unit=1): the reference's log-probs of every
-    row, the step's z, then Worker.train_step. Every rank calls it with the same arguments."""
-    for s, v in zip(batch, reference.forward(batch, "logprobs", layout_of(plan))):
+    row (from ``cache`` when given), the step's z, then Worker.train_step. Every rank calls it with the same
+    arguments."""
+    for s, v in zip(batch, reference_logprobs(cache, reference, batch, layout_of(plan))):
         s.ref_logprobs = v
-    z = reference_point(policy, reference, batch, plan, mode)
+    z = reference_point(policy, reference, batch, plan, mode, cache)
     return policy.train_step(batch, plan, objective.with_term("kto", z=z))
 
 
@@ -97,23 +108,41 @@ def train_kto(cfg: KTOConfig, run_dir: Path | None = None, spec: BuiltinSpec = B
     if note and is_main():
         print(note)
     eval_set = load_eval_set(cfg, tok, eval_path)
+    held_out, pairs_path = load_eval_pairs(cfg, tok, spec)
     steps = steps_for(t, len(rows), t.global_batch_size)
     check_data_size(len(rows), t.global_batch_size, "samples", train_path)
     continues = prepare_resume(cfg, "kto", steps)
-    ctx = RunContext(cfg, "kto", phase, run_dir, {"train": train_path, "eval": eval_path}, tok, eval_set, continues)
+    ctx = RunContext(cfg, "kto", phase, run_dir, {"train": train_path, "eval": eval_path, "eval_pairs": pairs_path},
+                     tok, eval_set, continues)
     where = {"run_dir": ctx.run_dir, "phase": phase, "longest": cfg.data.max_length, "pad_id": tok.pad_token_id}
     policy = Worker.build(cfg, "policy", model_path, total_steps=steps, checkpoint=t.resume_from, **where)
-    reference = Worker.build(cfg, "reference", resolve(k.reference, "model", spec) or model_path, policy=policy,
-                             **where)
     position = SFTPosition.load(resume(t.resume_from, {"policy": policy}) if t.resume_from else {"step": 0})
     start, flops = position.step, FlopsCounter(count_parameters(policy.model))
     flops.load(position.state())
     sampler = StepSampler(len(rows), t.global_batch_size, t.seed)
 
-    def step(n: int):
+    def batch_plan(n: int) -> tuple[list[Sample], StepPlan]:
         batch: list[Sample] = [rows[i].sample() for i in sampler.batch(n - 1)]
-        plan = plan_samples(batch, t.micro_batch_size, t.loss_agg, None, policy.world_size)
-        return batch, kto_step(policy, reference, batch, plan, objective, k.z)
+        return batch, plan_samples(batch, t.micro_batch_size, t.loss_agg, None, policy.world_size)
+
+    # The reference (LoRA: the policy's model, adapters off), or its log-probs of every row and KL row the run
+    # reads, computed once and cached (then the reference model is loaded only when the cache lacks some).
+    reference, cache, ref_path = None, None, resolve(k.reference, "model", spec) or model_path
+
+    def build_reference() -> Worker:
+        return Worker.build(cfg, "reference", ref_path, policy=policy, **where)
+
+    if k.reference_cache == "precompute":
+        needed = [s for n in range(start + 1, steps + 1) for b, plan in [batch_plan(n)]
+                  for s in b + kl_rows_of(b, plan, k.z)]
+        cache = reference_cache(cfg, k, ref_path, [r.sample() for r in rows],
+                                needed + [s for p in held_out for s in p.samples()], build_reference, ctx.run_dir)
+    else:
+        reference = build_reference()
+
+    def step(n: int):
+        batch, plan = batch_plan(n)
+        return batch, kto_step(policy, reference, batch, plan, objective, k.z, cache)
 
     def counts(batch, result) -> dict:
         desirable = sum(s.source == "chosen" for s in batch)
@@ -121,5 +150,9 @@ def train_kto(cfg: KTOConfig, run_dir: Path | None = None, spec: BuiltinSpec = B
 
     seconds = run_steps(ctx, policy, flops, sampler, steps, start, step, counts,
                         lambda r: {"z": f"{r.metrics.get('kto_z', 0):.3f}"})
+    heldout_pairwise(ctx, policy, held_out, lambda x: (k.beta * (x.chosen - x.ref_chosen),
+                                                       k.beta * (x.rejected - x.ref_rejected)),
+                     lambda samples, layout: reference_logprobs(cache, reference, samples, layout), t.micro_batch_size,
+                     steps)
     final = ctx.finish({final_name: policy})
     return KTOResult(ctx.run_dir, final, steps, seconds, flops.record())

@@ -1,13 +1,22 @@
 """The step loop of the commands that train one worker on a fixed data set (dpo, kto, rm): each
 step's batch drawn by the sampler and trained by the command's own step, then the same logging,
-checkpoint and progress as SFT's."""
+checkpoint and progress as SFT's; dpo's and kto's reference cache and held-out pairwise accuracy."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
+
+import torch
 
 from exactrl.algorithms.resume import SFTPosition
+from exactrl.algorithms.sft import resolve
+from exactrl.data.batch import Sample
+from exactrl.data.preference import PairExample, load_pairs
+from exactrl.distributed.launch import is_main
+from exactrl.losses.preference import PairInput
+from exactrl.workers.reference_cache import ReferenceCache, cache_key, forward_layout, forward_settings
 
 
 def run_steps(ctx, worker, flops, sampler, steps: int, start: int, step: Callable, record: Callable,
@@ -27,3 +36,72 @@ def run_steps(ctx, worker, flops, sampler, steps: int, start: int, step: Callabl
         ctx.step_done(n, {"policy": worker}, SFTPosition(n, **flops.state()).state(),
                       {"loss": f"{result.loss:.4f}", **shown(result)})
     return time.perf_counter() - t0
+
+
+def reference_cache(cfg, section, reference_path: str, data: list[Sample], needed: list[Sample], build: Callable,
+                    run_dir) -> ReferenceCache | None:
+    """``section.reference_cache=precompute``: the cache of the reference at ``reference_path`` for the data set
+    ``data`` (every sequence of it, which names the file), filled with every sequence in ``needed`` (the run's
+    steps' and held-out ones); ``build()`` makes the reference worker, called only if some are missing.
+    None when the reference scores each step on the fly."""
+    if section.reference_cache == "none":
+        return None
+    directory = Path(section.reference_cache_dir or Path(run_dir).parent / "reference-cache")
+    cache = ReferenceCache(directory, cache_key(reference_path, forward_settings(cfg), data))
+    computed = cache.fill(needed, build, cfg.train.micro_batch_size)
+    if is_main():
+        print(f"reference log-probs: {len(needed) - computed} of {len(needed)} sequences read from {cache.path}"
+              + (f", {computed} computed" if computed else ""))
+    return cache
+
+
+def reference_logprobs(cache: ReferenceCache | None, reference, samples: list[Sample], layout) -> list[torch.Tensor]:
+    """The reference's per-token log-probs of ``samples``: from the cache, else its forward in ``layout``."""
+    return cache.logprobs(samples) if cache is not None else reference.forward(samples, "logprobs", layout)
+
+
+def heldout_pairwise(ctx, policy, held_out: list[PairExample], rewards: Callable, ref: Callable | None,
+                     per_forward: int, step: int) -> dict | None:
+    """The policy's implicit-reward pairwise accuracy on ``held_out`` (rm.pairwise_accuracy, as exactrl rm's: the
+    share of pairs whose chosen reward beats the rejected one's, Wilson 95% interval), logged and printed.
+    ``rewards(PairInput)`` gives (chosen, rejected) rewards [P]; ``ref(samples, layout)`` the reference's
+    log-probs (None: reference-free)."""
+    from exactrl.algorithms.rm import pairwise_accuracy  # rm's step loop is this module's: imported here
+
+    if not held_out:
+        return None
+    samples = [s for p in held_out for s in p.samples()]
+    layout = forward_layout(len(samples), 2 * per_forward, policy.world_size)
+    masks = [torch.tensor(s.loss_mask, dtype=torch.float64) for s in samples]
+
+    def sums(values: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack([(v.double() * m).sum() for v, m in zip(values, masks)])
+
+    tokens = torch.stack([m.sum() for m in masks])
+    pol, refs = sums(policy.forward(samples, "logprobs", layout)), None if ref is None else sums(ref(samples, layout))
+    x = PairInput(chosen=pol[0::2], rejected=pol[1::2], chosen_tokens=tokens[0::2], rejected_tokens=tokens[1::2],
+                  ref_chosen=None if refs is None else refs[0::2], ref_rejected=None if refs is None else refs[1::2])
+    out = pairwise_accuracy(*rewards(x))
+    ctx.write(step, {"eval_pairwise_accuracy": out["pairwise_accuracy"], "eval_pairwise_ci95": out["ci95"],
+                     "eval_reward_margin": out["mean_margin"], "eval_pairs": out["n"]})
+    if is_main():
+        lo, hi = out["ci95"]
+        print(f"[{ctx.phase}] held-out pairwise accuracy (implicit reward) on {out['n']} pairs "
+              f"{100 * out['pairwise_accuracy']:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}], mean reward margin "
+              f"{out['mean_margin']:.4f}")
+    return out
+
+
+def load_eval_pairs(cfg, tok, spec) -> tuple[list[PairExample], str | None]:
+    """data.eval_pairs' first data.eval_size pairs ('auto': the built-in held-out pairs for built-in training data)
+    and their path; ([], None) when there are none."""
+    name = cfg.data.eval_pairs
+    if name == "auto":
+        name = "builtin" if cfg.data.train == "builtin" else None
+    path = resolve(name, "pairs_eval", spec)
+    if not path:
+        return [], None
+    pairs, note = load_pairs(path, tok, cfg.data)
+    if note and is_main():
+        print(note)
+    return pairs[: cfg.data.eval_size], path

@@ -10,6 +10,7 @@ Per optimizer step:
 At the end: the held-out pairwise accuracy (share of data.eval's pairs whose chosen answer scores above the
 rejected one, Wilson 95% interval), and the mean and std of the final model's scores over both answers of
 the first rm.stats_pairs training pairs, saved as final/reward_stats.json for a scorer to normalise with.
+With rm.kind=process, a process reward model on step-labelled rows instead (algorithms/prm.py).
 """
 
 from __future__ import annotations
@@ -105,6 +106,10 @@ def reward_stats(chosen: torch.Tensor, rejected: torch.Tensor) -> dict:
 
 def train_rm(cfg: RMConfig, run_dir: Path | None = None, spec: BuiltinSpec = BuiltinSpec(), phase: str = "rm",
              final_name: str = "final") -> RMResult:
+    if cfg.rm.kind == "process":  # step-labelled rows: a process reward model (imported here: prm.py imports this)
+        from exactrl.algorithms.prm import train_prm
+
+        return train_prm(cfg, run_dir, spec, phase, final_name)
     check_world(cfg)
     seed_everything(cfg.train.seed)
     t = cfg.train

@@ -1,7 +1,10 @@
 """`exactrl rm`'s config: a reward model (the policy's architecture with a scalar head) trained on preference
-pairs with the Bradley-Terry loss, each pair a unit of the step (losses/pairs.py ScoreTerm)."""
+pairs with the Bradley-Terry loss, each pair a unit of the step (losses/pairs.py ScoreTerm), or (rm.kind=process)
+a process reward model on step-labelled rows, per-step binary cross-entropy (losses/process.py ProcessTerm)."""
 
 from __future__ import annotations
+
+from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -10,25 +13,45 @@ from exactrl.config.schema_pref import PrefDataConfig, PrefTrainConfig
 
 
 class RMDataConfig(PrefDataConfig):
-    eval: str | None = Field("auto", description="Held-out preference pairs for the final pairwise accuracy (rows "
-                                                 "as data.train), 'builtin' (the built-in task's held-out pairs) or "
-                                                 "null (none); 'auto' = 'builtin' when data.train is built-in, else "
-                                                 "none (with a notice).")
+    train: str = Field("builtin", description="Preference pairs {prompt, chosen, rejected} (text, or TRL's chat "
+                                              "forms), or with rm.kind=process step-labelled rows {prompt, "
+                                              "completions: [step...], labels: [true|false per step]} (TRL's "
+                                              "stepwise supervision): a JSONL, Parquet or Arrow file (or a "
+                                              "save_to_disk directory), or 'builtin': the built-in task's pairs (a "
+                                              "worked, correct solution against a wrong answer) or step-labelled "
+                                              "worked solutions.")
+    eval: str | None = Field("auto", description="Held-out rows as data.train for the final pairwise accuracy (rm."
+                                                 "kind=process: step accuracy and first-wrong-step accuracy), "
+                                                 "'builtin' (the built-in task's held-out set) or null (none); "
+                                                 "'auto' = 'builtin' when data.train is built-in, else none (with a "
+                                                 "notice).")
 
 
 class RMSection(Section):
+    kind: Literal["pairwise", "process"] = Field(
+        "pairwise", description="pairwise: a Bradley-Terry reward model on preference pairs, one score per answer. "
+                                "process: a process reward model (PRM) on step-labelled rows, one score per step at "
+                                "its separator, binary cross-entropy against the step's label over all labelled "
+                                "steps of the optimizer step (train.loss_agg=token-mean); train.*_batch_size then "
+                                "count rows.")
+    step_separator: str | None = Field(None, description="rm.kind=process: the text after each step, at whose last "
+                                                         "token the step is scored (TRL's step_separator); unset = "
+                                                         "' ' for the built-in steps (how its worked solutions "
+                                                         "separate them), else '\\n' (TRL's default).")
     margin: bool = Field(False, description="Subtract each pair's 'margin' column inside the loss, -log sigma(r_c - "
                                             "r_r - margin) (Llama 2's reward model); every training pair must then "
                                             "carry one. false: the column is not read.")
-    stats_pairs: int = Field(2000, gt=0, description="How many training pairs (the first N) the final model scores "
-                                                     "for the mean and std saved in final/reward_stats.json.")
+    stats_pairs: int = Field(2000, gt=0, description="How many training pairs (rm.kind=process: rows; the first N) "
+                                                     "the final model scores for the mean and std saved in "
+                                                     "final/reward_stats.json.")
     center_rewards: float = Field(0.0, ge=0, description="Weight of (r_c + r_r)^2 per pair, which centres the "
                                                          "rewards on 0 (Eisenstein et al. 2023; TRL's "
                                                          "center_rewards_coefficient, 0.01 in its docs); 0 = off.")
 
 
 class RMConfig(CommonConfig):
-    """`exactrl rm`: a Bradley-Terry reward model on preference pairs, normalised over all pairs of each step."""
+    """`exactrl rm`: a Bradley-Terry reward model on preference pairs, normalised over all pairs of each step, or
+    (rm.kind=process) a process reward model on step-labelled rows, normalised over all labelled steps of each step."""
 
     data: RMDataConfig = RMDataConfig()
     train: PrefTrainConfig = PrefTrainConfig()

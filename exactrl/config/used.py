@@ -106,6 +106,11 @@ USED_WHEN = [
     UsedWhen("train.loss_agg_norm", lambda c: c.train.loss_agg == "seq-mean-token-sum-norm", "only "
              "train.loss_agg=seq-mean-token-sum-norm has a constant normaliser (train.loss_agg={c.train.loss_agg})",
              "set that train.loss_agg"),
+    # exactrl rm: a pair's margin and centring belong to the Bradley-Terry loss, the step separator to a PRM's steps
+    *(UsedWhen(f"rm.{key}", lambda c: c.rm.kind == "pairwise", "rm.kind=process scores steps, not pairs",
+               "set rm.kind=pairwise") for key in ("margin", "center_rewards")),
+    UsedWhen("rm.step_separator", lambda c: c.rm.kind == "process", "rm.kind=pairwise scores whole answers, not "
+             "steps", "set rm.kind=process"),
     UsedWhen("train.packing_check_tol", lambda c: c.train.packing_check != "off", "the packing self-check is off "
              "(train.packing_check=off)", "turn it on"),
     UsedWhen("train.generation_check_tol", lambda c: c.train.generation_check != "off", "the generation self-check "

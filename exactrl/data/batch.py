@@ -69,6 +69,9 @@ class Sample:
     ref_logprobs: torch.Tensor | None = per_token("the frozen reference's")
     old_values: torch.Tensor | None = per_token("the critic's before the rollout's first update (ppo)")
     returns: torch.Tensor | None = per_token("the critic's targets (ppo)")
+    # a step-labelled row's labels (data/steps.py StepExample.sample; read by losses/process.py ProcessTerm)
+    step_labels: torch.Tensor | None = per_token("1 (correct) or 0 (wrong) at each step's separator target, 0 "
+                                                 "elsewhere (a process reward model's)")
 
     @property
     def ids(self) -> list[int]:

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from exactrl.data.batch import Sample
 from exactrl.data.encode import FIX, OverLength, _char_limit, _ids, _keep
 from exactrl.data.files import read_rows
 from exactrl.data.jsonl import DataError, Row, require_str
@@ -26,6 +29,22 @@ class StepExample:
     labels: list[bool]  # each step's label, aligned with positions
     source: str
     truncated: bool = False  # steps that did not fit data.max_length were left out (over_length=truncate)
+
+    @property
+    def targets(self) -> list[int]:
+        """Each step's next-token target: a sample's target t predicts token t + 1, and a reward model's per-token
+        field "scores" holds at target t the head at token t + 1 (workers/reward_model.py), so the head at the
+        separator's last token (position p) sits at target p - 1."""
+        return [p - 1 for p in self.positions]
+
+    def sample(self) -> Sample:
+        """The row as a Sample whose loss targets are exactly its steps' (one per step, the plan counts steps), each
+        carrying its label in ``step_labels``; a text shown to the model, so a demonstration's."""
+        mask, labels = [0] * (len(self.input_ids) - 1), torch.zeros(len(self.input_ids) - 1, dtype=torch.float32)
+        for t, label in zip(self.targets, self.labels):
+            mask[t], labels[t] = 1, float(label)
+        return Sample(list(self.input_ids[: self.prompt_len]), list(self.input_ids[self.prompt_len :]),
+                      source="demonstration", mask=tuple(mask), step_labels=labels)
 
 
 def _steps(row: Row) -> tuple[list[str], list[bool]]:

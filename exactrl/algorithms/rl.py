@@ -67,6 +67,7 @@ from exactrl.seeding import seed_everything
 from exactrl.tasks.builtin import BuiltinSpec
 from exactrl.workers.critic import Critic
 from exactrl.workers.placement import place
+from exactrl.workers.reward_model import model_reward
 from exactrl.workers.worker import Worker
 
 
@@ -284,6 +285,7 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     reward_fns = load_rewards(cfg.reward.specs(), cfg.reward.weights, cfg.reward.timeout, cfg.reward.retries,
                               cfg.eval.reward_fn)
     require_answers(prompts, reward_fns, "reward.fn")
+    reward_fns.model = model_reward(cfg.reward, tok, t.micro_batch_size, cfg.model.trust_remote_code)
     eval_set = load_eval_set(cfg, tok, eval_path, reward_fns.eval)
     steps_per_rollout = a.ppo_epochs * a.mini_batches
     prompts_per_rollout = t.global_batch_size * a.mini_batches // a.group_size
@@ -308,6 +310,8 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
         reference = roles.worker("reference", model_path, policy=policy, **where) if a.kl_coef > 0 else None
         critic = roles.worker("critic", cfg.critic.path or model_path, total_steps=steps, checkpoint=t.resume_from,
                               **where) if alg.critic else None
+        if reward_fns.model is not None:  # reward.model, frozen: scores each rollout once every rank holds all of it
+            reward_fns.model.worker = roles.worker("reward", cfg.reward.model, **where)
         generator = roles.generator(policy, tok)
         sync_check = SyncCheck(cfg.rollout.sync_check, cfg.model.dtype, cfg.rollout.probe_tol)
         # the rollout-trainer gap, compared in the generator's convention (over the kept set if its log-probs are)

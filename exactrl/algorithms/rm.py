@@ -16,7 +16,6 @@ With rm.kind=process, a process reward model on step-labelled rows instead (algo
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,9 +42,8 @@ from exactrl.run.context import RunContext
 from exactrl.run.evaluation import eval_data, wilson_interval
 from exactrl.seeding import seed_everything
 from exactrl.tasks.builtin import BuiltinSpec
+from exactrl.workers.reward_model import STATS_FILE, score_layout
 from exactrl.workers.worker import Worker
-
-STATS_FILE = "reward_stats.json"
 
 
 @dataclass
@@ -70,21 +68,10 @@ def _check_margins(cfg: RMConfig, pairs: list[PairExample], path) -> None:
         print(f"note: {path} has a 'margin' column, which rm.margin=false leaves unread; set rm.margin=true to use it")
 
 
-def _layout(pairs: int, per_forward: int, world: int) -> list[list[list[int]]]:
-    """Every rank's micro-batches over the samples of ``pairs`` pairs (each pair's two kept together), as even as
-    can be and the same number on each rank: a sharded model's forwards are collectives."""
-    chunks = world * max(1, math.ceil(pairs / (per_forward * world)))
-    if pairs < chunks:
-        raise ConfigError(f"{pairs} pairs cannot give each of {world} ranks one to score; use more pairs")
-    bounds = [2 * (i * pairs // chunks) for i in range(chunks + 1)]
-    parts = [list(range(bounds[i], bounds[i + 1])) for i in range(chunks)]
-    return [parts[r::world] for r in range(world)]
-
-
 def score_pairs(model: Worker, pairs: list[PairExample], pairs_per_forward: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The reward model's scores [P] of every pair's chosen and of its rejected answer (no gradient)."""
     samples: list[Sample] = [s for p in pairs for s in p.samples()]
-    scores = model.score(samples, _layout(len(pairs), pairs_per_forward, model.world_size)).double()
+    scores = model.score(samples, score_layout(len(pairs), pairs_per_forward, model.world_size, 2, "pairs")).double()
     return scores[0::2], scores[1::2]
 
 

@@ -243,7 +243,8 @@ class RewardConfig(Section):
                                             "unless eval.reward_fn is set); exactrl.rewards.mathverify:reward checks "
                                             "math answers. Functions run in a process of their own; rows need an "
                                             "'answer' unless the function has needs_answer = False.")
-    weights: list[float] | None = Field(None, description="One weight per reward.fn entry (default: all 1).")
+    weights: list[float] | None = Field(None, description="One weight per reward.fn entry (default: all 1); [0] with "
+                                                             "reward.model trains on the reward model alone.")
     timeout: float = Field(60.0, gt=0,
                            description="Seconds one batch (a rank's share of a rollout, or an evaluation) may take "
                                        "in a reward function before its process is killed and the batch counts as "
@@ -260,6 +261,22 @@ class RewardConfig(Section):
                             description="A reward server (http://host:port/, JSON over HTTP, see `python -m "
                                         "exactrl.rewards.server`) used instead of reward.fn; to combine one with "
                                         "functions, list its URL in reward.fn.")
+    model: str | None = Field(None,
+                              description="A trained reward model (the final/ directory of an `exactrl rm` run) "
+                                          "scoring every response on the token ids the policy sampled (prompt and "
+                                          "response, nothing decoded and re-encoded: it must share the policy's "
+                                          "tokenizer) at the response's last token, by a frozen worker after the "
+                                          "rollout is gathered. The reward is sum(reward.weights x reward.fn) + "
+                                          "reward.model_weight x its normalised score, logged as reward/model; "
+                                          "reward.fn is still computed and its first entry still counts for "
+                                          "accuracy and evaluation, so to train on the reward model alone set "
+                                          "reward.weights=[0] (the checker stays, monitored at weight 0).")
+    model_weight: float = Field(1.0, description="reward.model's weight in the reward.")
+    model_normalize: bool = Field(True,
+                                  description="Normalise reward.model's score as (score - mean) / std with the "
+                                              "statistics its training saved (reward_stats.json in its directory; "
+                                              "the run stops naming the file when it is missing).")
+
 
     def specs(self) -> list[str]:
         """The rewards to load, in order: reward.url alone, else reward.fn."""

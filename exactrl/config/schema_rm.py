@@ -32,8 +32,8 @@ class RMSection(Section):
         "pairwise", description="pairwise: a Bradley-Terry reward model on preference pairs, one score per answer. "
                                 "process: a process reward model (PRM) on step-labelled rows, one score per step at "
                                 "its separator, binary cross-entropy against the step's label over all labelled "
-                                "steps of the optimizer step (train.loss_agg=token-mean); train.*_batch_size then "
-                                "count rows.")
+                                "steps of the optimizer step (train.loss_agg=token-mean); train.global_batch_size "
+                                "and train.micro_batch_size then count rows.")
     step_separator: str | None = Field(None, description="rm.kind=process: the text after each step, at whose last "
                                                          "token the step is scored (TRL's step_separator); unset = "
                                                          "' ' for the built-in steps (how its worked solutions "

@@ -65,6 +65,9 @@ class Rewards:
         self.train = [Reward(s, w, loaded[s].needs_answer, loaded[s]._call) for s, w in zip(specs, weights or [
             1.0] * len(specs))]
         self.eval = loaded[eval_spec] if eval_spec else self.train[0]
+        # reward.model's scorer (workers/reward_model.py ModelReward), set by the run once its workers exist: it
+        # scores token ids, not text, so collect.py adds it after the rollout is gathered (add_model_reward)
+        self.model = None
 
     def _load(self, spec: str, timeout: float, retries: int) -> Reward:
         if _is_url(spec):

@@ -62,7 +62,18 @@ def collect_rollout(engine_gen, prompts, rewards_cfg, cfg: RLConfig, rollout: in
                               gen_logprobs=gen_lp))
     shares = gather((samples, len(failures)))
     samples = [s for part, _ in shares for s in part]
+    add_model_reward(samples, rewards_cfg)
     return samples, rollout_stats(samples, sum(n for _, n in shares), cfg)
+
+
+def add_model_reward(samples: list[Sample], rewards) -> None:
+    """reward.model's part of each sample's reward, "model" among its parts (reward/model): the reward model reads
+    the ids as sampled, which every rank holds once the rollout is gathered, and scores its share of them."""
+    if rewards.model is None:
+        return
+    for s, score in zip(samples, rewards.model(samples)):
+        s.parts["model"] = score
+        s.reward += rewards.model.weight * score
 
 
 def rollout_stats(samples: list[Sample], failures: int, cfg: RLConfig) -> dict:

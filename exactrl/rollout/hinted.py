@@ -36,7 +36,7 @@ from exactrl.config.schema_rl import RLConfig
 from exactrl.data.batch import Sample
 from exactrl.distributed.collectives import gather, shard
 from exactrl.rewards import score_all
-from exactrl.rollout.collect import overlong_penalty, rollout_stats
+from exactrl.rollout.collect import add_model_reward, overlong_penalty, rollout_stats
 from exactrl.rollout.generator import SamplingParams, prompt_seeds
 
 
@@ -129,6 +129,7 @@ def hinted_rollout(engine_gen, prompts, indices: list[int], rollout: int, reward
                               weights_version=g.weights_version, weights_digest=g.weights_digest, origin=origin))
     shares = gather((samples, len(failures)))
     samples = [s for part, _ in shares for s in part]
+    add_model_reward(samples, rewards_cfg)
     hinted = [s.origin_tokens.get("demonstration", 0) for s in samples]
     return samples, rollout_stats(samples, sum(n for _, n in shares), cfg) | {
         "generated_tokens": sum(len(s.response_ids) - h for s, h in zip(samples, hinted)),

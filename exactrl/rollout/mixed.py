@@ -21,7 +21,7 @@ from exactrl.config.schema_rl import RLConfig
 from exactrl.data.batch import Sample
 from exactrl.distributed.collectives import gather, shard
 from exactrl.rewards import score_all
-from exactrl.rollout.collect import collect_rollout
+from exactrl.rollout.collect import add_model_reward, collect_rollout
 
 
 def demonstration_samples(prompts, texts: list[str], rewards_cfg, cfg: RLConfig) -> tuple[list[Sample], int]:
@@ -36,7 +36,9 @@ def demonstration_samples(prompts, texts: list[str], rewards_cfg, cfg: RLConfig)
                       gen_logprobs=torch.zeros(len(p.input_ids) + len(p.demonstration) - 1))
                for i, (p, rw) in enumerate(zip(mine, rewards))]
     shares = gather((samples, len(failures)))
-    return [s for part, _ in shares for s in part], sum(n for _, n in shares)
+    samples = [s for part, _ in shares for s in part]
+    add_model_reward(samples, rewards_cfg)
+    return samples, sum(n for _, n in shares)
 
 
 def mixed_rollout(engine_gen, prompts, indices: list[int], rollout: int, rewards_cfg,

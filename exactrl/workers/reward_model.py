@@ -9,21 +9,48 @@ last non-pad token is the one before the answer's EOS (what AutoModelForSequence
 reads there). The per-token field "scores" holds at target t the head's output at target t's own token (the
 token after the one that predicts it), so the answer's last target carries the answer's last token's score,
 packed or padded alike.
+
+**In `exactrl rl`** (reward.model=DIR): the same model, frozen (role "reward", no optimizer), scores every
+response of a rollout on the ids the policy sampled (prompt_ids + response_ids: nothing decoded and re-encoded,
+so the reward model must share the policy's tokenizer), normalised with the mean and std its training run saved
+(DIR/reward_stats.json); ModelReward is that reward, called by every rank on the whole gathered rollout
+(exactrl/rollout/collect.py).
 """
 
 from __future__ import annotations
 
+import json
+import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from exactrl.config.loader import ConfigError
 from exactrl.data.batch import Sample, collate
+from exactrl.device import process_device
 from exactrl.distributed.engine import build_engine
+from exactrl.dtypes import autocast_for
 from exactrl.losses.pairs import last_token_scores
 from exactrl.losses.token_losses import at_least_fp32
-from exactrl.models.loading import load_value_model
+from exactrl.models.loading import load_tokenizer, load_value_model
 from exactrl.workers.load import load_model
 from exactrl.workers.worker import Worker
+
+STATS_FILE = "reward_stats.json"  # beside a trained reward model's config.json (exactrl rm): its score statistics
+
+
+def score_layout(units: int, per_forward: int, world: int, unit: int = 1, what: str = "samples") -> list[list[list[
+        int]]]:
+    """Every rank's micro-batches over the samples of ``units`` units of ``unit`` consecutive samples (a pair: 2,
+    kept together), at most ``per_forward`` units each, as even as can be and the same number on each rank: a
+    sharded model's forwards are collectives."""
+    chunks = world * max(1, math.ceil(units / (per_forward * world)))
+    if units < chunks:
+        raise ConfigError(f"{units} {what} cannot give each of {world} ranks one to score; use more {what}")
+    bounds = [unit * (i * units // chunks) for i in range(chunks + 1)]
+    parts = [list(range(bounds[i], bounds[i + 1])) for i in range(chunks)]
+    return [parts[r::world] for r in range(world)]
 
 
 def target_scores(output_logits: torch.Tensor) -> torch.Tensor:
@@ -36,11 +63,17 @@ class RewardModel(Worker):
     def _build(cls, cfg, role, path, *, run_dir: Path, phase: str, longest: int, pad_id: int, total_steps: int,
                checkpoint: str | None, policy) -> RewardModel:
         """From the checkpoint being resumed (its weights are the reward model's), else ``path``: a causal LM
-        (a new head, seeded from train.seed) or a saved reward model; packing self-checked like a policy."""
+        (a new head, seeded from train.seed) or a saved reward model; packing self-checked like a policy. Role
+        "reward": a saved reward model, frozen (no engine), run under the run's autocast as the reference is."""
 
         def loader(p, trainable, attn, dropout, trust_remote_code):  # the head's dropout is off: a deterministic score
             return load_value_model(p, init_seed=cfg.train.seed, attn=attn, trust_remote_code=trust_remote_code)
 
+        if role == "reward":
+            model = load_model(cfg, path, run_dir, phase, role, longest, trainable=False, loader=loader)
+            device, dtype = process_device(), cfg.model.dtype
+            return cls(role, model.requires_grad_(False), pad_id=pad_id, packed=cfg.train.padding_free,
+                       autocast=lambda: autocast_for(dtype, device))
         model = load_model(cfg, path, run_dir, phase, role, longest, loader=loader, checkpoint=checkpoint)
         return cls(role, model, build_engine(model, cfg, total_steps), pad_id=pad_id, packed=cfg.train.padding_free)
 
@@ -54,3 +87,90 @@ class RewardModel(Worker):
         per_target = self.forward(samples, "scores", layout)
         return torch.stack([last_token_scores(v[None], collate([s], self.pad_id)["loss_mask"])[0]
                             for s, v in zip(samples, per_target)])
+
+
+@dataclass
+class ModelReward:
+    """reward.model of an RL run: its reward model's score of each response, (score - mean) / std with the
+    statistics its training saved (mean 0, std 1 with reward.model_normalize=false), weighted by
+    reward.model_weight in the run's reward. ``worker``: the frozen reward model (roles.worker("reward", ...)),
+    set once the run's workers are built."""
+
+    path: Path
+    weight: float
+    mean: float
+    std: float
+    per_forward: int  # samples per forward (train.micro_batch_size)
+    worker: RewardModel | None = None
+
+    def __call__(self, samples: list[Sample]) -> list[float]:
+        """Each sample's normalised score. Every rank calls it with the whole rollout (each scores its share of
+        the micro-batches and receives everyone's), so the scores do not depend on the ranks."""
+        layout = score_layout(len(samples), self.per_forward, self.worker.world_size)
+        scores = self.worker.score(samples, layout).double()
+        return ((scores - self.mean) / self.std).tolist()
+
+
+def model_reward(reward, tokenizer, per_forward: int, trust_remote_code: bool = False) -> ModelReward | None:
+    """``reward`` (the reward.* section)'s reward model, checked before anything loads: a saved reward model
+    (exactrl rm's final directory) with the policy's tokenizer (``tokenizer``) and, to normalise, its
+    reward_stats.json. None without reward.model."""
+    if reward.model is None:
+        return None
+    path = Path(reward.model)
+    config = path / "config.json"
+    if not config.is_file():
+        raise ConfigError(f"reward.model={path}: no config.json there; give the final/ directory of an `exactrl rm` "
+                          "run")
+    arch = json.loads(config.read_text()).get("architectures") or []
+    if not any(a.endswith("ForTokenClassification") for a in arch):
+        raise ConfigError(f"reward.model={path}: {config} names {arch or 'no architecture'}, not a reward model "
+                          "(a *ForTokenClassification head); train one with `exactrl rm`")
+    stats = path / STATS_FILE
+    if stats.is_file() and "process" == _read(stats).get("kind"):
+        raise ConfigError(f"reward.model={path} is a process reward model ({stats}: kind process), scoring each step "
+                          "of a solution, not a response; give the final/ of an `exactrl rm` run with rm.kind=pairwise")
+    rm_tok = load_tokenizer(path, trust_remote_code)
+    differs = tokenizer_difference(tokenizer, rm_tok)
+    if differs:
+        raise ConfigError(f"reward.model={path}: its tokenizer differs from the policy's ({differs}); the reward "
+                          "model reads the policy's sampled token ids as they are, so train it from the policy's "
+                          "model family, or serve it over text (python -m exactrl.rewards.server --model DIR)")
+    mean, std = 0.0, 1.0
+    if reward.model_normalize:
+        if not stats.is_file():
+            raise ConfigError(f"reward.model_normalize=true, but {stats} does not exist: `exactrl rm` writes it beside "
+                              "the model it saves; give that directory, or set reward.model_normalize=false")
+        try:
+            train = _read(stats)["train"]
+            mean, std = float(train["mean"]), float(train["std"])
+        except (KeyError, TypeError) as e:
+            raise ConfigError(f"{stats}: no 'train' mean and std to normalise reward.model's scores with "
+                              f"({type(e).__name__}: {e}); set reward.model_normalize=false") from None
+        if not std > 0:
+            raise ConfigError(f"{stats}: the scores' std is {std}, nothing to normalise by; set "
+                              "reward.model_normalize=false")
+    return ModelReward(path, reward.model_weight, mean, std, per_forward)
+
+
+def _read(stats: Path) -> dict:
+    try:
+        out = json.loads(stats.read_text())
+    except ValueError as e:
+        raise ConfigError(f"{stats} is not valid JSON ({e}); `exactrl rm` writes it beside the model") from None
+    if not isinstance(out, dict):
+        raise ConfigError(f"{stats} holds {type(out).__name__}, not the object `exactrl rm` writes")
+    return out
+
+
+def tokenizer_difference(policy, other) -> str | None:
+    """How ``other`` maps tokens to ids differently from ``policy`` (None: the same vocabulary, added tokens
+    included, and the same special tokens)."""
+    a, b = policy.get_vocab(), other.get_vocab()
+    if a != b:
+        token = next((t for t in sorted(set(a) | set(b)) if a.get(t) != b.get(t)), None)
+        return f"vocabularies of {len(a)} and {len(b)} tokens; {token!r} is {a.get(token)} and {b.get(token)}"
+    for name in ("bos_token_id", "eos_token_id"):
+        if getattr(policy, name) != getattr(other, name):
+            return f"{name} {getattr(policy, name)} and {getattr(other, name)}"
+    return None

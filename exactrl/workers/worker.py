@@ -56,6 +56,7 @@ ROLES = {
     "reference": "exactrl.workers.worker:Worker",
     "critic": "exactrl.workers.critic:Critic",
     "reward_model": "exactrl.workers.reward_model:RewardModel",
+    "reward": "exactrl.workers.reward_model:RewardModel",  # a trained reward model, frozen: exactrl rl's reward.model
 }
 
 

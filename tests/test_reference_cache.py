@@ -17,14 +17,16 @@ import torch
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).parent / "dist"))
-from pair_references import fresh_model, make_pairs
+from pair_references import answer_logprobs, fresh_model, make_pairs
 
 from exactrl.algorithms.dpo import train_dpo
 from exactrl.algorithms.kto import train_kto
 from exactrl.algorithms.sft import resolve
 from exactrl.config import load_config
 from exactrl.config.schema_pref import DPOConfig, KTOConfig
+from exactrl.data.preference import load_pairs
 from exactrl.distributed.step_plan import plan_samples
+from exactrl.models.loading import load_causal_lm, load_tokenizer
 from exactrl.tasks.builtin import BuiltinSpec
 from exactrl.workers.reference_cache import ReferenceCache, cache_key, sequence_key
 from exactrl.workers.worker import Worker
@@ -131,6 +133,26 @@ def test_dpo_second_run_reads_the_cache(tmp_path, monkeypatch):
     second = _run(tmp_path, "second", "dpo.reference_cache=precompute")
     assert (count.forwards, count.builds) == (0, 0)
     assert _losses(second.run_dir) == _losses(first.run_dir)
+    _check_pairwise(first)
+
+
+def _check_pairwise(result, beta: float = 0.1) -> None:
+    """The logged held-out pairwise accuracy against plain padded forwards of the saved policy and the reference:
+    the share of pairs with beta * (log-ratio of chosen - log-ratio of rejected) > 0, and its mean."""
+    path = resolve("builtin", "model", SPEC)
+    tok = load_tokenizer(path)
+    pairs = load_pairs(resolve("builtin", "pairs_eval", SPEC), tok, load_config(DPOConfig, None, []).data)[0][:6]
+    samples = [s for p in pairs for s in p.samples()]
+    with torch.no_grad():
+        policy, ref = (torch.stack([v.double().sum() for v in answer_logprobs(load_causal_lm(m, trainable=False),
+                                                                             samples, tok.pad_token_id)])
+                       for m in (result.final_model, path))
+    margin = beta * ((policy - ref)[0::2] - (policy - ref)[1::2])
+    logged = next(r for r in map(json.loads, (result.run_dir / "metrics.jsonl").read_text().splitlines())
+                  if "eval_pairwise_accuracy" in r)
+    assert logged["eval_pairs"] == 6 and 0 < float((margin > 0).double().mean()) < 1
+    assert logged["eval_pairwise_accuracy"] == float((margin > 0).double().mean())
+    assert logged["eval_reward_margin"] == pytest.approx(float(margin.mean()), rel=1e-4, abs=1e-5)
 
 
 @pytest.mark.slow

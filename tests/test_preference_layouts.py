@@ -9,7 +9,8 @@ once (tests/dist/preference_references.py, plain torch) to 1e-10 relative, for 1
 micro-batch (KTO: 1, 2, 9 rows), and at world size 2 on ranks of 3 and 2 pairs (KTO: 5 and 4 rows) on FSDP2 and
 DeepSpeed ZeRO-2 with the optimizer offloaded (the other ZeRO stages, offloads and micro-batch sizes under `slow`).
 The peers' convention (each micro-batch normalised by its own pairs, then averaged over the step's micro-batches;
-KTO: TRL's per-micro-batch z) is another update, by 0.2 or more.
+KTO: TRL's per-micro-batch z) is another update: off by 0.25 to 0.91 on micro-batches of 2 + 2 + 1 pairs, 0.05 to
+1.2 at world size 2.
 
 Also here: a plan that splits a unit (a pair's two rows across micro-batches, ranks or packed rows) is refused
 when it is made (distributed/step_plan.py check_units), and the packed and padded updates are the same.
@@ -36,7 +37,9 @@ from exactrl.tasks.tokenizer import build_tokenizer
 
 SCRIPT = Path(__file__).parent / "dist" / "preference_layouts.py"
 SINGLE = ["distributed.backend=single"]
-PEERS_OFF_BY = 0.05  # the peers' update differs by 0.2 to 1.2 here; the exact one by < 1e-13
+# The peers' update is off by 0.2 to 1.2 here (KTO's per-micro-batch z at world size 2: 0.054), the exact one by
+# < 1e-13 (fp32 master weights: < 1e-5): 1e-3 is far outside either bound, so reintroducing the peers' form fails.
+PEERS_OFF_BY = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +141,8 @@ def test_every_backend_applies_each_loss_s_full_batch_update_on_uneven_ranks(lau
     assert all(abs(c["canary"] - 1) < 1e-9 for c in r["cases"]), r["cases"]
     for loss in sorted({c["loss"] for c in r["cases"]}):
         mine = [c for c in r["cases"] if c["loss"] == loss]
+        worst = {p: max(c["rel_err"] for c in mine if c["precision"] == p) for p in {c["precision"] for c in mine}}
         print(f"{backend} world {world}: {loss} over {len(mine)} layouts, max relative error "
-              f"{max(c['rel_err'] for c in mine):.2g} ({', '.join(sorted({c['precision'] for c in mine}))})")
+              + ", ".join(f"{e:.2g} ({p})" for p, e in sorted(worst.items())))
     assert r["peers"] and all(p["rel_err"] > PEERS_OFF_BY and abs(p["canary"] - 1) < 1e-9 for p in r["peers"]), r
     print("the peers' per-micro-batch form: " + ", ".join(f"{p['loss']} {p['rel_err']:.3g}" for p in r["peers"]))

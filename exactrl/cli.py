@@ -18,6 +18,7 @@ from exactrl.config import ConfigError, DemoConfig, PipelineConfig, RLConfig, SF
 from exactrl.config.loader import describe_keys
 from exactrl.config.methods import METHODS
 from exactrl.config.schema_commands import EvalCommandConfig
+from exactrl.config.schema_kd import KDConfig
 from exactrl.config.schema_pref import DPOConfig, KTOConfig
 from exactrl.config.schema_rm import RMConfig
 from exactrl.config.schema_study import StudyConfig
@@ -36,7 +37,7 @@ DemoOverridesArg = typer.Argument(None, help="Dotted overrides, e.g. task.n_sft=
                                               "rl.optim.lr=1e-4")
 PipelineOverridesArg = typer.Argument(None, help="Dotted overrides, e.g. sft.train.epochs=3 rl.optim.lr=1e-6 "
                                                   "truncate.rollouts=50")
-COMMANDS = {"sft": SFTConfig, "dpo": DPOConfig, "kto": KTOConfig, "rm": RMConfig, "rl": RLConfig,
+COMMANDS = {"sft": SFTConfig, "kd": KDConfig, "dpo": DPOConfig, "kto": KTOConfig, "rm": RMConfig, "rl": RLConfig,
             "pipeline": PipelineConfig, "demo": DemoConfig, "eval": EvalCommandConfig, "study": StudyConfig}
 
 
@@ -204,6 +205,14 @@ def sft(config: Path | None = ConfigOpt, overrides: list[str] | None = Overrides
     from exactrl.algorithms.sft import train_sft
 
     _run("sft", config, overrides, lambda cfg: _say_final(train_sft(cfg).final_model))
+
+
+@app.command()
+def kd(config: Path | None = ConfigOpt, overrides: list[str] | None = OverridesArg):
+    """Knowledge distillation on SFT data: NLL mixed with a divergence to a frozen teacher, exact per token."""
+    from exactrl.algorithms.kd import train_kd
+
+    _run("kd", config, overrides, lambda cfg: _say_final(train_kd(cfg).final_model))
 
 
 def _rl_help() -> tuple[str, str]:

@@ -158,7 +158,7 @@ def test_attach_advantages_puts_the_kl_in_the_reward_for_reinforce_pp(tokenizer)
                                                               abs=1e-6)
 
 
-@pytest.mark.parametrize("algo", names(demonstrations=False))
+@pytest.mark.parametrize("algo", names(demonstrations=False, policy_term=True))  # on_policy_distill: its own test
 def test_every_algorithm_trains_end_to_end(algo, tmp_path, monkeypatch):
     monkeypatch.setenv("EXACTRL_CACHE", str(tmp_path / "cache"))
     cfg = load_config(RLConfig, None, ["data.eval=null", "train.global_batch_size=8", "train.micro_batch_size=4",

@@ -89,7 +89,7 @@ def test_distributed_rl_runs_with_the_canary_and_resumes_exactly(tmp_path, layou
         assert rel_err(checkpoint / "critic", full / "final-critic") > 1e-4
 
 
-ALGOS = names(demonstrations=False)
+ALGOS = names(demonstrations=False, policy_term=True)  # on_policy_distill: tests/test_on_policy_distill.py
 MATRIX = {
     "fsdp2": ["distributed.backend=fsdp2"],
     "zero0": ["distributed.backend=deepspeed", "deepspeed.zero_stage=0"],

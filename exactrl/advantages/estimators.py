@@ -158,6 +158,14 @@ def gae(x: AdvantageInput):
     return adv.to(x.mask.dtype), ((adv + values) * mask).to(x.mask.dtype)
 
 
+@register("none")
+def no_advantages(x: AdvantageInput):
+    """Zero advantages: a method whose objective reads none (on-policy distillation: its per-token signal is the
+    teacher's, in its own term)."""
+    zeros = torch.zeros_like(x.mask)
+    return zeros, zeros
+
+
 # How each estimator takes the per-token reward terms (the KL in the reward).
 TOKEN_REWARDS = {
     "grpo": "summed into each response's score before the group baseline (verl)",

@@ -17,6 +17,7 @@ from exactrl.algorithms.sft_rl import chord_terms, hpt_terms
 from exactrl.config.aggregation import norm_len
 from exactrl.config.loader import ConfigError
 from exactrl.config.methods import METHODS, Method
+from exactrl.losses.distill_terms import distill_term
 from exactrl.losses.objective import EntropyTerm, KLTerm, Objective, PolicyTerm
 from exactrl.losses.rollout_gap import RolloutGap
 from exactrl.registry import Registry
@@ -45,7 +46,8 @@ class Algorithm:
 
     def objective(self, cfg) -> Objective:
         """The policy's loss as data: the clipped surrogate (against the batch's old log-probs;
-        the loop switches a rollout that skips that pass to "self", see PolicyTerm), the KL to the
+        the loop switches a rollout that skips that pass to "self", see PolicyTerm; none for a method whose
+        objective is distillation alone), the distillation term with distill.teacher, the KL to the
         reference unless it is in the reward (then the estimator must declare how it reads it: a KL
         never lands nowhere), the entropy bonus.
         The entropy metric is free with an entropy term; without one it costs a pass over every
@@ -53,7 +55,11 @@ class Algorithm:
         a, t = cfg.algo, cfg.train
         agg = {"agg": t.loss_agg, "norm_len": norm_len(cfg)}
         terms = [PolicyTerm(loss=a.policy_loss or self.policy_loss, clip_low=a.clip_eps,
-                            clip_high=a.clip_eps_high or a.clip_eps, dual_clip=a.dual_clip, **agg)]
+                            clip_high=a.clip_eps_high or a.clip_eps, dual_clip=a.dual_clip, **agg)
+                 ] if self.policy_term else []
+        d = cfg.distill
+        if d.teacher is not None:  # on-policy distillation's term on the policy's samples (distill.*)
+            terms.append(distill_term(d.loss, d.coef, temperature=cfg.rollout.temperature, beta=d.beta, **agg))
         if a.kl_coef > 0 and a.kl_in_reward and self.advantage not in TOKEN_REWARDS:
             raise ConfigError(f"algo.kl_in_reward=true: algo.name={self.name}'s estimator '{self.advantage}' does not "
                               "read per-token rewards, so the KL would land nowhere; set algo.kl_in_reward=false")

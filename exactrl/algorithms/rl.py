@@ -37,6 +37,7 @@ import torch
 from exactrl.advantages import AdvantageInput, get_advantage
 from exactrl.advantages.estimators import EPS, whiten
 from exactrl.algorithms.common import check_data_size, check_world
+from exactrl.algorithms.distill import attach_teacher, build_teacher
 from exactrl.algorithms.registry import ALGORITHMS, gap_spec
 from exactrl.algorithms.resume import RLPosition, prepare_resume
 from exactrl.algorithms.sft import resolve
@@ -312,6 +313,7 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
                               **where) if alg.critic else None
         if reward_fns.model is not None:  # reward.model, frozen: scores each rollout once every rank holds all of it
             reward_fns.model.worker = roles.worker("reward", cfg.reward.model, **where)
+        teacher = build_teacher(roles, cfg, tok, spec, where)  # distill.teacher: frozen, scores each rollout once
         generator = roles.generator(policy, tok)
         sync_check = SyncCheck(cfg.rollout.sync_check, cfg.model.dtype, cfg.rollout.probe_tol)
         # the rollout-trainer gap, compared in the generator's convention (over the kept set if its log-probs are)
@@ -356,6 +358,7 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
 
             # 2. per-token fields fixed for the rollout, computed in the first update's micro-batches
             reused = attach_fields(samples, cfg, policy, reference, critic, kept, stale=rstats["staleness"] > 0)
+            attach_teacher(samples, teacher, first_pass_micro_batches(samples, cfg, policy.world_size), cfg.distill)
             if not reused:  # else the update's forward measures it (checks/rollout_gap.py)
                 rstats |= rollout_gap_metrics(samples, gap)
 

@@ -54,10 +54,15 @@ class Method:
     # no upper bound and no dual clip act)
     clips: Literal["policy", "demonstrations"] = "policy"
     clip_switch: str | None = None  # the key of its section that turns its clip off (false: nothing is clipped)
+    # trains the policy-gradient term on its estimator's advantages (False: a distillation term to a teacher is its
+    # whole objective, distill.*; nothing reads advantages, so the reward-shaping and clip settings are refused)
+    policy_term: bool = True
 
     @property
     def family(self) -> str:
         """The docs' page: the policy-gradient methods, or the mixed-policy ones that also learn from demonstrations."""
+        if not self.policy_term:
+            return "distillation"
         return "mixed-policy" if self.demonstrations else "policy-gradient"
 
     @property
@@ -121,6 +126,12 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("prefix_rft", "Huang et al. 2025, arXiv 2507.01679", "a scheduled prefix continued, Dr.GRPO", "dr_grpo",
            loss_agg="seq-mean-token-sum-norm", config="prefix_rft",
            section_refusal="the scheduled prefix is prefix_rft's", demonstrations=True, hinted=True),
+    # the student samples, a frozen teacher (distill.teacher) scores each sampled token; the loss is a per-token
+    # divergence to it (distill.loss, default k1 as a negative advantage through the importance ratio); GKD
+    # (Agarwal et al. 2024, arXiv 2306.13649) with lambda = 1 is distill.loss=jsd or reverse_kl
+    Method("on_policy_distill", "Lu et al. 2025, Thinking Machines Lab, On-Policy Distillation",
+           "the student samples, a per-token divergence to a teacher on its tokens", "none", group_baseline=False,
+           policy_ratio=False, policy_term=False),
 )}
 
 NAMES = tuple(METHODS)

@@ -9,6 +9,7 @@ from pydantic import BeforeValidator, Field, model_validator
 
 from exactrl.config.methods import METHODS, NAMES, names
 from exactrl.config.schema import CheckPolicy, CommonConfig, OptimConfig, Section, check_layout
+from exactrl.config.schema_distill import DistillConfig
 from exactrl.config.schema_mixed import (
     ChordConfig,
     HPTConfig,
@@ -312,6 +313,8 @@ class RLConfig(CommonConfig):
     reward: RewardConfig = RewardConfig()
     critic: CriticConfig = CriticConfig()
     ray: RayConfig = RayConfig()
+    distill: DistillConfig = Field(default_factory=DistillConfig,
+                                   description="On-policy distillation: a teacher scoring the student's samples.")
 
 
     @model_validator(mode="after")
@@ -360,6 +363,9 @@ class RLConfig(CommonConfig):
             raise ValueError(f"algo.{m.config}.demonstrations={demos} leaves no response for "
                              f"the policy to sample in a group of algo.group_size={a.group_size}; the group holds "
                              "both: raise algo.group_size or lower the demonstrations")
+        if not m.policy_term and self.distill.teacher is None:
+            raise ValueError(f"algo.name={a.name} trains a distillation term alone: set distill.teacher (a model "
+                             "sharing the student's tokenizer, e.g. distill.teacher=builtin-sft)")
         if m.one_step and a.ppo_epochs * a.mini_batches != 1:
             raise ValueError(f"algo.name={a.name} trains each rollout's responses and its prompts' demonstrations in "
                              f"one optimizer step: set algo.ppo_epochs=1 and algo.mini_batches=1 (given "

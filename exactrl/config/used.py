@@ -59,6 +59,17 @@ USED_WHEN = [
     UsedWhen("algo.rollout_correction_cap_low", lambda c: c.algo.rollout_correction in ("icepop", "seq_mask"),
              "algo.rollout_correction={c.algo.rollout_correction} has no lower bound (tis truncates from above)",
              "set algo.rollout_correction=icepop or seq_mask"),
+    UsedWhen("distill.", lambda c: c.distill.teacher is not None, "there is no teacher (distill.teacher unset)",
+             "set distill.teacher=PATH"),
+    UsedWhen("distill.topk", lambda c: c.distill.loss == "forward_kl_topk", "distill.loss={c.distill.loss} reads "
+             "no top-k", "set distill.loss=forward_kl_topk"),
+    UsedWhen("distill.beta", lambda c: c.distill.loss == "jsd", "distill.loss={c.distill.loss} has no beta",
+             "set distill.loss=jsd"),
+    # a method whose whole objective is a distillation term reads no advantage and clips no ratio
+    *(UsedWhen(key, lambda c: _method(c).policy_term, "algo.name={c.algo.name} trains no policy-gradient term "
+               "(its loss is the distillation term, distill.*)", "use another algo.name") for key in (
+        "algo.clip_eps", "algo.clip_eps_high", "algo.dual_clip", "algo.reward_norm", "algo.overlong_buffer",
+        "algo.overlong_penalty", "algo.kl_in_reward")),
     UsedWhen("algo.uft.nll_agg", lambda c: c.algo.uft.nll_coef > 0, "there is no hint NLL (algo.uft.nll_coef=0)",
              "set algo.uft.nll_coef > 0"),
     UsedWhen("algo.prefix_rft.clip_prefix", lambda c: c.algo.policy_loss != "reinforce", "algo.policy_loss=reinforce "

@@ -69,6 +69,13 @@ class Sample:
     ref_logprobs: torch.Tensor | None = per_token("the frozen reference's")
     old_values: torch.Tensor | None = per_token("the critic's before the rollout's first update (ppo)")
     returns: torch.Tensor | None = per_token("the critic's targets (ppo)")
+    # a distillation teacher's, on the student's tokens (algorithms/distill.py; losses/distill_terms.py)
+    teacher_logprobs: torch.Tensor | None = per_token("the teacher's log-prob of each target token")
+    teacher_logits: torch.Tensor | None = per_token("[targets, vocabulary] the teacher's logits (distill.loss="
+                                                    "reverse_kl, jsd)")
+    teacher_topk_logprobs: torch.Tensor | None = per_token("[targets, k] the teacher's k largest log-probs "
+                                                           "(distill.loss=forward_kl_topk)")
+    teacher_topk_ids: torch.Tensor | None = per_token("[targets, k] their token ids")
     # a step-labelled row's labels (data/steps.py StepExample.sample; read by losses/process.py ProcessTerm)
     step_labels: torch.Tensor | None = per_token("1 (correct) or 0 (wrong) at each step's separator target, 0 "
                                                  "elsewhere (a process reward model's)")
@@ -148,7 +155,9 @@ def collate(samples: list[Sample], pad_id: int, device: torch.device | None = No
             raise ValueError(f"per-token field '{key}' is set on {len(values) - len(unset)} of the {len(values)} "
                              f"samples of a micro-batch (unset at rows {unset[:8]}): compute it for every sample or "
                              "for none")
-        out[key] = torch.stack([torch.nn.functional.pad(v, (0, width - v.numel())) for v in values])
+        # padded along the targets (a field of [targets, k] keeps its k)
+        out[key] = torch.stack([torch.nn.functional.pad(v, (0, 0) * (v.dim() - 1) + (0, width - v.size(0)))
+                                for v in values])
     for key in SEQUENCE_FIELDS:
         out[key] = torch.tensor([float(getattr(s, key)) for s in samples], dtype=torch.float64)
     return out if device is None else {k: v.to(device) for k, v in out.items()}

@@ -24,7 +24,7 @@ from exactrl.config.loader import ConfigError
 
 SHARE = 0.25  # of a colocated bundle per actor: policy, reference, critic and an engine fit on one
 READY_TIMEOUT = 600.0  # seconds for the cluster to grant a placement group (an autoscaler may add nodes)
-TRAINER_ROLES = ("policy", "reference", "critic")
+TRAINER_ROLES = ("policy", "reference", "critic", "teacher")
 
 
 class RoleDied(RuntimeError):

@@ -307,8 +307,8 @@ class ModelBatch:
         if self.targets is None:
             return per_target
         index, valid = self.targets
-        flat = per_target[0]
-        return torch.where(valid, flat[index], flat.new_zeros(()))
+        flat = per_target[0]  # [targets] or [targets, k] (a field with a last dimension: logits, top-k)
+        return torch.where(valid.view(*valid.shape, *(1,) * (flat.dim() - 1)), flat[index], flat.new_zeros(()))
 
 
 def model_batch(model, seqs: list[list[int]], pad_id: int, packed: bool) -> ModelBatch:

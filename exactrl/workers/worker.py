@@ -57,6 +57,7 @@ ROLES = {
     "critic": "exactrl.workers.critic:Critic",
     "reward_model": "exactrl.workers.reward_model:RewardModel",
     "reward": "exactrl.workers.reward_model:RewardModel",  # a trained reward model, frozen: exactrl rl's reward.model
+    "teacher": "exactrl.workers.teacher:Teacher",  # a distillation teacher, frozen: exactrl rl's distill.teacher
 }
 
 
@@ -139,7 +140,9 @@ class Worker:
             return kept_logprobs(logits, input_ids, self.temperature, self.top_p, self.top_k, self.logprob_chunk)
         if name == "entropy":
             return token_entropy(logits, self.temperature, self.logprob_chunk)
-        raise ValueError(f"the {self.role} worker computes logprobs, kept_logprobs or entropy, not '{name}'")
+        if name == "logits":  # [rows, L-1, vocabulary], each target's predicting logits (a divergence over them)
+            return logits[:, :-1]
+        raise ValueError(f"the {self.role} worker computes logprobs, kept_logprobs, entropy or logits, not '{name}'")
 
     def forward(self, samples: list[Sample], name: str, layout: list[list[list[int]]]) -> list[torch.Tensor]:
         """Per-token ``name`` of every sample (one tensor of its num_targets each): this rank

@@ -278,7 +278,6 @@ class RewardConfig(Section):
                                               "statistics its training saved (reward_stats.json in its directory; "
                                               "the run stops naming the file when it is missing).")
 
-
     def specs(self) -> list[str]:
         """The rewards to load, in order: reward.url alone, else reward.fn."""
         if self.url:

@@ -198,22 +198,15 @@ def test_a_teacher_of_another_tokenizer_is_refused(tokenizer, monkeypatch):
         distill.build_teacher(None, cfg, tokenizer, None, {})
 
 
-@pytest.mark.parametrize("algo, loss", [("on_policy_distill", "k1"), ("grpo", "jsd")])
-def test_exactrl_rl_distils_end_to_end(tmp_path, monkeypatch, algo, loss):
-    """Two steps of `exactrl rl` with a teacher (the built-in model with its weights moved, the same tokenizer):
-    the canary holds, the teacher's term is in the step (for k1 alone, its first loss is the logged sampled-token
-    reverse KL: the ratio is 1), the student moves."""
-    import json
+def moved_teacher(tmp_path: Path, spec) -> Path:
+    """The built-in model with its weights moved (seeded), saved with its tokenizer: a teacher of the same
+    tokenizer that differs from the student."""
     import shutil
 
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from exactrl.algorithms.rl import train_rl
-    from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin
+    from exactrl.tasks.builtin import ensure_builtin
 
-    monkeypatch.setenv("EXACTRL_CACHE", str(tmp_path / "cache"))
-    spec = BuiltinSpec(n_sft=20, n_rl=40, n_eval=10)
     init = ensure_builtin(spec).model
     teacher = AutoModelForCausalLM.from_pretrained(init)
     with torch.no_grad():
@@ -222,16 +215,67 @@ def test_exactrl_rl_distils_end_to_end(tmp_path, monkeypatch, algo, loss):
     teacher.save_pretrained(tmp_path / "teacher")
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(Path(init) / name, tmp_path / "teacher" / name)
-    cfg = load_config(RLConfig, None, ["data.eval=null", "train.global_batch_size=8", "train.micro_batch_size=4",
-                                       "algo.group_size=4", "train.max_steps=2", "train.log_every=1",
-                                       "rollout.max_new_tokens=8", "optim.lr=1e-3", f"algo.name={algo}",
-                                       f"distill.teacher={tmp_path / 'teacher'}", f"distill.loss={loss}",
-                                       "reward.fn=reward_fixtures:varied", f"output_dir={tmp_path / 'run'}"])
+    return tmp_path / "teacher"
+
+
+RUN = ["data.eval=null", "train.global_batch_size=8", "train.micro_batch_size=4", "algo.group_size=4",
+       "train.max_steps=2", "train.log_every=1", "rollout.max_new_tokens=8", "reward.fn=reward_fixtures:varied"]
+
+
+@pytest.mark.parametrize("algo, loss", [("on_policy_distill", "k1"), ("grpo", "jsd")])
+def test_exactrl_rl_distils_end_to_end(tmp_path, monkeypatch, algo, loss):
+    """Two steps of `exactrl rl` with a teacher (the built-in model with its weights moved, the same tokenizer):
+    the canary holds, the teacher's term is in the step (for k1 alone, its first loss is the logged sampled-token
+    reverse KL: the ratio is 1), the student moves."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from exactrl.algorithms.rl import train_rl
+    from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin
+
+    monkeypatch.setenv("EXACTRL_CACHE", str(tmp_path / "cache"))
+    spec = BuiltinSpec(n_sft=20, n_rl=40, n_eval=10)
+    teacher = moved_teacher(tmp_path, spec)
+    cfg = load_config(RLConfig, None, [*RUN, "optim.lr=1e-3", f"algo.name={algo}", f"distill.teacher={teacher}",
+                                       f"distill.loss={loss}", f"output_dir={tmp_path / 'run'}"])
     result = train_rl(cfg, spec=spec)
     steps = [r for r in map(json.loads, open(result.run_dir / "metrics.jsonl")) if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2] and all(r["canary"] == 1.0 for r in steps)
     assert all(r["distill/reverse_kl_k1"] != 0 for r in steps)  # an estimate: a few tokens' mean can be < 0
     if algo == "on_policy_distill":
         assert steps[0]["loss"] == pytest.approx(steps[0]["distill/reverse_kl_k1"], rel=1e-6)
+    init = ensure_builtin(spec).model
     before, after = load_file(Path(init) / "model.safetensors"), load_file(result.final_model / "model.safetensors")
     assert any(not before[k].equal(after[k]) for k in before)
+
+
+@pytest.mark.slow  # ~1-3 min: two runs and a Ray cluster; the placement of a frozen role is tests/test_ray.py's
+def test_a_ray_teacher_group_trains_as_the_in_process_teacher(tmp_path, monkeypatch):
+    """ray.placement=split: the teacher is an actor group of its own (beside the policy's and the engine's); the
+    run ends with the in-process run's weights (SGD, fp32, as tests/test_ray.py compares placements)."""
+    import ray
+    from safetensors.torch import load_file
+
+    from exactrl.algorithms.rl import train_rl
+    from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin
+
+    monkeypatch.setenv("EXACTRL_CACHE", str(tmp_path / "cache"))
+    spec = BuiltinSpec(n_sft=20, n_rl=40, n_eval=10)
+    teacher = moved_teacher(tmp_path, spec)
+    common = [*RUN, "algo.name=on_policy_distill", f"distill.teacher={teacher}", "distill.loss=reverse_kl",
+              "optim.name=sgd", "optim.lr=0.05", "model.dtype=fp32"]
+    weights = {}
+    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    try:
+        for name, extra in (("plain", []), ("ray", ["ray.enabled=true", "ray.placement=split", "ray.ranks=1",
+                                                    "ray.engines=1"])):
+            out = tmp_path / name
+            train_rl(load_config(RLConfig, None, [*common, *extra, f"output_dir={out}"]), spec=spec)
+            weights[name] = load_file(out / "final" / "model.safetensors")
+    finally:
+        ray.shutdown()
+    diff = max((weights["ray"][k].double() - v.double()).abs().max().item() for k, v in weights["plain"].items())
+    start = load_file(ensure_builtin(spec).model / "model.safetensors")
+    moved = max((weights["plain"][k] - v).abs().max().item() for k, v in start.items())
+    assert diff <= 1e-5 and moved > 1e-4, (diff, moved)

@@ -83,7 +83,8 @@ def test_the_typed_batch_refuses_undeclared_fields_and_collates_declared_ones():
     with pytest.raises(AttributeError):
         s.advantage = torch.ones(4)  # a typo: not a declared field
     assert TOKEN_FIELDS == ("advantages", "old_logprobs", "gen_logprobs", "old_kept_logprobs", "ref_logprobs",
-                            "old_values", "returns")
+                            "old_values", "returns", "teacher_logprobs", "teacher_logits", "teacher_topk_logprobs",
+                            "teacher_topk_ids", "step_labels")
     t = Sample([1], [3, 4], 0.0, source="demonstration", advantages=torch.tensor([2.0, 3.0]))
     b = collate([s, t], pad_id=0)
     assert SEQUENCE_FIELDS == ("reward", "finished", "penalty", "margin", "kto_z")  # declared as per-token

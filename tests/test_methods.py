@@ -29,6 +29,8 @@ ALLOWED = {
     ("tests/test_ray.py", "ALGOS"): "per-method settings of a Ray run (ppo's critic keys)",
     ("tests/test_rl_layout.py", "ALGOS"): "per-method settings (each one's reward, dapo's refills, prefix_rft's "
                                           "prefixed prompts)",
+    ("tests/test_rl_reward_model.py", "ALGOS"): "the two paths a reward is scored on (a plain rollout, DAPO's refills)",
+    ("tests/dist/rl_reward_model.py", "ALGOS"): "the two paths a reward is scored on (a plain rollout, DAPO's refills)",
 }
 
 

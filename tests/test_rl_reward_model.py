@@ -38,6 +38,9 @@ SCRIPT = ROOT / "tests" / "dist" / "rl_reward_model.py"
 MEAN, STD, WEIGHT = 0.25, 1.7, 0.7  # the fixture's saved statistics, far from (0, 1), and the reward's weight
 SPEC = BuiltinSpec(n_sft=20, n_rl=40, n_eval=10)
 
+# the two paths a reward is scored on: a plain rollout, and DAPO's dynamic sampling (rewards inside its refills)
+ALGOS = ("grpo", "dapo")
+
 
 @pytest.fixture(scope="module")
 def rm_dir(tmp_path_factory, tokenizer):
@@ -82,7 +85,7 @@ def one_and_two_ranks(rm_dir, tmp_path_factory):
     return [run_script(rm_dir, tmp / f"w{world}.json", world, *overrides) for world in (1, 2)]
 
 
-@pytest.mark.parametrize("algo", ["grpo", "dapo"])
+@pytest.mark.parametrize("algo", ALGOS)
 def test_the_reward_is_the_reward_model_s_score_recomputed_and_normalised_as_saved(rm_dir, one_and_two_ranks, algo):
     got = one_and_two_ranks[0][algo]
     expected = independent_scores(rm_dir, got["ids"])
@@ -94,7 +97,7 @@ def test_the_reward_is_the_reward_model_s_score_recomputed_and_normalised_as_sav
     assert got["stats"]["reward/model"] == pytest.approx(sum(expected) / len(expected), abs=1e-6)
 
 
-@pytest.mark.parametrize("algo", ["grpo", "dapo"])
+@pytest.mark.parametrize("algo", ALGOS)
 def test_two_ranks_give_every_sample_the_reward_one_process_gives(one_and_two_ranks, algo):
     one, two = (r[algo] for r in one_and_two_ranks)
     assert two["ids"] == one["ids"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -16,7 +17,17 @@ from exactrl.data.batch import Sample
 from exactrl.data.preference import PairExample, load_pairs
 from exactrl.distributed.launch import is_main
 from exactrl.losses.preference import PairInput
+from exactrl.run.evaluation import pairwise_accuracy
 from exactrl.workers.reference_cache import ReferenceCache, cache_key, forward_layout, forward_settings
+
+
+@dataclass
+class RMResult:  # exactrl rm's result, pairwise or process (prm.py)
+    run_dir: Path
+    final_model: Path
+    steps: int
+    seconds: float
+    stats: dict
 
 
 def run_steps(ctx, worker, flops, sampler, steps: int, start: int, step: Callable, record: Callable,
@@ -62,11 +73,11 @@ def reference_logprobs(cache: ReferenceCache | None, reference, samples: list[Sa
 
 def heldout_pairwise(ctx, policy, held_out: list[PairExample], rewards: Callable, ref: Callable | None,
                      per_forward: int, step: int) -> dict | None:
-    """The policy's implicit-reward pairwise accuracy on ``held_out`` (rm.pairwise_accuracy, as exactrl rm's: the
-    share of pairs whose chosen reward beats the rejected one's, Wilson 95% interval), logged and printed.
+    """The policy's implicit-reward pairwise accuracy on ``held_out`` (run/evaluation.py pairwise_accuracy,
+    as exactrl rm's: the share of pairs whose chosen reward beats the rejected one's, Wilson 95% interval),
+    logged and printed.
     ``rewards(PairInput)`` gives (chosen, rejected) rewards [P]; ``ref(samples, layout)`` the reference's
     log-probs (None: reference-free)."""
-    from exactrl.algorithms.rm import pairwise_accuracy  # rm's step loop is this module's: imported here
 
     if not held_out:
         return None

@@ -24,9 +24,8 @@ from collections import Counter
 import torch
 
 from exactrl.algorithms.common import check_data_size, check_world, steps_for
-from exactrl.algorithms.offline import run_steps
+from exactrl.algorithms.offline import RMResult, run_steps
 from exactrl.algorithms.resume import SFTPosition, prepare_resume
-from exactrl.algorithms.rm import STATS_FILE, RMResult
 from exactrl.algorithms.sft import resolve
 from exactrl.compute import FlopsCounter, count_parameters
 from exactrl.config.aggregation import norm_len
@@ -46,6 +45,7 @@ from exactrl.run.evaluation import eval_data, wilson_interval
 from exactrl.seeding import seed_everything
 from exactrl.tasks.builtin import BuiltinSpec
 from exactrl.tasks.preference import STEP_SEPARATOR
+from exactrl.workers.reward_model import STATS_FILE
 from exactrl.workers.worker import Worker
 
 

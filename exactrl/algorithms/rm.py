@@ -16,13 +16,12 @@ With rm.kind=process, a process reward model on step-labelled rows instead (algo
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from exactrl.algorithms.common import check_data_size, check_world, steps_for
-from exactrl.algorithms.offline import run_steps
+from exactrl.algorithms.offline import RMResult, run_steps
 from exactrl.algorithms.resume import SFTPosition, prepare_resume
 from exactrl.algorithms.sft import resolve
 from exactrl.compute import FlopsCounter, count_parameters
@@ -39,20 +38,11 @@ from exactrl.losses.pairs import ScoreTerm
 from exactrl.losses.preference import PairParams
 from exactrl.models.loading import load_tokenizer
 from exactrl.run.context import RunContext
-from exactrl.run.evaluation import eval_data, wilson_interval
+from exactrl.run.evaluation import eval_data, pairwise_accuracy
 from exactrl.seeding import seed_everything
 from exactrl.tasks.builtin import BuiltinSpec
 from exactrl.workers.reward_model import STATS_FILE, score_layout
 from exactrl.workers.worker import Worker
-
-
-@dataclass
-class RMResult:
-    run_dir: Path
-    final_model: Path
-    steps: int
-    seconds: float
-    stats: dict
 
 
 def rm_objective(cfg: RMConfig) -> Objective:
@@ -73,14 +63,6 @@ def score_pairs(model: Worker, pairs: list[PairExample], pairs_per_forward: int)
     samples: list[Sample] = [s for p in pairs for s in p.samples()]
     scores = model.score(samples, score_layout(len(pairs), pairs_per_forward, model.world_size, 2, "pairs")).double()
     return scores[0::2], scores[1::2]
-
-
-def pairwise_accuracy(chosen: torch.Tensor, rejected: torch.Tensor) -> dict:
-    """Share of pairs whose chosen answer scores strictly above the rejected one (a tie counts as wrong), with
-    its Wilson 95% interval, and the mean score margin."""
-    k, n = int((chosen > rejected).sum()), chosen.numel()
-    return {"pairwise_accuracy": k / n, "ci95": list(wilson_interval(k, n)), "correct": k, "n": n,
-            "mean_margin": float((chosen - rejected).mean())}
 
 
 def reward_stats(chosen: torch.Tensor, rejected: torch.Tensor) -> dict:

@@ -12,42 +12,20 @@ the plan goes on with what the options give: --params (N), --tokens-per-sample (
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
-from exactrl.compute import count_parameters, rl_flops, sft_flops
+from exactrl.compute import rl_flops, sft_flops
 from exactrl.config.loader import ConfigError, load_config
 from exactrl.config.methods import METHODS
+from exactrl.pipelines.plan_base import Options, PhasePlan, _local, _n_params, _tokenizer
 
 # A section only one command's config has, checked in this order: the first found names the command.
 SIGNATURES = (("study", "methods"), ("study", "seeds"), ("study", "mixed"), ("study", "bugs"), ("demo", "task"),
               ("pipeline", "sft"), ("pipeline", "rl"), ("pipeline", "truncate"), ("eval", "pass_at_k"), ("rl", "algo"),
               ("rl", "rollout"), ("rl", "reward"), ("rl", "critic"), ("dpo", "dpo"), ("kto", "kto"), ("rm", "rm"),
               ("kd", "kd"))
-
-
-@dataclass
-class Options:
-    params: float | None = None  # N; unset: counted from a local model
-    tokens_per_sample: float | None = None  # D of a trained sequence; unset: measured from local data
-    rollout_tokens: float | None = None  # D of a generated one (default: tokens_per_sample)
-    data_rows: int | None = None  # the training data's size when its file is not here
-
-
-@dataclass
-class PhasePlan:
-    name: str
-    steps: int | None = None
-    samples_per_step: int = 0
-    rollouts: int | None = None
-    prompts_per_rollout: int = 0
-    group_size: int = 0
-    tokens_per_sample: float | None = None
-    n_params: float | None = None
-    flops: float | None = None
-    notes: list[str] = field(default_factory=list)
 
 
 def detect_command(path: Path) -> str:
@@ -58,44 +36,6 @@ def detect_command(path: Path) -> str:
         data = None  # load_config reports it, with the line
     keys = set(data) if isinstance(data, dict) else set()
     return next((command for command, key in SIGNATURES if key in keys), "sft")
-
-
-def _local(path: str | None, spec, kind: str, notes: list[str], what: str) -> str | None:
-    from exactrl.tasks.builtin import resolve
-
-    if path in (None, "auto"):
-        return None
-    if path == "builtin-sft":  # the built-in model after SFT has the built-in model's architecture
-        path = "builtin"
-    resolved = resolve(path, kind, spec)
-    if not Path(resolved).exists():
-        notes.append(f"{what} '{path}': not found here")
-        return None
-    return resolved
-
-
-def _n_params(model_dir: str | None, opts: Options, notes: list[str], cfg) -> float | None:
-    if opts.params is not None:
-        return opts.params
-    if model_dir is None:
-        notes.append("N unknown: give --params")
-        return None
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.model.trust_remote_code)
-    return count_parameters(model)
-
-
-def _tokenizer(model_dir: str | None, cfg, notes: list[str]):
-    from exactrl.models.loading import load_tokenizer
-
-    if model_dir is None:
-        notes.append("tokens per sample unknown without the model's tokenizer: give --tokens-per-sample")
-        return None
-    return load_tokenizer(model_dir, cfg.model.trust_remote_code, cfg.data.chat_template)
 
 
 def plan_sft(cfg, spec, opts: Options, model_path: str | None = None) -> PhasePlan:

@@ -66,7 +66,7 @@ def no_grad_forwards(command: str, cfg) -> int:
 def plan_preference(cfg, command: str, spec, opts):
     """The PhasePlan of a dpo, kto or rm config (plan.py describes it)."""
     from exactrl.algorithms.common import steps_for
-    from exactrl.pipelines.plan import PhasePlan, _local, _n_params, _tokenizer
+    from exactrl.pipelines.plan_base import PhasePlan, _local, _n_params, _tokenizer
 
     t = cfg.train
     per_item = 1 if command == "kto" else 2  # sequences per pair (row)

@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from exactrl.data.encode import Prompt, load_prompts
 from exactrl.distributed.launch import is_main
 from exactrl.rewards import DEFAULT_TIMEOUT, Reward, Rewards, require_answers, score
@@ -190,3 +192,11 @@ def greedy_accuracy(cfg, policy, tokenizer, eval_set: EvalSet) -> Accuracy:
                              max_new_tokens=cfg.eval.max_new_tokens, stop=tuple(rollout.stop) if rollout else (),
                              timeout=r.timeout if r else DEFAULT_TIMEOUT,
                              fallback=r.fallback if r else None)
+
+
+def pairwise_accuracy(chosen: torch.Tensor, rejected: torch.Tensor) -> dict:
+    """Share of pairs whose chosen answer scores strictly above the rejected one (a tie counts as wrong), with
+    its Wilson 95% interval, and the mean score margin."""
+    k, n = int((chosen > rejected).sum()), chosen.numel()
+    return {"pairwise_accuracy": k / n, "ci95": list(wilson_interval(k, n)), "correct": k, "n": n,
+            "mean_margin": float((chosen - rejected).mean())}

@@ -28,6 +28,8 @@ from exactrl.workers.worker import Worker
 
 TOK = build_tokenizer()
 
+ALGOS = ("grpo", "dapo")  # a plain rollout, and DAPO's dynamic sampling (rewards inside its refills)
+
 
 class ScriptedGenerator:
     """Prompt k's j-th response: a few digits of varied length, ending with EOS (finished) or not (cut off)."""
@@ -47,7 +49,7 @@ def rollouts(rm_dir: str, overrides: list[str]) -> dict:
     init_process_group()
     prompts = [Prompt(TOK(f"{k}+{k * 7}=")["input_ids"], f"{k}+{k * 7}=", str(8 * k), f"d:{k}") for k in range(6)]
     out = {}
-    for algo in ("grpo", "dapo"):
+    for algo in ALGOS:
         cfg = load_config(RLConfig, None, ["train.global_batch_size=24", "train.micro_batch_size=3",
                                            "algo.group_size=4", f"algo.name={algo}", f"reward.model={rm_dir}",
                                            *overrides])

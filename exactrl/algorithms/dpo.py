@@ -18,24 +18,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from exactrl.algorithms.common import check_data_size, check_world, steps_for
-from exactrl.algorithms.offline import heldout_pairwise, load_eval_pairs, reference_cache, reference_logprobs, run_steps
-from exactrl.algorithms.resume import SFTPosition, prepare_resume
+from exactrl.algorithms.common import check_world
+from exactrl.algorithms.offline import (
+    heldout_pairwise,
+    load_eval_pairs,
+    prepare_offline,
+    reference_cache,
+    reference_logprobs,
+    run_steps,
+)
 from exactrl.algorithms.sft import resolve
-from exactrl.compute import FlopsCounter, count_parameters
 from exactrl.config.loader import ConfigError
 from exactrl.config.schema_pref import DPOConfig
 from exactrl.data.batch import Sample
-from exactrl.data.batching import StepSampler
 from exactrl.data.preference import load_pairs
-from exactrl.distributed.checkpoint import resume
 from exactrl.distributed.launch import is_main
 from exactrl.distributed.step_plan import plan_samples
 from exactrl.losses.objective import NLLTerm, Objective
 from exactrl.losses.pairs import PairTerm
 from exactrl.losses.preference import PAIR_LOSSES, PairParams
 from exactrl.models.loading import load_tokenizer
-from exactrl.run.context import RunContext
 from exactrl.run.evaluation import eval_data, load_eval_set
 from exactrl.seeding import seed_everything
 from exactrl.tasks.builtin import BuiltinSpec
@@ -80,17 +82,10 @@ def train_dpo(cfg: DPOConfig, run_dir: Path | None = None, spec: BuiltinSpec = B
         print(note)
     eval_set = load_eval_set(cfg, tok, eval_path)
     held_out, pairs_path = load_eval_pairs(cfg, tok, spec)
-    steps = steps_for(t, len(pairs), t.global_batch_size)
-    check_data_size(len(pairs), t.global_batch_size, "pairs", train_path)
-    continues = prepare_resume(cfg, "dpo", steps)
-    ctx = RunContext(cfg, "dpo", phase, run_dir, {"train": train_path, "eval": eval_path, "eval_pairs": pairs_path},
-                     tok, eval_set, continues)
-    where = {"run_dir": ctx.run_dir, "phase": phase, "longest": cfg.data.max_length, "pad_id": tok.pad_token_id}
-    policy = Worker.build(cfg, "policy", model_path, total_steps=steps, checkpoint=t.resume_from, **where)
-    position = SFTPosition.load(resume(t.resume_from, {"policy": policy}) if t.resume_from else {"step": 0})
-    start, flops = position.step, FlopsCounter(count_parameters(policy.model))
-    flops.load(position.state())
-    sampler = StepSampler(len(pairs), t.global_batch_size, t.seed)
+    run = prepare_offline(cfg, "dpo", phase, run_dir, len(pairs), "pairs", {"train": train_path, "eval": eval_path,
+                          "eval_pairs": pairs_path}, tok, eval_set, "policy", model_path)
+    ctx, policy, steps, start, flops, sampler, where = (run.ctx, run.worker, run.steps, run.start, run.flops,
+                                                        run.sampler, run.where)
 
     # The reference (LoRA: the policy's model, adapters off), or its log-probs of every sequence the run reads,
     # computed once and cached (then the reference model is loaded only when the cache lacks some).

@@ -20,20 +20,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from exactrl.algorithms.common import check_data_size, check_world, steps_for
+from exactrl.algorithms.common import check_world
 from exactrl.algorithms.distill import tokenizer_mismatch
-from exactrl.algorithms.offline import run_steps
-from exactrl.algorithms.resume import SFTPosition, prepare_resume
+from exactrl.algorithms.offline import prepare_offline, run_steps
 from exactrl.algorithms.sft import demonstration, resolve
-from exactrl.compute import FlopsCounter, count_parameters
 from exactrl.config.aggregation import norm_len as loss_agg_norm
 from exactrl.config.loader import ConfigError
 from exactrl.config.schema_kd import KDConfig
 from exactrl.data.batch import Sample
-from exactrl.data.batching import StepSampler
 from exactrl.data.encode import load_sft
 from exactrl.device import process_device
-from exactrl.distributed.checkpoint import resume
 from exactrl.distributed.launch import is_main
 from exactrl.distributed.step_plan import StepPlan, plan_samples
 from exactrl.dtypes import autocast_for
@@ -41,7 +37,6 @@ from exactrl.losses.kd import TEACHER_FIELDS, kd_objective
 from exactrl.losses.objective import Objective
 from exactrl.models.loading import load_tokenizer
 from exactrl.rollout.hf import base_model
-from exactrl.run.context import RunContext
 from exactrl.run.evaluation import eval_data, greedy_accuracy, load_eval_set
 from exactrl.seeding import seed_everything
 from exactrl.tasks.builtin import BuiltinSpec
@@ -120,17 +115,11 @@ def train_kd(cfg: KDConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     if note and is_main():
         print(note)
     eval_set = load_eval_set(cfg, tok, eval_path)
-    steps = steps_for(t, len(examples), t.global_batch_size)
-    check_data_size(len(examples), t.global_batch_size, "samples", train_path)
-    continues = prepare_resume(cfg, "kd", steps)
-    ctx = RunContext(cfg, "kd", phase, run_dir, {"train": train_path, "eval": eval_path}, tok, eval_set, continues)
-    where = {"run_dir": ctx.run_dir, "phase": phase, "longest": cfg.data.max_length, "pad_id": tok.pad_token_id}
-    policy = Worker.build(cfg, "policy", model_path, total_steps=steps, checkpoint=t.resume_from, **where)
-    teacher = build_teacher(cfg, teacher_path, where)
+    run = prepare_offline(cfg, "kd", phase, run_dir, len(examples), "samples", {"train": train_path,
+                          "eval": eval_path}, tok, eval_set, "policy", model_path)
+    ctx, policy, steps, start, flops, sampler = run.ctx, run.worker, run.steps, run.start, run.flops, run.sampler
+    teacher = build_teacher(cfg, teacher_path, run.where)
     check_vocabularies(cfg, policy, teacher)
-    position = SFTPosition.load(resume(t.resume_from, {"policy": policy}) if t.resume_from else {"step": 0})
-    start, flops = position.step, FlopsCounter(count_parameters(policy.model))
-    flops.load(position.state())
     if eval_set is not None:
         check_generator(cfg, policy.model, tok, ctx.run_dir, phase, sampled=False,
                         synced=policy.engine.synced_decoding)
@@ -140,7 +129,6 @@ def train_kd(cfg: KDConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
             if is_main():
                 print(f"[{phase}] teacher: greedy accuracy on {acc.n} eval prompts {acc}")
             ctx.evaluate(0, policy)
-    sampler = StepSampler(len(examples), t.global_batch_size, t.seed)
     norm_len = loss_agg_norm(cfg)
     objective = kd_objective(k.loss, k.alpha, temperature=k.temperature, beta=k.beta, agg=t.loss_agg,
                              norm_len=norm_len)

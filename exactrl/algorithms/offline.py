@@ -1,6 +1,7 @@
-"""The step loop of the commands that train one worker on a fixed data set (dpo, kto, rm): each
-step's batch drawn by the sampler and trained by the command's own step, then the same logging,
-checkpoint and progress as SFT's; dpo's and kto's reference cache and held-out pairwise accuracy."""
+"""What the commands that train one worker on a fixed data set (dpo, kto, rm, its process form, kd) share:
+their set-up once the data is read (steps, the run directory, the worker, the resumed position), the step
+loop (each step's batch drawn by the sampler and trained by the command's own step, then the same logging,
+checkpoint and progress as SFT's), dpo's and kto's reference cache and held-out pairwise accuracy."""
 
 from __future__ import annotations
 
@@ -11,14 +12,20 @@ from pathlib import Path
 
 import torch
 
-from exactrl.algorithms.resume import SFTPosition
+from exactrl.algorithms.common import check_data_size, steps_for
+from exactrl.algorithms.resume import SFTPosition, prepare_resume
 from exactrl.algorithms.sft import resolve
+from exactrl.compute import FlopsCounter, count_parameters
 from exactrl.data.batch import Sample
+from exactrl.data.batching import StepSampler
 from exactrl.data.preference import PairExample, load_pairs
+from exactrl.distributed.checkpoint import resume
 from exactrl.distributed.launch import is_main
 from exactrl.losses.preference import PairInput
+from exactrl.run.context import RunContext
 from exactrl.run.evaluation import pairwise_accuracy
 from exactrl.workers.reference_cache import ReferenceCache, cache_key, forward_layout, forward_settings
+from exactrl.workers.worker import Worker
 
 
 @dataclass
@@ -28,6 +35,36 @@ class RMResult:  # exactrl rm's result, pairwise or process (prm.py)
     steps: int
     seconds: float
     stats: dict
+
+
+@dataclass
+class OfflineRun:
+    """A command's run once set up: its directory and logs, the trained worker, its steps, where it resumes."""
+    ctx: RunContext
+    worker: Worker
+    steps: int
+    start: int  # the last step done (0: a fresh run)
+    flops: FlopsCounter
+    sampler: StepSampler
+    where: dict  # what Worker.build needs to build another worker of this run (a reference, a teacher)
+
+
+def prepare_offline(cfg, command: str, phase: str, run_dir: Path | None, items: int, what: str, paths: dict, tok,
+                    eval_set, role: str, model_path: str) -> OfflineRun:
+    """Once the data (``items`` rows, called ``what`` in errors) is read and checked: the steps, the refusal of a
+    data set too small for one step, the resume check, the run directory, the worker ``role`` built from
+    ``model_path`` (or the checkpoint being resumed), its position and FLOPs so far, and the step sampler."""
+    t = cfg.train
+    steps = steps_for(t, items, t.global_batch_size)
+    check_data_size(items, t.global_batch_size, what, paths["train"])
+    continues = prepare_resume(cfg, command, steps)
+    ctx = RunContext(cfg, command, phase, run_dir, paths, tok, eval_set, continues)
+    where = {"run_dir": ctx.run_dir, "phase": phase, "longest": cfg.data.max_length, "pad_id": tok.pad_token_id}
+    worker = Worker.build(cfg, role, model_path, total_steps=steps, checkpoint=t.resume_from, **where)
+    position = SFTPosition.load(resume(t.resume_from, {"policy": worker}) if t.resume_from else {"step": 0})
+    flops = FlopsCounter(count_parameters(worker.model))
+    flops.load(position.state())
+    return OfflineRun(ctx, worker, steps, position.step, flops, StepSampler(items, t.global_batch_size, t.seed), where)
 
 
 def run_steps(ctx, worker, flops, sampler, steps: int, start: int, step: Callable, record: Callable,

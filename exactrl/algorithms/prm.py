@@ -23,24 +23,19 @@ from collections import Counter
 
 import torch
 
-from exactrl.algorithms.common import check_data_size, check_world, steps_for
-from exactrl.algorithms.offline import RMResult, run_steps
-from exactrl.algorithms.resume import SFTPosition, prepare_resume
+from exactrl.algorithms.common import check_world
+from exactrl.algorithms.offline import RMResult, prepare_offline, run_steps
 from exactrl.algorithms.sft import resolve
-from exactrl.compute import FlopsCounter, count_parameters
 from exactrl.config.aggregation import norm_len
 from exactrl.config.loader import ConfigError
 from exactrl.config.schema_rm import RMConfig
 from exactrl.data.batch import Sample
-from exactrl.data.batching import StepSampler
 from exactrl.data.steps import StepExample, load_steps
-from exactrl.distributed.checkpoint import resume
 from exactrl.distributed.launch import is_main
 from exactrl.distributed.step_plan import plan_samples
 from exactrl.losses.objective import Objective
 from exactrl.losses.process import ProcessTerm
 from exactrl.models.loading import load_tokenizer
-from exactrl.run.context import RunContext
 from exactrl.run.evaluation import eval_data, wilson_interval
 from exactrl.seeding import seed_everything
 from exactrl.tasks.builtin import BuiltinSpec
@@ -129,16 +124,9 @@ def train_prm(cfg: RMConfig, run_dir=None, spec: BuiltinSpec = BuiltinSpec(), ph
     for n in (note, eval_note):
         if n and is_main():
             print(n)
-    steps = steps_for(t, len(rows), t.global_batch_size)
-    check_data_size(len(rows), t.global_batch_size, "samples", train_path)
-    continues = prepare_resume(cfg, "rm", steps)
-    ctx = RunContext(cfg, "rm", phase, run_dir, {"train": train_path, "eval": eval_path}, tok, None, continues)
-    where = {"run_dir": ctx.run_dir, "phase": phase, "longest": cfg.data.max_length, "pad_id": tok.pad_token_id}
-    model = Worker.build(cfg, "reward_model", model_path, total_steps=steps, checkpoint=t.resume_from, **where)
-    position = SFTPosition.load(resume(t.resume_from, {"policy": model}) if t.resume_from else {"step": 0})
-    start, flops = position.step, FlopsCounter(count_parameters(model.model))
-    flops.load(position.state())
-    sampler = StepSampler(len(rows), t.global_batch_size, t.seed)
+    run = prepare_offline(cfg, "rm", phase, run_dir, len(rows), "samples", {"train": train_path, "eval": eval_path},
+                          tok, None, "reward_model", model_path)
+    ctx, model, steps, start, flops, sampler = run.ctx, run.worker, run.steps, run.start, run.flops, run.sampler
     samples: list[Sample] = [e.sample() for e in rows]
 
     def step(n: int):

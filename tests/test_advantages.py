@@ -117,7 +117,7 @@ def test_gae_with_lambda_1_and_gamma_1_is_return_minus_value():
 
 
 def test_registry_names_and_errors():
-    assert set(ADVANTAGES) == {"grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"}
+    assert set(ADVANTAGES) == {"grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae", "none"}
     with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'; choose one of dr_grpo, gae"):
         get_advantage("ppo")
     with pytest.raises(ValueError, match="gae needs the critic's values"):
@@ -176,11 +176,14 @@ def test_rloo_takes_the_kl_in_the_reward_in_each_score():
 def test_every_estimator_declares_and_reads_the_kl_in_the_reward():
     from exactrl.advantages.estimators import TOKEN_REWARDS
 
-    assert set(TOKEN_REWARDS) == set(ADVANTAGES)
+    # "none" (on-policy distillation: no advantages) reads no reward, so it does not declare one: rl.py refuses
+    # algo.kl_in_reward for it
+    assert set(TOKEN_REWARDS) == set(ADVANTAGES) - {"none"}
     g = torch.Generator().manual_seed(2)
     mask, rewards = torch.ones(4, 3, dtype=torch.float64), torch.tensor([1.0, 0.0, 0.5, 0.25], dtype=torch.float64)
     values = torch.rand(4, 3, generator=g, dtype=torch.float64)
-    for name in ADVANTAGES:
+    assert not get_advantage("none")(AdvantageInput(rewards, mask, 4, token_rewards=-values))[0].any()
+    for name in TOKEN_REWARDS:
         # one group of 4: a pair's z-scores are +-0.71 whatever the scores
         plain, _ = get_advantage(name)(AdvantageInput(rewards, mask, 4, values=values))
         kl = torch.rand(4, 3, generator=g, dtype=torch.float64)

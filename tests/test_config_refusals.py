@@ -164,10 +164,13 @@ def test_rl_max_steps_must_be_whole_rollouts():
 def test_the_tables_name_real_keys():
     """A row of USED_WHEN or ALIASES with a misspelt key would never act."""
     from exactrl.config.loader import valid_keys
+    from exactrl.config.schema_kd import KDConfig
+    from exactrl.config.schema_pref import DPOConfig, KTOConfig
     from exactrl.config.schema_rl import ALIASES
+    from exactrl.config.schema_rm import RMConfig
     from exactrl.config.used import USED_WHEN
 
-    keys = set(valid_keys(SFTConfig)) | set(valid_keys(RLConfig))
+    keys = set().union(*(valid_keys(c) for c in (SFTConfig, RLConfig, DPOConfig, KTOConfig, RMConfig, KDConfig)))
     sections = {k.rsplit(".", i)[0] + "." for k in keys for i in range(1, k.count(".") + 1)}
     assert not [row.key for row in USED_WHEN if row.key not in keys | sections]
     assert not [target for target, _ in ALIASES.values() if target not in keys]

@@ -60,5 +60,6 @@ def test_the_critic_trains_with_critic_optim_on_the_runs_own_config(model_dir, t
 
 
 def test_an_unknown_role_is_named(model_dir, tmp_path, tokenizer):
-    with pytest.raises(ValueError, match=r"no worker role 'reward'; the roles are policy, reference, critic"):
-        build(load_config(RLConfig, None, RL), "reward", model_dir, tmp_path, tokenizer)
+    with pytest.raises(ValueError, match=r"no worker role 'judge'; the roles are policy, reference, critic, "
+                                         r"reward_model, reward, teacher"):
+        build(load_config(RLConfig, None, RL), "judge", model_dir, tmp_path, tokenizer)

@@ -20,7 +20,7 @@ from distill_references import BETA, LOSSES, TOPK, fresh_model, make_samples, sg
 from equivalence import relative_error
 
 from distributed_harness import TOL, over_bound, run_cases
-from exactrl.algorithms.distill import attach_teacher, tokenizer_mismatch
+from exactrl.algorithms.distill import attach_teacher
 from exactrl.algorithms.registry import ALGORITHMS
 from exactrl.config import RLConfig, SFTConfig, load_config
 from exactrl.config.loader import ConfigError
@@ -29,6 +29,7 @@ from exactrl.distributed.engine import build_engine
 from exactrl.distributed.step_plan import plan_samples
 from exactrl.losses.distill_terms import DistillTerm, distill_term
 from exactrl.losses.objective import Objective, PolicyTerm
+from exactrl.models.loading import tokenizer_mismatch
 from exactrl.workers.teacher import Teacher
 from exactrl.workers.worker import Worker
 

@@ -19,20 +19,8 @@ from exactrl.config.loader import ConfigError
 from exactrl.config.schema_distill import DistillConfig
 from exactrl.data.batch import Sample
 from exactrl.losses.distill_terms import TEACHER_FIELDS
-from exactrl.models.loading import load_tokenizer
+from exactrl.models.loading import load_tokenizer, tokenizer_mismatch
 from exactrl.tasks.builtin import BuiltinSpec
-
-
-def tokenizer_mismatch(student, teacher) -> str | None:
-    """What differs between two tokenizers that would make the same ids mean other tokens (None: nothing)."""
-    if student.get_vocab() != teacher.get_vocab():
-        a, b = student.get_vocab(), teacher.get_vocab()
-        moved = sorted(set(a.items()) ^ set(b.items()), key=lambda kv: kv[1])[:3]
-        return f"vocabularies of {len(a)} and {len(b)} tokens differ, e.g. {moved}"
-    for special in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        if getattr(student, special) != getattr(teacher, special):
-            return f"{special} {getattr(student, special)} against {getattr(teacher, special)}"
-    return None
 
 
 def build_teacher(roles, cfg, tokenizer, spec: BuiltinSpec, where: dict):

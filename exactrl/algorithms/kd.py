@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from exactrl.algorithms.common import check_world
-from exactrl.algorithms.distill import tokenizer_mismatch
 from exactrl.algorithms.offline import prepare_offline, run_steps
 from exactrl.algorithms.sft import demonstration, resolve
 from exactrl.config.aggregation import norm_len as loss_agg_norm
@@ -35,7 +34,7 @@ from exactrl.distributed.step_plan import StepPlan, plan_samples
 from exactrl.dtypes import autocast_for
 from exactrl.losses.kd import TEACHER_FIELDS, kd_objective
 from exactrl.losses.objective import Objective
-from exactrl.models.loading import load_tokenizer
+from exactrl.models.loading import load_tokenizer, tokenizer_mismatch
 from exactrl.rollout.hf import base_model
 from exactrl.run.evaluation import eval_data, greedy_accuracy, load_eval_set
 from exactrl.seeding import seed_everything

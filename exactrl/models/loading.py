@@ -112,3 +112,16 @@ def load_value_model(path: str | Path, init_seed: int | None = None, attn: str =
     packing.disable_dropout(model)
     model.train(True)
     return place(model, device or torch.device("cpu"))  # the head is initialised on the CPU: the same on every device
+
+
+def tokenizer_mismatch(student, teacher) -> str | None:
+    """What differs between two tokenizers that would make the same ids mean other tokens (None: nothing): a
+    worker that reads another model's token ids as they are (a teacher, a reward model) needs none."""
+    if student.get_vocab() != teacher.get_vocab():
+        a, b = student.get_vocab(), teacher.get_vocab()
+        moved = sorted(set(a.items()) ^ set(b.items()), key=lambda kv: kv[1])[:3]
+        return f"vocabularies of {len(a)} and {len(b)} tokens differ, e.g. {moved}"
+    for special in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if getattr(student, special) != getattr(teacher, special):
+            return f"{special} {getattr(student, special)} against {getattr(teacher, special)}"
+    return None

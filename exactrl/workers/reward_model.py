@@ -33,7 +33,7 @@ from exactrl.distributed.engine import build_engine
 from exactrl.dtypes import autocast_for
 from exactrl.losses.pairs import last_token_scores
 from exactrl.losses.token_losses import at_least_fp32
-from exactrl.models.loading import load_tokenizer, load_value_model
+from exactrl.models.loading import load_tokenizer, load_value_model, tokenizer_mismatch
 from exactrl.workers.load import load_model
 from exactrl.workers.worker import Worker
 
@@ -131,7 +131,7 @@ def model_reward(reward, tokenizer, per_forward: int, trust_remote_code: bool = 
         raise ConfigError(f"reward.model={path} is a process reward model ({stats}: kind process), scoring each step "
                           "of a solution, not a response; give the final/ of an `exactrl rm` run with rm.kind=pairwise")
     rm_tok = load_tokenizer(path, trust_remote_code)
-    differs = tokenizer_difference(tokenizer, rm_tok)
+    differs = tokenizer_mismatch(tokenizer, rm_tok)
     if differs:
         raise ConfigError(f"reward.model={path}: its tokenizer differs from the policy's ({differs}); the reward "
                           "model reads the policy's sampled token ids as they are, so train it from the policy's "
@@ -161,16 +161,3 @@ def _read(stats: Path) -> dict:
     if not isinstance(out, dict):
         raise ConfigError(f"{stats} holds {type(out).__name__}, not the object `exactrl rm` writes")
     return out
-
-
-def tokenizer_difference(policy, other) -> str | None:
-    """How ``other`` maps tokens to ids differently from ``policy`` (None: the same vocabulary, added tokens
-    included, and the same special tokens)."""
-    a, b = policy.get_vocab(), other.get_vocab()
-    if a != b:
-        token = next((t for t in sorted(set(a) | set(b)) if a.get(t) != b.get(t)), None)
-        return f"vocabularies of {len(a)} and {len(b)} tokens; {token!r} is {a.get(token)} and {b.get(token)}"
-    for name in ("bos_token_id", "eos_token_id"):
-        if getattr(policy, name) != getattr(other, name):
-            return f"{name} {getattr(policy, name)} and {getattr(other, name)}"
-    return None

@@ -359,6 +359,8 @@ def show_config(command: Annotated[str, typer.Argument(help=", ".join(COMMANDS) 
                                                                              "(default: local data's)")] = None,
                 rollout_tokens: Annotated[float | None, typer.Option(help="check: D per RL rollout")] = None,
                 data_rows: Annotated[int | None, typer.Option(help="check: rows of absent data")] = None,
+                teacher_params: Annotated[float | None, typer.Option(help="check: kd's teacher's N (default: a "
+                                                                          "local teacher's)")] = None,
                 out: Annotated[Path, typer.Option(help="docs: the folder to write into")] = Path("docs"),
                 check_docs: Annotated[bool, typer.Option("--check", help="docs: write nothing; exit 1 if the "
                                                                          "committed pages differ")] = False):
@@ -376,7 +378,8 @@ def show_config(command: Annotated[str, typer.Argument(help=", ".join(COMMANDS) 
 
         _quiet_libraries()
         raise typer.Exit(run_check(file, as_command, overrides or [], Options(params, tokens_per_sample,
-                                                                              rollout_tokens, data_rows), COMMANDS))
+                                                                              rollout_tokens, data_rows,
+                                                                              teacher_params), COMMANDS))
     if command not in COMMANDS:
         console.print(f"[bold red]error:[/bold red] unknown command '{command}'; choose {', '.join(COMMANDS)} "
                       "(or check FILE, or docs)")

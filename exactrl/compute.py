@@ -20,6 +20,10 @@ old and reference log-probs (2*N*D each when taken: PPO epochs > 1, a KL term), 
 (its own N), evaluation and the self-checks' decoding, the optimizer step, and the backward's
 saving under LoRA (frozen weights get no weight gradient; counted at the full 6*N*D). Each further
 PPO epoch over a rollout is another training pass, counted (6*N*D more).
+
+One no-grad forward is counted: offline distillation's teacher (`exactrl kd`), which scores every trained
+sequence once, 2*N_teacher*D, with the teacher's own N. Unlike a reference (the policy's own size, and often
+cached), a teacher may be many times the student's size and then costs more than the student's training.
 """
 
 from __future__ import annotations
@@ -39,6 +43,13 @@ def count_parameters(model) -> int:
 def sft_flops(n_params: float, samples: float, tokens_per_sample: float) -> float:
     """SFT over ``samples`` sequences (epochs x dataset size) of ``tokens_per_sample`` tokens: 6*N*D each."""
     return TRAIN_PER_PARAM_TOKEN * n_params * samples * tokens_per_sample
+
+
+def kd_flops(n_student: float, n_teacher: float, samples: float, tokens_per_sample: float) -> float:
+    """Offline distillation over ``samples`` sequences: the student trained on each (6*N_student*D), the
+    teacher's forward over the same tokens without a backward (2*N_teacher*D)."""
+    return (sft_flops(n_student, samples, tokens_per_sample)
+            + GENERATE_PER_PARAM_TOKEN * n_teacher * samples * tokens_per_sample)
 
 
 def rl_flops(n_params: float, rollouts: float, prompts_per_rollout: float, on_policy_per_prompt: float,
@@ -62,6 +73,7 @@ class FlopsCounter:
     n_params: int
     trained_tokens: int = 0
     generated_tokens: int = 0
+    teacher_params: int = 0  # kd's teacher: a no-grad forward over every trained token, 2*N_teacher*D
 
     def generated(self, samples: list, responses_generated: int | None = None) -> None:
         """A rollout's samples: every one the generator wrote (all but demonstrations) costs 2*N*D.
@@ -79,11 +91,13 @@ class FlopsCounter:
     @property
     def flops(self) -> float:
         return float(self.n_params * (TRAIN_PER_PARAM_TOKEN * self.trained_tokens
-                                      + GENERATE_PER_PARAM_TOKEN * self.generated_tokens))
+                                      + GENERATE_PER_PARAM_TOKEN * self.generated_tokens)
+                     + self.teacher_params * GENERATE_PER_PARAM_TOKEN * self.trained_tokens)
 
     def record(self) -> dict:
+        teacher = {"teacher_n_params": self.teacher_params} if self.teacher_params else {}
         return {"flops": self.flops, "flops_trained_tokens": self.trained_tokens,
-                "flops_generated_tokens": self.generated_tokens, "n_params": self.n_params}
+                "flops_generated_tokens": self.generated_tokens, "n_params": self.n_params, **teacher}
 
     def state(self) -> dict:
         """What a checkpoint keeps so that a resumed run's counts continue."""

@@ -1,6 +1,7 @@
-"""`exactrl config check` plans the FLOPs of dpo, kto and rm (exactrl/pipelines/plan_pref.py), and the plan is what
-the run's own FLOPs counter records: one epoch of each command on the small built-in sets, its last metrics record
-against the plan of the same config file (N counted on the meta device, D measured on the data)."""
+"""`exactrl config check` plans the FLOPs of dpo, kto, rm and kd (exactrl/pipelines/plan_pref.py), and the plan is
+what the run's own FLOPs counter records: one epoch of each command on the small built-in sets, its last metrics record
+against the plan of the same config file (N counted on the meta device, D measured on the data); kd's with a teacher
+of another size, whose forward (2*N_teacher*D, no backward) is in the FLOPs."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import yaml
 
 from exactrl.algorithms.dpo import train_dpo
+from exactrl.algorithms.kd import train_kd
 from exactrl.algorithms.kto import train_kto
 from exactrl.algorithms.rm import train_rm
 from exactrl.cli import COMMANDS
@@ -70,3 +72,40 @@ def test_a_reference_free_loss_plans_no_reference_forward(tmp_path):
     _, cfg = config_file(tmp_path, "dpo", {"loss": "simpo", "beta": 2.0})
     (p,) = plan(cfg, "dpo", Options())
     assert p.flops and not any("not in the FLOPs" in note for note in p.notes)
+
+
+def test_kd_plans_and_logs_the_student_s_training_and_the_teacher_s_forward(tmp_path):
+    """6*N_student*D + 2*N_teacher*D over every trained sequence, each N counted here on the model loaded from
+    disk: a teacher left out (6*N_s*D), or counted with a backward (6*N_t*D), or with the student's N, fails."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    student = ensure_builtin(SPEC).model
+    config = AutoConfig.from_pretrained(student)
+    config.num_hidden_layers += 1  # the same tokenizer and vocabulary, another size
+    config.intermediate_size *= 2
+    teacher_dir = tmp_path / "teacher"
+    AutoModelForCausalLM.from_config(config).save_pretrained(teacher_dir)
+    AutoTokenizer.from_pretrained(student).save_pretrained(teacher_dir)
+    body = {"model": {"path": str(student)}, "data": {"train": str(resolve("builtin", "sft_train", SPEC)),
+                                                     "eval": None},
+            "train": {"global_batch_size": 10, "micro_batch_size": 5, "max_steps": 0, "epochs": 1, "log_every": 1,
+                      "eval_every": 0},
+            "optim": {"lr": 1e-4}, "output_dir": str(tmp_path / "run"), "kd": {"teacher": str(teacher_dir)}}
+    path = tmp_path / "kd.yaml"
+    path.write_text(yaml.safe_dump(body))
+    cfg = load_config(COMMANDS["kd"], path)
+    (p,) = plan(cfg, "kd", Options())
+    assert (p.steps, p.samples_per_step) == (2, 10)
+    result = train_kd(cfg, spec=SPEC)
+    record = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()
+              if '"flops"' in line][-1]
+    n_s, n_t = count_parameters(_causal(result.final_model)), count_parameters(_causal(teacher_dir))
+    assert n_t > n_s
+    assert (p.n_params, p.teacher_params) == (record["n_params"], record["teacher_n_params"]) == (n_s, n_t)
+    tokens = record["flops_trained_tokens"]
+    assert p.tokens_per_sample * p.steps * p.samples_per_step == pytest.approx(tokens, rel=1e-12)
+    assert record["flops"] == pytest.approx((6 * n_s + 2 * n_t) * tokens, rel=1e-12)
+    assert p.flops == pytest.approx(record["flops"], rel=1e-12) and record["flops_generated_tokens"] == 0
+    lines = check_config(path, None, [], Options(), COMMANDS)
+    assert lines[0].endswith("a valid `exactrl kd` config") and f"FLOPs: {p.flops:.3g}" in lines[2], lines
+    assert f"N = {n_s:.4g} (student), {n_t:.4g} (teacher)" in lines[2], lines

@@ -23,6 +23,7 @@ from pathlib import Path
 from exactrl.algorithms.common import check_world
 from exactrl.algorithms.offline import prepare_offline, run_steps
 from exactrl.algorithms.sft import demonstration, resolve
+from exactrl.compute import count_parameters
 from exactrl.config.aggregation import norm_len as loss_agg_norm
 from exactrl.config.loader import ConfigError
 from exactrl.config.schema_kd import KDConfig
@@ -119,6 +120,7 @@ def train_kd(cfg: KDConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     ctx, policy, steps, start, flops, sampler = run.ctx, run.worker, run.steps, run.start, run.flops, run.sampler
     teacher = build_teacher(cfg, teacher_path, run.where)
     check_vocabularies(cfg, policy, teacher)
+    flops.teacher_params = count_parameters(teacher.model)  # its forward over every trained token: 2*N_teacher*D
     if eval_set is not None:
         check_generator(cfg, policy.model, tok, ctx.run_dir, phase, sampled=False,
                         synced=policy.engine.synced_decoding)

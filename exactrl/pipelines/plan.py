@@ -114,12 +114,16 @@ def plan_rl(cfg, spec, opts: Options, model_path: str | None = None) -> PhasePla
 def plan(cfg, command: str, opts: Options) -> list[PhasePlan]:
     from exactrl.tasks.builtin import BuiltinSpec
 
-    if command in ("eval", "kd"):  # kd: its FLOPs plan is still to come (issue 36)
+    if command == "eval":
         return []
     if command in ("dpo", "kto", "rm"):
         from exactrl.pipelines.plan_pref import plan_preference
 
         return [plan_preference(cfg, command, BuiltinSpec(), opts)]
+    if command == "kd":
+        from exactrl.pipelines.plan_pref import plan_kd
+
+        return [plan_kd(cfg, BuiltinSpec(), opts)]
     if command == "sft":
         return [plan_sft(cfg, BuiltinSpec(), opts)]
     if command == "rl":
@@ -177,6 +181,8 @@ def describe(phases: list[PhasePlan]) -> list[str]:
         tokens = ("unknown" if p.tokens_per_sample is None
                   else f"{p.tokens_per_sample * p.samples_per_step:.4g} ({p.tokens_per_sample:.4g} per sample)")
         n = "unknown" if p.n_params is None else f"{p.n_params:.4g}"
+        if p.name == "kd":
+            n += f" (student), {'unknown' if p.teacher_params is None else f'{p.teacher_params:.4g}'} (teacher)"
         flops = "unknown" if p.flops is None else f"{p.flops:.3g}"
         out += [head, f"  tokens per step: {tokens}; N = {n} parameters; FLOPs: {flops}"]
         out += [f"  {note}" for note in p.notes]

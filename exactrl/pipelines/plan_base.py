@@ -1,5 +1,5 @@
 """What `exactrl config check` plans with, shared by the plans of every command (plan.py: sft, rl, the
-pipeline, the study; plan_pref.py: dpo, kto, rm): the options that stand in for what is not here, a
+pipeline, the study; plan_pref.py: dpo, kto, rm, kd): the options that stand in for what is not here, a
 phase's plan, and reading the model's size and tokenizer when they are local."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ class Options:
     tokens_per_sample: float | None = None  # D of a trained sequence; unset: measured from local data
     rollout_tokens: float | None = None  # D of a generated one (default: tokens_per_sample)
     data_rows: int | None = None  # the training data's size when its file is not here
+    teacher_params: float | None = None  # kd's teacher's N; unset: counted from a local teacher
 
 
 @dataclass
@@ -28,6 +29,7 @@ class PhasePlan:
     group_size: int = 0
     tokens_per_sample: float | None = None
     n_params: float | None = None
+    teacher_params: float | None = None  # kd: the teacher's N (its no-grad forward is in the FLOPs)
     flops: float | None = None
     notes: list[str] = field(default_factory=list)
 

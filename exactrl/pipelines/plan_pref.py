@@ -1,5 +1,5 @@
-"""The FLOPs plan of `exactrl dpo`, `exactrl kto` and `exactrl rm` (`exactrl config check`), in compute.py's
-conventions, so that the plan is what the run's FLOPs counter records (algorithms/offline.py run_steps:
+"""The FLOPs plan of `exactrl dpo`, `exactrl kto`, `exactrl rm` and `exactrl kd` (`exactrl config check`), in
+compute.py's conventions, so that the plan is what the run's FLOPs counter records (algorithms/offline.py run_steps:
 ``FlopsCounter.trained`` on every step's sequences):
 
 - dpo and rm: every pair's two sequences (prompt + answer) are trained on, 6*N*D each; kto: every row;
@@ -14,11 +14,15 @@ and orpo, nor when the reference's log-probs are read from a precomputed cache),
 and its reference point's pre-pass (the policy and the reference over the step's KL rows: every prompt with
 another row's answer, as many tokens as the step's rows); a precomputed reference cache leaves only the policy's.
 Evaluation and rm's final scoring are not counted.
+
+kd (plan_kd) trains the student on every SFT row of its steps, 6*N_student*D, and its teacher scores the same
+sequences without a backward, 2*N_teacher*D with the teacher's own N: that forward is in the FLOPs (compute.py
+kd_flops), as the run's counter has it (FlopsCounter.teacher_params).
 """
 
 from __future__ import annotations
 
-from exactrl.compute import GENERATE_PER_PARAM_TOKEN, TRAIN_PER_PARAM_TOKEN, sft_flops
+from exactrl.compute import GENERATE_PER_PARAM_TOKEN, TRAIN_PER_PARAM_TOKEN, kd_flops, sft_flops
 
 # The data kind of each command's training set in the built-in task, and how its items are called.
 DATA_KIND = {"dpo": "pairs_train", "rm": "pairs_train", "kto": "unpaired_train"}
@@ -100,4 +104,39 @@ def plan_preference(cfg, command: str, spec, opts):
                     "reference, with the rows' own, unless cached)"}[command]
             p.notes.append(f"not in the FLOPs (as the RL plan's reference forwards): {forwards} no-grad forward(s) "
                            f"per trained sequence, {what}: {extra:.3g} more")
+    return p
+
+
+def plan_kd(cfg, spec, opts):
+    """The PhasePlan of a kd config: SFT's steps and D over data.train, N of the student and of the teacher."""
+    from exactrl.algorithms.common import steps_for
+    from exactrl.data.encode import load_sft
+    from exactrl.pipelines.plan_base import Options, PhasePlan, _local, _n_params, _tokenizer
+
+    t = cfg.train
+    p = PhasePlan("kd", samples_per_step=t.global_batch_size, tokens_per_sample=opts.tokens_per_sample)
+    model_dir = _local(cfg.model.path, spec, "model", p.notes, "model")
+    teacher_dir = _local(cfg.kd.teacher, spec, "model", p.notes, "kd.teacher")
+    data = _local(cfg.data.train, spec, "sft_train", p.notes, "data.train")
+    items = opts.data_rows
+    tok = _tokenizer(model_dir, cfg, p.notes) if data else None
+    if tok is not None:  # the rows as `exactrl kd` loads them (its samples' ids are the examples' input ids)
+        examples, _ = load_sft(data, tok, cfg.data)
+        items = len(examples)
+        if p.tokens_per_sample is None:
+            p.tokens_per_sample = sum(len(e.input_ids) for e in examples) / items
+            p.notes.append(f"{p.tokens_per_sample:.1f} tokens per sample on average in {data}")
+    if t.max_steps or items is not None:
+        p.steps = steps_for(t, items or 0, t.global_batch_size)
+    else:
+        p.notes.append(f"steps unknown: train.epochs={t.epochs} of data not here; give --data-rows")
+    p.n_params = _n_params(model_dir, opts, p.notes, cfg)
+    if opts.teacher_params is not None or teacher_dir is not None:
+        p.teacher_params = _n_params(teacher_dir, Options(params=opts.teacher_params), p.notes, cfg)
+    else:
+        p.notes.append("the teacher's N unknown: give --teacher-params")
+    if None not in (p.steps, p.tokens_per_sample, p.n_params, p.teacher_params):
+        p.flops = kd_flops(p.n_params, p.teacher_params, p.steps * p.samples_per_step, p.tokens_per_sample)
+        p.notes.append(f"of which the teacher's no-grad forward over every trained sequence (2*N_teacher*D): "
+                       f"{kd_flops(0, p.teacher_params, p.steps * p.samples_per_step, p.tokens_per_sample):.3g}")
     return p

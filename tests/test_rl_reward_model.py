@@ -7,7 +7,9 @@
 * refused before anything loads: a reward model with another tokenizer, missing statistics, a directory that
   is not a reward model; reward.model_weight without reward.model;
 * the reward server serves a reward model over text (re-tokenised with its tokenizer);
-* a short GRPO run trained on the reward model alone (reward.weights=[0]) raises reward/model.
+* a short GRPO run trained on the reward model alone (reward.weights=[0]) raises reward/model;
+* under Ray (ray.enabled) the reward model is an actor group of its own: the config is accepted, and (slow) split
+  and colocated (two ranks scoring their shares) runs log the in-process run's reward/model and end at its weights.
 """
 
 from __future__ import annotations
@@ -194,3 +196,64 @@ def test_grpo_on_the_reward_model_alone_raises_its_score(rm_dir, tmp_path, monke
     records = grpo_on_the_reward_model(rm_dir, tmp_path, monkeypatch, steps=8)
     first, last = (sum(r["reward/model"] for r in part) / 3 for part in (records[:3], records[-3:]))
     assert last > first + 0.3, [r["reward/model"] for r in records]
+
+
+def test_a_reward_model_under_ray_is_accepted_and_its_group_serves_score(rm_dir):
+    """reward.model with ray.enabled resolves (it was refused while the bundles held no reward model actor): the
+    driver's ModelReward calls ``score`` and ``world_size`` on a Ray group as on a RewardModel, and a colocated
+    bundle has room for every trainer role's rank, the reward model's included, beside an engine."""
+    from exactrl.distributed.ray_cluster import SHARE, TRAINER_ROLES
+    from exactrl.workers.groups import WorkerGroup
+
+    for placement in ("split", "colocated"):
+        cfg = load_config(RLConfig, None, [f"reward.model={rm_dir}", "ray.enabled=true", f"ray.placement={placement}"])
+        assert (cfg.reward.model, cfg.ray.enabled, cfg.ray.placement) == (str(rm_dir), True, placement)
+    group = WorkerGroup("reward", [None, None], [])
+    assert group.world_size == 2 and callable(group.score)  # a Worker method run on every rank
+    assert "reward" in TRAINER_ROLES and (len(TRAINER_ROLES) + 1) * SHARE <= 1
+
+
+RAY_LAYOUTS = {"split": ["ray.enabled=true", "ray.placement=split", "ray.ranks=1", "ray.engines=1"],
+               # two reward model ranks, each scoring its share of the rollout's micro-batches (score_layout)
+               "colocated": ["ray.enabled=true", "ray.placement=colocated", "ray.ranks=2", "ray.engines=1",
+                             "distributed.backend=fsdp2"]}
+
+
+@pytest.mark.slow  # ~2-4 min: three runs and a Ray cluster
+def test_a_ray_reward_model_group_trains_as_the_in_process_one(rm_dir, tmp_path, monkeypatch):
+    """reward.model under Ray, split (its own bundle beside the policy's and the engine's) and colocated (two
+    ranks sharing the policy's bundles): every step logs the in-process run's reward/model, and the run ends with
+    its weights (SGD, fp32, as tests/test_ray.py compares placements)."""
+    import ray
+    from safetensors.torch import load_file
+
+    from exactrl.algorithms.rl import train_rl
+    from exactrl.tasks.builtin import ensure_builtin
+
+    monkeypatch.setenv("EXACTRL_CACHE", str(tmp_path / "cache"))
+    common = ["model.path=builtin", "data.eval=null", "train.global_batch_size=16", "train.micro_batch_size=4",
+              "algo.group_size=8", "train.max_steps=2", "train.log_every=1", "rollout.max_new_tokens=8",
+              "model.dtype=fp32", "optim.name=sgd", "optim.lr=0.05", f"reward.model={rm_dir}", "reward.weights=[0]"]
+    weights, logged = {}, {}
+    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    try:
+        for name, extra in (("plain", []), *RAY_LAYOUTS.items()):
+            out = tmp_path / name
+            train_rl(load_config(RLConfig, None, [*common, *extra, f"output_dir={out}"]), spec=SPEC)
+            weights[name] = load_file(out / "final" / "model.safetensors")
+            rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+            logged[name] = [(r["reward/model"], r["reward_mean"]) for r in rows if "loss" in r]
+    finally:
+        ray.shutdown()
+    plain = logged["plain"]
+    assert len(plain) == 2 and all(m == pytest.approx(mean, abs=1e-9) for m, mean in plain)  # the reward is the RM's
+    start = load_file(ensure_builtin(SPEC).model / "model.safetensors")
+    moved = max((weights["plain"][k] - v).abs().max().item() for k, v in start.items())
+    for name in RAY_LAYOUTS:
+        assert len(logged[name]) == 2
+        assert [m for m, _ in logged[name]] == pytest.approx([m for m, _ in plain], abs=1e-6), (name, logged)
+        common_keys = weights[name].keys() & weights["plain"].keys()  # FSDP2 also writes the tied lm_head.weight
+        diff = max((weights[name][k].double() - weights["plain"][k].double()).abs().max().item() for k in common_keys)
+        print(f"reward.model ray {name} vs plain: max |weight difference| {diff:.3g} (the policy moved {moved:.3g}); "
+              f"reward/model per step {[m for m, _ in logged[name]]}")
+        assert len(common_keys) >= len(weights["plain"]) and diff <= 1e-5 and moved > 1e-4, (name, diff, moved)

@@ -106,8 +106,6 @@ USED_WHEN = [
              "list the URL in reward.fn instead"),
     *(UsedWhen(f"reward.{key}", lambda c: c.reward.model is not None, "there is no reward model (reward.model "
                "unset)", "set reward.model") for key in ("model_weight", "model_normalize")),
-    UsedWhen("reward.model", lambda c: not c.ray.enabled, "with Ray the roles' bundles hold no reward model actor "
-             "yet (ray.enabled=true)", "set ray.enabled=false"),
     # the asynchronous schedule has an effect without Ray too (it runs in sequence: rollout/schedule.py)
     *(UsedWhen(f"ray.{key}", lambda c: c.ray.enabled, "Ray is off (ray.enabled=false)", "set ray.enabled=true")
       for key in RayConfig.model_fields if key not in ("async_rollouts", "max_staleness")),

@@ -4,9 +4,9 @@ there, when a run asks for it (the ray extra).
 
 Placement (ray.placement):
   colocated: one placement group of max(ranks, engines x engine_tp) bundles; rank i of every
-    trainer role (policy, reference, critic) and rollout engine i sit on bundle i, each actor
-    taking a quarter of it (at most four roles share a bundle), as OpenRLHF's colocated actors
-    take fractions of one GPU;
+    trainer role (TRAINER_ROLES: policy, reference, critic, reward model, teacher) and rollout
+    engine i sit on bundle i, each actor taking an eighth of it (room for all of them at once), as
+    OpenRLHF's colocated actors take fractions of one GPU;
   split: a placement group per trainer role (``ranks`` bundles) and one for the rollout engines
     (``engines x engine_tp``), each actor taking a whole bundle.
 A bundle is one GPU (and a CPU) when the run's device is CUDA, else one CPU: on CPU the same code
@@ -22,9 +22,15 @@ from dataclasses import dataclass
 
 from exactrl.config.loader import ConfigError
 
-SHARE = 0.25  # of a colocated bundle per actor: policy, reference, critic and an engine fit on one
 READY_TIMEOUT = 600.0  # seconds for the cluster to grant a placement group (an autoscaler may add nodes)
-TRAINER_ROLES = ("policy", "reference", "critic", "teacher")
+# The roles that may run as groups of ray.ranks rank actors (reward: reward.model's frozen scorer; teacher:
+# distill.teacher's), each in bundles of its own with ray.placement=split.
+TRAINER_ROLES = ("policy", "reference", "critic", "reward", "teacher")
+# Of a colocated bundle per actor: every trainer role and an engine fit on one. An eighth is exact in Ray's resource
+# units (1e-4), where 1/6 is not; a share too small for the roles would leave the last actor waiting for room
+# forever, never refused.
+SHARE = 0.125
+assert (len(TRAINER_ROLES) + 1) * SHARE <= 1
 
 
 class RoleDied(RuntimeError):

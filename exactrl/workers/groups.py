@@ -1,7 +1,7 @@
 """Ray actor groups behind the Worker and Generator interfaces (ray.enabled; docs/scaling-out.md).
 
 One actor class, RoleActor, is one process of the run: a rank of a trainer role holding its
-worker (policy, reference, critic: exactrl/workers/worker.py, built as in one process), or a
+worker (policy, reference, critic, reward model, teacher: exactrl/workers/worker.py, built as in one process), or a
 rollout engine holding a generator (the Hugging Face decode loop over a model of its own). The
 driver (the `exactrl rl` process) holds handles only:
   WorkerGroup  a trainer role's ranks: a call runs the same Worker method with the same arguments on
@@ -52,7 +52,8 @@ from exactrl.workers.worker import Worker
 
 
 class RoleActor:
-    """One process of a Ray run: what it holds, by role ("policy", "critic", "reference", "engine")."""
+    """One process of a Ray run: what it holds, by role ("policy", "critic", "reference", "reward", "teacher",
+    "engine")."""
 
     def __init__(self):
         self.held = {}
@@ -110,9 +111,10 @@ class RoleActor:
         getattr(self.held.get("engine"), "close", lambda: None)()
 
 
-# The Worker methods a group runs on every rank (rank 0's result comes back).
+# The Worker methods a group runs on every rank (rank 0's result comes back); score: the reward model's
+# (ModelReward, exactrl/workers/reward_model.py, calls it from the driver with the whole gathered rollout).
 CALLS = frozenset({"forward", "forward_fields", "train_step", "step", "save", "save_state", "load_state", "apply",
-                   "check_generation", "canary_summary"})
+                   "check_generation", "canary_summary", "score"})
 
 
 class WorkerGroup:

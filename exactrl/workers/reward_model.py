@@ -14,7 +14,8 @@ packed or padded alike.
 response of a rollout on the ids the policy sampled (prompt_ids + response_ids: nothing decoded and re-encoded,
 so the reward model must share the policy's tokenizer), normalised with the mean and std its training run saved
 (DIR/reward_stats.json); ModelReward is that reward, called by every rank on the whole gathered rollout
-(exactrl/rollout/collect.py).
+(exactrl/rollout/collect.py), or under Ray (ray.enabled) by the driver, whose reward model is a group of ray.ranks
+rank actors (exactrl/workers/groups.py) running the same score on every rank.
 """
 
 from __future__ import annotations
@@ -93,15 +94,16 @@ class RewardModel(Worker):
 class ModelReward:
     """reward.model of an RL run: its reward model's score of each response, (score - mean) / std with the
     statistics its training saved (mean 0, std 1 with reward.model_normalize=false), weighted by
-    reward.model_weight in the run's reward. ``worker``: the frozen reward model (roles.worker("reward", ...)),
-    set once the run's workers are built."""
+    reward.model_weight in the run's reward. ``worker``: the frozen reward model (roles.worker("reward", ...): a
+    RewardModel, or under Ray a WorkerGroup of its ranks with the same ``score`` and ``world_size``), set once the
+    run's workers are built."""
 
     path: Path
     weight: float
     mean: float
     std: float
     per_forward: int  # samples per forward (train.micro_batch_size)
-    worker: RewardModel | None = None
+    worker: RewardModel | None = None  # or a Ray WorkerGroup
 
     def __call__(self, samples: list[Sample]) -> list[float]:
         """Each sample's normalised score. Every rank calls it with the whole rollout (each scores its share of

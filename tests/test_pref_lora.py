@@ -1,6 +1,6 @@
 """dpo and kto with a LoRA policy (model.lora.*): the reference is the policy's own model with its adapters off
 (Worker.build, no second copy), which equals the base model bit for bit after the adapters have trained; a few
-steps move the adapters only. (exactrl rm refuses LoRA: its head must train whole, config/schema_rm.py.)"""
+steps move the adapters only. (exactrl rm with LoRA: tests/test_rm_lora.py.)"""
 
 from __future__ import annotations
 

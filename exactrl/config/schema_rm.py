@@ -1,6 +1,7 @@
 """`exactrl rm`'s config: a reward model (the policy's architecture with a scalar head) trained on preference
 pairs with the Bradley-Terry loss, each pair a unit of the step (losses/pairs.py ScoreTerm), or (rm.kind=process)
-a process reward model on step-labelled rows, per-step binary cross-entropy (losses/process.py ProcessTerm)."""
+a process reward model on step-labelled rows, per-step binary cross-entropy (losses/process.py ProcessTerm). With
+model.lora.rank > 0 the body trains LoRA adapters and the scalar head trains whole; final/ is the merged model."""
 
 from __future__ import annotations
 
@@ -58,10 +59,12 @@ class RMConfig(CommonConfig):
     rm: RMSection = RMSection()
 
     @model_validator(mode="after")
-    def _full_model(self):
-        if self.model.lora.rank > 0:
-            raise ValueError(f"model.lora.rank={self.model.lora.rank}: exactrl rm trains the whole reward model "
-                             "(LoRA on its head is not supported); set model.lora.rank=0")
+    def _scored_not_decoded(self):
+        # With LoRA the head trains whole beside the adapters and final/ is always the merged reward model
+        # (exactrl/models/lora.py merged_only): merge_on_save would change nothing.
+        if self.model.lora.rank > 0 and self.model.lora.merge_on_save:
+            raise ValueError("model.lora.merge_on_save=true is set, but exactrl rm always saves its final reward model "
+                             "with the adapters merged in (a plain reward model in final/); unset it")
         changed = [k for k, v in self.eval.model_dump().items() if v != EvalConfig().model_dump()[k]]
         if changed:  # a reward model is evaluated by scoring pairs, never by generating
             raise ValueError(f"eval.{changed[0]} is set, but exactrl rm decodes nothing: its evaluation is the "

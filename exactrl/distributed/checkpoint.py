@@ -71,10 +71,15 @@ def write_model(directory: Path, model, state_dict: dict | None = None) -> None:
 def save_pretrained(path: Path, model, tokenizer, state_dict: dict | None = None, merge: bool = False) -> Path:
     """Model + tokenizer, loadable with from_pretrained(path). ``state_dict``: the full
     weights when the model's own parameters are sharded (FSDP2, ZeRO-3). A LoRA model: its
-    adapter, and with ``merge`` (model.lora.merge_on_save) the merged model in ``merged/``."""
+    adapter, and with ``merge`` (model.lora.merge_on_save) the merged model in ``merged/``; a LoRA value model
+    (exactrl rm's reward model): the merged model alone, a plain reward model (lora.merged_only)."""
     check_finite(state_dict if state_dict is not None else model.state_dict(), path)
 
     def write(tmp: Path):
+        if lora.merged_only(model):
+            lora.write_merged(tmp, model, state_dict)
+            tokenizer.save_pretrained(tmp)
+            return
         write_model(tmp, model, state_dict)
         tokenizer.save_pretrained(tmp)
         if merge and lora.is_peft(model):

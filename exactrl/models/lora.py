@@ -10,6 +10,9 @@ train, are checkpointed and saved.
   from the saved weights on a fresh copy so the live training model is never altered.
 * ``load_adapted`` / ``merge_adapter``: a saved adapter on its base model, for `exactrl eval`
   and `exactrl merge` (which writes what merge_on_save writes, after the run).
+* A value model (load_value_model's *ForTokenClassification: `exactrl rm`'s reward model) gets adapters on its
+  body and its scalar head trained whole (peft's modules_to_save, as TRL's RewardTrainer under task_type SEQ_CLS):
+  a new head has nothing to adapt. Its final model is saved merged (``merged_only``), a plain reward model.
 
 peft is an optional extra (``pip install exactrl[lora]``); it is imported only when asked for.
 """
@@ -58,12 +61,25 @@ def base_model(model):
     return model.get_base_model() if is_peft(model) else model
 
 
+def value_head(model) -> str | None:
+    """The name of a value model's scalar head (load_value_model's *ForTokenClassification: 'score'), trained whole
+    beside the adapters; None for a causal LM (its head is the output embeddings)."""
+    if model.get_output_embeddings() is None and isinstance(getattr(model, "score", None), torch.nn.Module):
+        return "score"
+    return None
+
+
+def _head(model):
+    head = model.get_output_embeddings()
+    return head if head is not None else getattr(model, value_head(model) or "", None)
+
+
 def linear_names(model) -> list[str]:
     """Dotted names of the linear layers an adapter could go on: every nn.Linear (and GPT-2's
-    Conv1D, a linear layer with transposed weights) but the output head."""
+    Conv1D, a linear layer with transposed weights) but the output head (a value model's scalar head)."""
     from transformers.pytorch_utils import Conv1D
 
-    head = model.get_output_embeddings()
+    head = _head(model)
     return [n for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, Conv1D)) and m is not head]
 
 
@@ -72,11 +88,12 @@ def check_targets(model, targets: str | list[str]) -> None:
     if targets == "all-linear":
         return
     names = linear_names(model)
-    head = next((n for n, m in model.named_modules() if m is model.get_output_embeddings()), None)
+    head = next((n for n, m in model.named_modules() if m is _head(model)), None)
     for t in [targets] if isinstance(targets, str) else targets:
         if head is not None and (head == t or head.endswith("." + t)):
             raise LoraError(f"model.lora.target_modules: '{t}' is the output head ({head}), "
-                            "which cannot take an adapter")
+                            "which cannot take an adapter" + (" (a value model's head trains whole)"
+                                                              if value_head(model) else ""))
         if not any(n == t or n.endswith("." + t) for n in names):
             known = sorted({n.rsplit(".", 1)[-1] for n in names})
             raise LoraError(f"model.lora.target_modules: '{t}' matches no linear layer of the model; "
@@ -88,8 +105,12 @@ def apply_lora(model, lora, checkpoint: str | Path | None = None):
     frozen; ``checkpoint``: a directory whose adapter weights replace the fresh ones (resume)."""
     peft = _peft()
     check_targets(model, lora.target_modules)
+    head = value_head(model)
+    # A value model's head is new (or a reward model's own): trained whole, never adapted (peft's all-linear would
+    # adapt it, as it leaves out only the output embeddings and a SEQ_CLS head).
+    kind = {"task_type": "CAUSAL_LM"} if head is None else {"modules_to_save": [head], "exclude_modules": [head]}
     config = peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none",
-                             target_modules=lora.target_modules, task_type="CAUSAL_LM")
+                             target_modules=lora.target_modules, **kind)
     trainable = model.training
     with warnings.catch_warnings():  # peft 0.21 asks transformers 5 a deprecated question; nothing for the user to do
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
@@ -129,16 +150,23 @@ def write_adapter(directory: Path, model, state_dict: dict | None = None) -> Non
     model.save_pretrained(directory, state_dict=state_dict, safe_serialization=True, save_embedding_layers=False)
 
 
+def merged_only(model) -> bool:
+    """Whether ``model``'s final save is its merged model alone: a LoRA value model (`exactrl rm`), whose adapter
+    without its trained head and merged body would be of no use to a scorer (reward.model=, the reward server)."""
+    return is_peft(model) and value_head(base_model(model)) is not None
+
+
 def write_merged(directory: Path, model, state_dict: dict | None = None) -> None:
-    """The base model with the adapters merged in (W + alpha/r B A), in Hugging Face format.
-    Built on a fresh copy of the architecture loaded with ``state_dict`` (the full weights,
+    """The base model with the adapters merged in (W + alpha/r B A; a value model's head: its trained copy), in
+    Hugging Face format. Built on a fresh copy of the architecture loaded with ``state_dict`` (the full weights,
     base and adapters; None = the model's own), so the training model keeps its adapters."""
     peft = _peft()
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
     base = base_model(model)
+    auto = AutoModelForTokenClassification if value_head(base) else AutoModelForCausalLM
     with torch.random.fork_rng():  # initialising the copy must not move the run's random streams
-        fresh = AutoModelForCausalLM.from_config(copy.deepcopy(base.config), dtype=torch.float32)
+        fresh = auto.from_config(copy.deepcopy(base.config), dtype=torch.float32)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             fresh = peft.get_peft_model(fresh, copy.deepcopy(model.peft_config[model.active_adapter]))

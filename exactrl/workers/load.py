@@ -26,9 +26,10 @@ def load_model(cfg, path, run_dir: Path, phase: str, role: str, longest: int, tr
     packing self-check (exactrl/checks/packing.py) has confirmed the path the run will train on
     and recorded its figures in the manifest. ``longest``: the run's longest sequence.
     ``checkpoint``: a checkpoint to resume from: its full weights, or (the policy with
-    model.lora.rank > 0) the base model at ``path`` with the checkpoint's adapters."""
+    model.lora.rank > 0) the base model at ``path`` with the checkpoint's adapters. LoRA goes on the trained
+    model: the policy, or exactrl rm's reward model (its head trained whole, exactrl/models/lora.py)."""
     m = cfg.model
-    lora = m.lora.rank > 0 and role == "policy"
+    lora = m.lora.rank > 0 and role in ("policy", "reward_model")
     path = checkpoint if checkpoint and not lora else path
     model = (loader or load_causal_lm)(path, trainable=trainable, attn=m.attn_implementation,
                                        dropout=not m.disable_dropout, trust_remote_code=m.trust_remote_code)

@@ -5,7 +5,7 @@
   the directory's reward_stats.json (1e-6), for GRPO's rollout and DAPO's dynamic sampling;
 * two ranks (gloo) give every sample the same reward as one process;
 * refused before anything loads: a reward model with another tokenizer, missing statistics, a directory that
-  is not a reward model; reward.model_weight without reward.model;
+  is not a reward model, a process reward model normalised; reward.model_weight without reward.model;
 * the reward server serves a reward model over text (re-tokenised with its tokenizer);
 * a short GRPO run trained on the reward model alone (reward.weights=[0]) raises reward/model;
 * under Ray (ray.enabled) the reward model is an actor group of its own: the config is accepted, and (slow) split
@@ -135,10 +135,10 @@ def test_a_directory_that_is_not_a_reward_model_is_refused(rm_dir, tokenizer, tm
     lm = rm_dir.parent / "lm"  # the causal LM the fixture started from: a reward model's head would be random
     with pytest.raises(ConfigError, match="not a reward model"):
         model_reward(load_config(RLConfig, None, [f"reward.model={lm}"]).reward, tokenizer, 4)
-    prm = tmp_path / "prm"  # a process reward model scores steps at their separators, not a response
-    shutil.copytree(rm_dir, prm)
+    prm = tmp_path / "prm"  # a process reward model's reward is a probability: not normalised by its logits' stats
+    shutil.copytree(rm_dir, prm)  # (tests/test_rl_prm_reward.py: a PRM as reward.model)
     (prm / STATS_FILE).write_text(json.dumps({"kind": "process", "train": {"mean": 0.0, "std": 1.0}}))
-    with pytest.raises(ConfigError, match="is a process reward model"):
+    with pytest.raises(ConfigError, match=f"reward.model_normalize=true, but reward.model={prm} is a process reward"):
         model_reward(load_config(RLConfig, None, [f"reward.model={prm}"]).reward, tokenizer, 4)
 
 

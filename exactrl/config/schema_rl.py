@@ -266,8 +266,10 @@ class RewardConfig(Section):
                               description="A trained reward model (the final/ directory of an `exactrl rm` run) "
                                           "scoring every response on the token ids the policy sampled (prompt and "
                                           "response, nothing decoded and re-encoded: it must share the policy's "
-                                          "tokenizer) at the response's last token, by a frozen worker after the "
-                                          "rollout is gathered. The reward is sum(reward.weights x reward.fn) + "
+                                          "tokenizer) at the response's last token (a process reward model, "
+                                          "rm.kind=process: at each step's separator, reduced by "
+                                          "reward.model_reduce), by a frozen worker after the rollout is gathered. "
+                                          "The reward is sum(reward.weights x reward.fn) + "
                                           "reward.model_weight x its normalised score, logged as reward/model; "
                                           "reward.fn is still computed and its first entry still counts for "
                                           "accuracy and evaluation, so to train on the reward model alone set "
@@ -276,7 +278,17 @@ class RewardConfig(Section):
     model_normalize: bool = Field(True,
                                   description="Normalise reward.model's score as (score - mean) / std with the "
                                               "statistics its training saved (reward_stats.json in its directory; "
-                                              "the run stops naming the file when it is missing).")
+                                              "the run stops naming the file when it is missing). A process reward "
+                                              "model's reward is a probability in [0, 1] (reward.model_reduce) and "
+                                              "its saved statistics are of step logits, not of that: it is refused "
+                                              "with true, so set false for one (the probability as it is).")
+    model_reduce: Literal["min", "prod", "last"] = Field(
+        "min", description="A process reward model's (rm.kind=process) one reward per response from its steps' "
+                           "scores s. The sampled response is cut into steps at every occurrence of the separator its "
+                           "training saved (none: one step); a step's s is the head at its separator's last token, "
+                           "the final step's at a separator placed after it (its EOS left out), as the model was "
+                           "trained to read. min = min over steps of sigmoid(s) (Lightman et al. 2023), prod = their "
+                           "product, last = the final step's.")
 
     def specs(self) -> list[str]:
         """The rewards to load, in order: reward.url alone, else reward.fn."""

@@ -5,9 +5,11 @@ other than the command's default in a run that cannot use it is refused by confi
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import NamedTuple
 
 from exactrl.config.methods import METHODS, names
+from exactrl.config.reward_stats import saved_kind
 from exactrl.config.schema import CommonConfig, OptimConfig
 from exactrl.config.schema_ray import RayConfig
 
@@ -105,7 +107,10 @@ USED_WHEN = [
     UsedWhen("reward.fn", lambda c: c.reward.url is None, "reward.url replaces it",
              "list the URL in reward.fn instead"),
     *(UsedWhen(f"reward.{key}", lambda c: c.reward.model is not None, "there is no reward model (reward.model "
-               "unset)", "set reward.model") for key in ("model_weight", "model_normalize")),
+               "unset)", "set reward.model") for key in ("model_weight", "model_normalize", "model_reduce")),
+    UsedWhen("reward.model_reduce", lambda c: _process_rm(c.reward.model), "reward.model={c.reward.model} is a "
+             "pairwise reward model (its reward_stats.json has no kind: process), one score per response, no steps to "
+             "reduce", "give the final/ of an `exactrl rm` run with rm.kind=process"),
     # the asynchronous schedule has an effect without Ray too (it runs in sequence: rollout/schedule.py)
     *(UsedWhen(f"ray.{key}", lambda c: c.ray.enabled, "Ray is off (ray.enabled=false)", "set ray.enabled=true")
       for key in RayConfig.model_fields if key not in ("async_rollouts", "max_staleness")),
@@ -170,3 +175,10 @@ def _clips(c) -> bool:
 
 def _optim(cfg: CommonConfig, section: str) -> OptimConfig:
     return cfg.critic.optim if section == "critic.optim." else cfg.optim
+
+
+
+def _process_rm(model: str | None) -> bool:
+    """Whether reward.model is a process reward model (or cannot be told: a directory not here, a config checked on
+    another machine, or an unreadable reward_stats.json pass, and the run's own check, model_reward, reads it)."""
+    return model is not None and (not Path(model).is_dir() or saved_kind(model) != "pairwise")

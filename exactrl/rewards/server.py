@@ -8,7 +8,8 @@ exactrl/rewards/worker.py), so rewards that need the main thread (math-verify) w
 With ``--model DIR`` it serves a trained reward model instead (the final/ directory of an `exactrl rm` run):
 each prompt and completion is tokenised with the reward model's own tokenizer as `exactrl rm` encodes a text
 pair (the prompt with the tokenizer's special tokens, the completion without, then EOS), scored at that EOS and
-normalised with DIR/reward_stats.json (--raw: not). Unlike reward.model in a run, which scores the policy's
+normalised with DIR/reward_stats.json (--raw: not; a process reward model, whose reward is a probability, with
+--raw only, its steps read as reward.model reads them). Unlike reward.model in a run, which scores the policy's
 sampled ids as they are, this path re-tokenises text: it serves a reward model whose tokenizer differs from the
 policy's, at the cost of a decode and an encode.
 """
@@ -37,8 +38,8 @@ class TextRewardModel:
 
         self.tok = load_tokenizer(path)
         # the checks of reward.model (a reward model's directory, its statistics), against its own tokenizer
-        self.scorer = model_reward(SimpleNamespace(model=path, model_weight=1.0, model_normalize=normalize), self.tok,
-                                   per_forward)
+        self.scorer = model_reward(SimpleNamespace(model=path, model_weight=1.0, model_normalize=normalize,
+                                                   model_reduce="min"), self.tok, per_forward)
         model = load_value_model(path).requires_grad_(False)
         self.scorer.worker = RewardModel("reward", model, pad_id=self.tok.pad_token_id)
         self.lock = threading.Lock()  # one forward at a time: the server answers requests in threads

@@ -334,19 +334,24 @@ def test_builtin_sets_are_disjoint_deterministic_and_verified(tmp_path, monkeypa
         assert arithmetic.is_correct(r["chosen"], answer) and not arithmetic.is_correct(r["rejected"], answer)
         kinds.add(r["rejected_kind"])
         assert r["rejected"].startswith("####") == (r["rejected_kind"] == "direct")
-    assert kinds == {"direct", "working"}
+        if r["rejected_kind"] == "answer":  # the columns as the chosen's, the answer line alone miscopied
+            assert r["rejected"].split("####")[0] == r["chosen"].split("####")[0]
+            assert len(r["rejected"]) == len(r["chosen"])
+        elif r["rejected_kind"] == "working":  # a slip in the columns: their text differs
+            assert r["rejected"].split("####")[0] != r["chosen"].split("####")[0]
+    assert kinds == {"direct", "working", "answer"}
     for r in rows["unpaired_train"] + rows["unpaired_eval"]:
         assert r["label"] == arithmetic.is_correct(r["completion"], problem(r["prompt"]).answer)
     assert {r["label"] for r in rows["unpaired_train"]} == {True, False}
     wrong_steps = 0
     for r in rows["steps_train"] + rows["steps_eval"]:
         p, steps = problem(r["prompt"]), r["completions"]
-        assert len(steps) == 4 and steps[-1].startswith("#### ")
+        assert len(steps) == 5 and steps[-2] == "####"  # the answer line cut at the separator, as a run cuts it
         carry, labels = 0, []
-        for i, step in enumerate(steps[:-1]):
+        for i, step in enumerate(steps[:-2]):
             labels.append(step == expected_step(p, i, carry))
             carry = int(step[-2:]) // 10
-        labels.append(arithmetic.is_correct(steps[-1], p.answer))
+        labels += [True, int(steps[-1]) == p.a + p.b]
         assert r["labels"] == labels, r
         wrong_steps += labels.count(False)
         if all(labels):

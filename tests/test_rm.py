@@ -199,6 +199,14 @@ def test_rm_on_the_builtin_pairs_saves_the_reward_statistics_of_its_final_scores
     assert saved["train"]["chosen_mean"] == pytest.approx(float(c.mean()), abs=1e-6)
     assert saved["eval"]["n"] == 10 and saved["eval"]["correct"] == int((e_c > e_r).sum())
     assert records[-1]["eval_pairwise_accuracy"] == saved["eval"]["pairwise_accuracy"]
+    # each kind of the built-in pairs (direct, working, answer) scored on its own: read from the file's rows
+    kinds = [json.loads(line)["rejected_kind"] for line in open(resolve("builtin", "pairs_eval", SPEC))]
+    by_kind = saved["eval"]["by_kind"]
+    assert set(by_kind) == set(kinds) and sum(v["n"] for v in by_kind.values()) == 10
+    for kind, v in by_kind.items():
+        idx = [i for i, k in enumerate(kinds) if k == kind]
+        assert v["n"] == len(idx) and v["correct"] == int((e_c[idx] > e_r[idx]).sum())
+        assert records[-1][f"eval_pairwise_accuracy/{kind}"] == v["pairwise_accuracy"]
 
 
 def test_rm_margin_on_pairs_without_one_exits_2_naming_the_row(tmp_path):

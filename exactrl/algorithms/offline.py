@@ -23,7 +23,7 @@ from exactrl.distributed.checkpoint import resume
 from exactrl.distributed.launch import is_main
 from exactrl.losses.preference import PairInput
 from exactrl.run.context import RunContext
-from exactrl.run.evaluation import pairwise_accuracy
+from exactrl.run.evaluation import pairwise_accuracy, pairwise_report
 from exactrl.workers.reference_cache import ReferenceCache, cache_key, forward_layout, forward_settings
 from exactrl.workers.worker import Worker
 
@@ -129,14 +129,14 @@ def heldout_pairwise(ctx, policy, held_out: list[PairExample], rewards: Callable
     pol, refs = sums(policy.forward(samples, "logprobs", layout)), None if ref is None else sums(ref(samples, layout))
     x = PairInput(chosen=pol[0::2], rejected=pol[1::2], chosen_tokens=tokens[0::2], rejected_tokens=tokens[1::2],
                   ref_chosen=None if refs is None else refs[0::2], ref_rejected=None if refs is None else refs[1::2])
-    out = pairwise_accuracy(*rewards(x))
+    out = pairwise_accuracy(*rewards(x), [p.kind for p in held_out])
+    per_kind, lines = pairwise_report(out, " (implicit reward)")
     ctx.write(step, {"eval_pairwise_accuracy": out["pairwise_accuracy"], "eval_pairwise_ci95": out["ci95"],
-                     "eval_reward_margin": out["mean_margin"], "eval_pairs": out["n"]})
+                     "eval_reward_margin": out["mean_margin"], "eval_pairs": out["n"]} | per_kind)
     if is_main():
-        lo, hi = out["ci95"]
-        print(f"[{ctx.phase}] held-out pairwise accuracy (implicit reward) on {out['n']} pairs "
-              f"{100 * out['pairwise_accuracy']:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}], mean reward margin "
-              f"{out['mean_margin']:.4f}")
+        lines[0] += f", mean reward margin {out['mean_margin']:.4f}"
+        for line in lines:
+            print(f"[{ctx.phase}] {line}")
     return out
 
 

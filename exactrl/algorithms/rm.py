@@ -33,7 +33,7 @@ from exactrl.losses.objective import Objective
 from exactrl.losses.pairs import ScoreTerm
 from exactrl.losses.preference import PairParams
 from exactrl.models.loading import load_tokenizer
-from exactrl.run.evaluation import eval_data, pairwise_accuracy
+from exactrl.run.evaluation import eval_data, pairwise_accuracy, pairwise_report
 from exactrl.seeding import seed_everything
 from exactrl.tasks.builtin import BuiltinSpec
 from exactrl.workers.reward_model import STATS_FILE, score_layout
@@ -104,14 +104,15 @@ def train_rm(cfg: RMConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     stats = {"score_position": "the answer's last real token (its EOS)", "train": reward_stats(
         *score_pairs(model, pairs[: cfg.rm.stats_pairs], t.micro_batch_size)), "train_file": str(train_path)}
     if held_out:
-        stats |= {"eval": pairwise_accuracy(*score_pairs(model, held_out, t.micro_batch_size)),
-                  "eval_file": str(eval_path)}
-        ctx.write(steps, {"eval_pairwise_accuracy": stats["eval"]["pairwise_accuracy"],
-                          "eval_ci95": stats["eval"]["ci95"], "eval_mean_margin": stats["eval"]["mean_margin"]})
+        stats |= {"eval": pairwise_accuracy(*score_pairs(model, held_out, t.micro_batch_size),
+                                            [p.kind for p in held_out]), "eval_file": str(eval_path)}
+        e = stats["eval"]
+        per_kind, lines = pairwise_report(e)
+        ctx.write(steps, {"eval_pairwise_accuracy": e["pairwise_accuracy"], "eval_ci95": e["ci95"],
+                          "eval_mean_margin": e["mean_margin"]} | per_kind)
         if is_main():
-            e = stats["eval"]
-            print(f"[{phase}] held-out pairwise accuracy on {e['n']} pairs {100 * e['pairwise_accuracy']:.1f}% "
-                  f"[{100 * e['ci95'][0]:.1f}, {100 * e['ci95'][1]:.1f}]")
+            for line in lines:
+                print(f"[{phase}] {line}")
     final = ctx.finish({final_name: model})
     if is_main():  # beside config.json: what a scorer normalises with, (r - mean) / std
         (final / STATS_FILE).write_text(json.dumps(stats, indent=2) + "\n")

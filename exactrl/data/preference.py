@@ -47,6 +47,8 @@ class PairExample:
     source: str  # "file:line"
     margin: float | None = None  # the row's "margin" (None: it has none)
     truncated: bool = False  # an answer was cut to fit data.max_length (over_length=truncate)
+    kind: str | None = None  # the row's "rejected_kind" (the built-in pairs': direct, working, answer): evaluation
+    # reports the pairwise accuracy of each kind beside the whole
 
     def sequence(self, side: str) -> tuple[list[int], list[int]]:
         """``side``'s ids, prompt then answer, and its loss mask aligned with them (1 on the answer)."""
@@ -257,7 +259,8 @@ def encode_pairs(rows: list[Row], tokenizer, max_length: int, max_prompt_length:
         answers, cut = _fit(row, prompt, answers, SIDES, max_length, max_prompt_length, over_length)
         if cut and truncated is not None:
             truncated.append(row.source)
-        return PairExample(prompt, answers[0], answers[1], row.source, margin, cut)
+        kind = row.data.get("rejected_kind")
+        return PairExample(prompt, answers[0], answers[1], row.source, margin, cut, None if kind is None else str(kind))
 
     return _keep(rows, encode, "drop" if over_length == "drop" else "error", dropped)
 

@@ -194,9 +194,27 @@ def greedy_accuracy(cfg, policy, tokenizer, eval_set: EvalSet) -> Accuracy:
                              fallback=r.fallback if r else None)
 
 
-def pairwise_accuracy(chosen: torch.Tensor, rejected: torch.Tensor) -> dict:
+def pairwise_accuracy(chosen: torch.Tensor, rejected: torch.Tensor, kinds: list[str | None] | None = None) -> dict:
     """Share of pairs whose chosen answer scores strictly above the rejected one (a tie counts as wrong), with
-    its Wilson 95% interval, and the mean score margin."""
+    its Wilson 95% interval, and the mean score margin; with ``kinds`` (each pair's kind, None: none), the same
+    for each kind under "by_kind" (a style a scorer can tell apart is not a correctness it judges)."""
     k, n = int((chosen > rejected).sum()), chosen.numel()
-    return {"pairwise_accuracy": k / n, "ci95": list(wilson_interval(k, n)), "correct": k, "n": n,
-            "mean_margin": float((chosen - rejected).mean())}
+    out = {"pairwise_accuracy": k / n, "ci95": list(wilson_interval(k, n)), "correct": k, "n": n,
+           "mean_margin": float((chosen - rejected).mean())}
+    named = sorted({kind for kind in kinds or () if kind is not None})
+    if named:
+        out["by_kind"] = {}
+        for kind in named:
+            idx = torch.tensor([i for i, x in enumerate(kinds) if x == kind])
+            out["by_kind"][kind] = pairwise_accuracy(chosen[idx], rejected[idx])
+    return out
+
+
+def pairwise_report(out: dict, what: str = "") -> tuple[dict, list[str]]:
+    """``out`` (pairwise_accuracy's) per kind as metrics (eval_pairwise_accuracy/KIND) and the printed lines: the
+    whole, then each kind."""
+    kinds = out.get("by_kind", {})
+    lines = [f"held-out pairwise accuracy{what} on {v['n']} pairs{name} {100 * v['pairwise_accuracy']:.1f}% "
+             f"[{100 * v['ci95'][0]:.1f}, {100 * v['ci95'][1]:.1f}]"
+             for name, v in [("", out)] + [(f" of kind {k}", v) for k, v in kinds.items()]]
+    return {f"eval_pairwise_accuracy/{k}": v["pairwise_accuracy"] for k, v in kinds.items()}, lines

@@ -2,17 +2,20 @@
 so reward models, the DPO family, KTO and a process reward model train and are tested offline.
 
 * pairs ``{"prompt", "chosen", "rejected", "answer", "rejected_kind"}``: chosen is the worked, correct
-  solution; rejected is wrong, one of two kinds, by a coin per problem: ``direct``, a direct answer
-  whose number is off in one column (the built-in SFT model's failure: it skips the working on the
-  teacher's habit problems and misses), or ``working``, the worked style with one slip (a column
+  solution; rejected is wrong, one of three kinds, by a die per problem: ``direct``, a direct answer
+  whose number is off in one column (the built-in SFT model's greedy failure: it skips the working on the
+  teacher's habit problems and misses); ``working``, the worked style with one slip in a column (a column
   sum written wrong, a carry dropped or invented, a digit miscopied) and every later column and the
-  answer computed from what was written, so the slip alone makes it wrong;
+  answer computed from what was written, so the slip alone makes it wrong; or ``answer``, every column
+  right and one digit of the answer line miscopied from them (the most frequent error of the SFT model's
+  sampled worked answers). Two of three pairs differ only in correctness, not in style;
 * unpaired ``{"prompt", "completion", "label", "answer"}``: one side of such a pair per problem, by a
   coin: the correct worked solution (true) or the wrong one (false);
-* step-labelled ``{"prompt", "completions", "labels", "answer"}``: a worked solution (by a coin, the
-  correct one or one with a slip) cut into its column steps and its ``#### answer``; each column step
-  is labelled by itself (its digits are the column's, its carry the one the step before it wrote,
-  its sum right), the answer step by the task's verifier. Joined with STEP_SEPARATOR the steps are the
+* step-labelled ``{"prompt", "completions", "labels", "answer"}``: a worked solution (by a die, the
+  correct one, one with a column slip or one with a miscopied answer) cut into its column steps,
+  ``####`` and the answer (the answer line holds the separator too); each column step is labelled by
+  itself (its digits are the column's, its carry the one the step before it wrote, its sum right),
+  ``####`` right, the answer by the task's verifier. Joined with STEP_SEPARATOR the steps are the
   solution's text, as the policy writes it.
 
 The training sets use the problems of the built-in RL split, the held-out sets the built-in eval
@@ -37,7 +40,7 @@ from exactrl.tasks.arithmetic import Problem
 STEP_SEPARATOR = " "  # what separates a worked solution's steps: a PRM scores the policy's own text at it
 SETS = ("pairs", "unpaired", "steps")
 KINDS = tuple(f"{s}_{split}" for s in SETS for split in ("train", "eval"))  # resolve()'s names of the files
-VERSION = 1  # in the directory name: a change to what is generated builds afresh, beside older caches
+VERSION = 2  # in the directory name: a change to what is generated builds afresh, beside older caches
 STEP_RE = re.compile(r"(\d)\+(\d)\+(\d)=(\d\d)")
 
 
@@ -73,9 +76,12 @@ def answer_of(columns: list[Column]) -> str:
     return str(columns[-1].total // 10) + "".join(str(c.total % 10) for c in reversed(columns))
 
 
-def solution_steps(columns: list[Column]) -> list[str]:
-    """The steps of a worked solution: each column, then the answer they compute."""
-    return [str(c) for c in columns] + [f"#### {answer_of(columns)}"]
+def solution_steps(columns: list[Column], answer: str | None = None) -> list[str]:
+    """The steps of a worked solution: each column, then the answer line cut at STEP_SEPARATOR as a run cuts
+    the policy's text (``####`` and the number: a PRM in `exactrl rl` scores every separator of a sampled
+    response, the one inside the answer line too, so it must have been trained there). The number is the
+    one the columns compute unless ``answer`` is given."""
+    return [str(c) for c in columns] + ["####", answer_of(columns) if answer is None else answer]
 
 
 def slipped(p: Problem, rng: random.Random) -> tuple[list[Column], str]:
@@ -98,13 +104,29 @@ def slipped(p: Problem, rng: random.Random) -> tuple[list[Column], str]:
     return columns + [slip] + _work(pairs[k + 1:], slip.total // 10), how
 
 
+def miscopied(p: Problem, rng: random.Random) -> list[str]:
+    """The steps of a worked solution whose columns are all right and whose answer line has one digit
+    miscopied from them."""
+    columns = _work(digits(p))
+    answer = list(answer_of(columns))
+    k = rng.randrange(len(answer))
+    answer[k] = str((int(answer[k]) + rng.randrange(1, 10)) % 10)
+    return solution_steps(columns, "".join(answer))
+
+
+def wrong_steps(p: Problem, kind: str, rng: random.Random) -> list[str]:
+    """A wrong worked solution's steps: a column slip (``working``) or a miscopied answer (``answer``)."""
+    return solution_steps(slipped(p, rng)[0]) if kind == "working" else miscopied(p, rng)
+
+
 def step_labels(p: Problem, steps: list[str]) -> list[bool]:
     """Each step judged by itself: a column step must read the column's digits, the carry the step
-    before it wrote (0 first) and their sum; the answer step must hold the right sum (the verifier)."""
+    before it wrote (0 first) and their sum; the ``####`` step is the format's, right as written; the number
+    after it must be the right sum (the verifier)."""
     labels, carry, pairs = [], 0, digits(p)
     for i, step in enumerate(steps):
-        if step.startswith("####"):
-            labels.append(arithmetic.is_correct(step, p.answer))
+        if step == "####" or (i and steps[i - 1] == "####"):
+            labels.append(step == "####" or arithmetic.is_correct(f"#### {step}", p.answer))
             continue
         m = STEP_RE.fullmatch(step)
         if m is None or i >= len(pairs):
@@ -121,9 +143,11 @@ def _rows(problems: list[Problem], rng: random.Random) -> dict[str, list[dict]]:
     out = {s: [] for s in SETS}
     for p in problems:
         chosen = arithmetic.worked_solution(p)
-        columns, _ = slipped(p, rng)
-        kind = rng.choice(("direct", "working"))
-        rejected = f"#### {answer_of(columns)}" if kind == "direct" else STEP_SEPARATOR.join(solution_steps(columns))
+        kind = rng.choice(("direct", "working", "answer"))
+        if kind == "direct":
+            rejected = f"#### {answer_of(slipped(p, rng)[0])}"
+        else:
+            rejected = STEP_SEPARATOR.join(wrong_steps(p, kind, rng))
         if not arithmetic.is_correct(chosen, p.answer) or arithmetic.is_correct(rejected, p.answer):
             raise AssertionError(f"{p.prompt} {chosen!r} vs {rejected!r}: the chosen must be right, the rejected wrong")
         out["pairs"].append({"prompt": p.prompt, "chosen": chosen, "rejected": rejected, "answer": p.answer,
@@ -131,7 +155,8 @@ def _rows(problems: list[Problem], rng: random.Random) -> dict[str, list[dict]]:
         good = rng.random() < 0.5
         out["unpaired"].append({"prompt": p.prompt, "completion": chosen if good else rejected, "label": good,
                                 "answer": p.answer})
-        steps = solution_steps(_work(digits(p)) if rng.random() < 0.5 else slipped(p, rng)[0])
+        how = rng.choice(("right", "working", "answer"))
+        steps = solution_steps(_work(digits(p))) if how == "right" else wrong_steps(p, how, rng)
         out["steps"].append({"prompt": p.prompt, "completions": steps, "labels": step_labels(p, steps),
                              "answer": p.answer})
     return out

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import namedtuple
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -27,13 +28,16 @@ from exactrl.rollout import weight_channel
 from exactrl.rollout.generator import SamplingParams
 from exactrl.rollout.hf import HFEngine
 from exactrl.rollout.stops import StopStrings
+from exactrl.rollout.vllm_server import sequence_scores
 from exactrl.rollout.vllm_worker import resident_digest
+
+Logprob = namedtuple("Logprob", "logprob rank")  # vLLM's (vllm/logprobs.py), without the decoded text
 
 
 class HFBackend:
     def __init__(self, model: str, name: str, dtype: str, seed: int, max_model_len: int, enforce_eager: bool,
                  gpu_memory_utilization: float, trust_remote_code: bool = False, sleep_level: int = 0,
-                 tensor_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, max_logprobs: int = 20):
         torch.set_num_threads(1)
         faults = json.loads(os.environ.get("EXACTRL_FAKE_ENGINE", "{}"))
         hang_on_load, generate_seconds = faults.get("hang_on_load", False), faults.get("generate_seconds", 0.0)
@@ -106,6 +110,25 @@ class HFBackend:
 
     def probe(self, ids: list[int]) -> list[float]:
         return self.engine.probe_logprobs(ids)
+
+    @torch.no_grad()
+    def score(self, sequences: list[list[int]], k: int) -> list[tuple]:
+        """vLLM's prompt log-probs (at temperature 1, from the model's logits in fp32), each position shaped as vLLM
+        gives it ({token id: Logprob} of the token and the k best, by rank), through the real engine's reading of
+        them (vllm_server.sequence_scores)."""
+        out = []
+        for ids in sequences:
+            lp = self.model(input_ids=torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1)
+            positions = [None]
+            for t in range(1, len(ids)):
+                row = lp[t - 1]
+                entry = {ids[t]: Logprob(float(row[ids[t]]), int((row > row[ids[t]]).sum()) + 1)}
+                if k:
+                    top, top_ids = row.topk(k)
+                    entry |= {int(i): Logprob(float(v), r) for r, (v, i) in enumerate(zip(top, top_ids), 1)}
+                positions.append(entry)
+            out.append(sequence_scores(positions, ids, k))
+        return out
 
     def generate(self, requests, params: dict) -> dict:
         time.sleep(self.generate_seconds)

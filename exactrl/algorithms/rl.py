@@ -303,7 +303,7 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     longest, pad = cfg.data.max_length + cfg.rollout.max_new_tokens, tok.pad_token_id
     where = {"run_dir": ctx.run_dir, "phase": phase, "longest": longest, "pad_id": pad}
     warmup = min(cfg.critic.warmup_rollouts, rollouts) * steps_per_rollout if alg.critic else 0
-    roles, schedule = place(cfg, ctx.run_dir, phase), None
+    roles, schedule, teacher = place(cfg, ctx.run_dir, phase), None, None
     try:
         # the policy's schedule starts after the critic's warm-up
         policy = roles.worker("policy", model_path, total_steps=max(1, steps - warmup), checkpoint=t.resume_from,
@@ -405,5 +405,6 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
         if schedule is not None:
             schedule.close()
         roles.close()
+        getattr(teacher, "close", lambda: None)()  # a vLLM teacher's engine process (distill.teacher_engine=vllm)
         reward_fns.close()
     return RLResult(ctx.run_dir, final, steps, seconds, gen_tokens, flops.record())

@@ -22,6 +22,13 @@ class DistillConfig(Section):
                                             "samples, token by token; it must share the student's tokenizer. Its "
                                             "log-probs are taken at rollout.temperature, like the student's. "
                                             "Unset = no distillation term.")
+    teacher_engine: Literal["hf", "vllm"] = Field(
+        "hf", description="What runs the teacher: 'hf' a frozen model in the trainer's process (or a Ray actor "
+                          "group), 'vllm' a vLLM engine process of its own per rank, loading distill.teacher, "
+                          "scoring each rollout from vLLM's prompt log-probs (its interpreter, memory and "
+                          "timeouts are rollout.vllm.*'s). vLLM gives the log-probs of a few tokens at "
+                          "temperature 1: distill.loss=k1, k3 or forward_kl_topk, at rollout.temperature=1, "
+                          "without Ray (docs/algorithms/distillation.md).")
     loss: Literal[DISTILL_LOSSES] = Field(
         "k1", description="The per-token divergence to the teacher on the student's sampled tokens: 'k1' the "
                           "reverse KL's sampled-token estimate log p_S(y) - log p_T(y) as a negative advantage, "
@@ -39,3 +46,21 @@ class DistillConfig(Section):
     beta: float = Field(0.5, ge=0, le=1,
                         description="distill.loss=jsd: GKD's beta, the mixture M = beta p_T + (1 - beta) p_S; 0 is "
                                     "the forward KL, 1 the reverse KL (TRL's convention).")
+
+
+def check_teacher_engine(cfg) -> None:
+    """What a vLLM teacher cannot give, refused in one line naming the keys (exactrl/workers/vllm_teacher.py)."""
+    d = cfg.distill
+    if d.teacher is None or d.teacher_engine != "vllm":
+        return
+    if d.loss in ("reverse_kl", "jsd"):
+        raise ValueError(f"distill.loss={d.loss} needs the teacher's logits over the whole vocabulary, which "
+                         "distill.teacher_engine=vllm does not give (vLLM returns log-probs of a few tokens): use "
+                         "distill.loss=k1, k3 or forward_kl_topk, or distill.teacher_engine=hf")
+    if cfg.rollout.temperature != 1.0:
+        raise ValueError(f"rollout.temperature={cfg.rollout.temperature:g} with distill.teacher_engine=vllm: vLLM's "
+                         "prompt log-probs are at temperature 1 (raw logits), and the teacher's at another "
+                         "temperature need every logit: use rollout.temperature=1 or distill.teacher_engine=hf")
+    if cfg.ray.enabled:
+        raise ValueError("distill.teacher_engine=vllm with ray.enabled=true: the teacher's engine would run outside "
+                         "Ray's placement of the run's devices; use distill.teacher_engine=hf (a Ray actor group)")

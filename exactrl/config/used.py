@@ -100,8 +100,9 @@ USED_WHEN = [
              "use another algo.policy_loss"),
     UsedWhen("algo.ratio_tol", lambda c: c.algo.ratio_check != "off", "the on-policy check is off "
              "(algo.ratio_check=off)", "set algo.ratio_check=error or warn"),
-    UsedWhen("rollout.vllm.", lambda c: c.rollout.engine == "vllm", "the generator is not vLLM (rollout.engine="
-             "{c.rollout.engine})", "set rollout.engine=vllm"),
+    UsedWhen("rollout.vllm.", lambda c: c.rollout.engine == "vllm" or _vllm_teacher(c), "neither the generator "
+             "(rollout.engine={c.rollout.engine}) nor a teacher is vLLM", "set rollout.engine=vllm (or "
+             "distill.teacher_engine=vllm with distill.teacher)"),
     UsedWhen("rollout.batch_size", lambda c: c.rollout.engine == "hf", "vLLM batches its requests itself "
              "(rollout.engine={c.rollout.engine})", "set rollout.engine=hf"),
     UsedWhen("reward.fn", lambda c: c.reward.url is None, "reward.url replaces it",
@@ -161,6 +162,12 @@ USED_WHEN = [
 
 def _method(c):
     return METHODS[c.algo.name]
+
+
+def _vllm_teacher(c) -> bool:
+    """A distillation teacher served by vLLM (distill.teacher_engine=vllm), whose engine takes rollout.vllm.*."""
+    d = getattr(c, "distill", None)
+    return d is not None and d.teacher is not None and d.teacher_engine == "vllm"
 
 
 def _clips(c) -> bool:

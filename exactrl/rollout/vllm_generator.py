@@ -58,21 +58,22 @@ class VLLMGenerator:
                  gpu_memory_utilization: float = 0.9, start_timeout: float = 600.0, sync_timeout: float = 300.0,
                  request_timeout: float = 3600.0, bucket_mb: int = 256, log_dir: Path | None = None,
                  backend: str = "exactrl.rollout.vllm_server:VLLMBackend", env: dict | None = None,
-                 trust_remote_code: bool = False, sleep_level: int = 0, tensor_parallel_size: int = 1):
+                 trust_remote_code: bool = False, sleep_level: int = 0, tensor_parallel_size: int = 1,
+                 max_logprobs: int = 20, label: str = "vllm engine"):
         self.tok, self.index, self.sleep_level, self.tp = tokenizer, index, sleep_level, tensor_parallel_size
         self.weights_dtype = PRECISIONS[dtype].weights
         self.sync_timeout, self.request_timeout, self.bucket_bytes = sync_timeout, request_timeout, bucket_mb << 20
         self._group, self._store, self._digest, self.conn, self._joined = None, None, None, None, False
         where = Path(log_dir or os.environ.get("TMPDIR", "/tmp"))
-        self.log = where / f"vllm-engine-{index}-{os.getpid()}-{next(_STARTS)}.log"
-        self.name = f"vllm engine {index}"
+        self.log = where / f"{label.replace(' ', '-')}-{index}-{os.getpid()}-{next(_STARTS)}.log"
+        self.name = f"{label} {index}"
         args = {"model": str(model_dir), "name": self.name, "dtype": PRECISIONS[dtype].vllm,
                 "seed": seed, "max_model_len": max_model_len, "enforce_eager": enforce_eager,
                 "gpu_memory_utilization": gpu_memory_utilization, "trust_remote_code": trust_remote_code,
-                "sleep_level": sleep_level, "tensor_parallel_size": tensor_parallel_size}
+                "sleep_level": sleep_level, "tensor_parallel_size": tensor_parallel_size, "max_logprobs": max_logprobs}
         env = {**cpu_binding(tensor_parallel_size), **(env or {})}
         self._start(python or sys.executable, backend, args, env, start_timeout)
-        self.name = f"vllm engine {index} (pid {self.proc.pid})"
+        self.name = f"{label} {index} (pid {self.proc.pid})"
         self.weights_state = WeightsState(self.name)
         atexit.register(self.close)
 
@@ -274,6 +275,14 @@ class VLLMGenerator:
         self._wake("the probe")
         self.weights_state.require_usable("the probe")
         return self._request("probe", list(ids))
+
+    def score(self, sequences: list[list[int]], k: int = 0) -> list[tuple]:
+        """For each sequence, at temperature 1 (vLLM's prompt log-probs: raw), the log-prob of each token after
+        the first and with ``k`` > 0 the ``k`` largest log-probs and their ids at each of those positions
+        (exactrl/rollout/vllm_server.py sequence_scores), as lists: a distillation teacher's fields."""
+        self._wake("scoring")
+        self.weights_state.require_usable("scoring")
+        return self._request("score", [list(ids) for ids in sequences], k)
 
     # -- sampling ------------------------------------------------------------------------------
 

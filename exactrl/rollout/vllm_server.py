@@ -40,7 +40,7 @@ class VLLMBackend:
 
     def __init__(self, model: str, name: str, dtype: str, seed: int, max_model_len: int, enforce_eager: bool,
                  gpu_memory_utilization: float, trust_remote_code: bool = False, sleep_level: int = 0,
-                 tensor_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, max_logprobs: int = 20):
         from vllm import LLM
 
         # processed_logprobs: after temperature (and top-k/top-p, which then renormalise them over the
@@ -48,7 +48,7 @@ class VLLMBackend:
         self.llm = LLM(model=model, dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=enforce_eager,
                        gpu_memory_utilization=gpu_memory_utilization, trust_remote_code=trust_remote_code,
                        logprobs_mode="processed_logprobs", enable_sleep_mode=sleep_level > 0,
-                       tensor_parallel_size=tensor_parallel_size,
+                       tensor_parallel_size=tensor_parallel_size, max_logprobs=max_logprobs,
                        worker_extension_cls=WORKER_EXTENSION)
         self._rpc("exactrl_start", name, sleep_level > 0)
 
@@ -102,6 +102,17 @@ class VLLMBackend:
                                 use_tqdm=False)[0]
         return [out.prompt_logprobs[t][ids[t]].logprob for t in range(1, len(ids))]
 
+    def score(self, sequences: list[list[int]], k: int) -> list[tuple]:
+        """Each sequence's log-prob of every token after its first, and with ``k`` > 0 the ``k`` largest log-probs
+        and their ids at each of those positions (sequence_scores), from vLLM's prompt log-probs: a distillation
+        teacher's (exactrl/workers/vllm_teacher.py). vLLM computes them from the raw logits (no sampling processor
+        touches a prompt token, whatever logprobs_mode or the request's temperature): at temperature 1."""
+        from vllm import SamplingParams, TokensPrompt
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=k, detokenize=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in sequences], params, use_tqdm=False)
+        return [sequence_scores(out.prompt_logprobs, ids, k) for out, ids in zip(outs, sequences)]
+
     def generate(self, requests: list[tuple[list[int], int]], params: dict) -> dict:
         """One vLLM request per response, seeded by its own key (rollout/generator.py row_seed), so
         a response does not depend on which others share the engine's batch."""
@@ -122,6 +133,26 @@ class VLLMBackend:
             lp = None if c.logprobs is None else [step[t].logprob for t, step in zip(c.token_ids, c.logprobs)]
             rows.append((list(c.token_ids), lp))
         return {"rows": rows, "state": state}
+
+
+def sequence_scores(prompt_logprobs, ids: list[int], k: int) -> tuple[list[float], list[list[int]] | None,
+                                                                      list[list[float]] | None]:
+    """vLLM's prompt log-probs of ``ids`` (position t: None at 0, else {token id: Logprob(logprob, rank)} holding
+    ids[t] and the k best) as (log p(ids[t] | ids[:t]) for t = 1..len-1, the k best ids and their log-probs at each
+    of those positions in rank order; None with k = 0): target t - 1 of exactrl's per-token layout."""
+    if len(prompt_logprobs) != len(ids) or prompt_logprobs[0] is not None:
+        raise ValueError(f"prompt log-probs of {len(prompt_logprobs)} positions for a sequence of {len(ids)} tokens")
+    targets, top_ids, top_lps = [], [] if k else None, [] if k else None
+    for t in range(1, len(ids)):
+        position = prompt_logprobs[t]
+        targets.append(position[ids[t]].logprob)
+        if k:
+            best = sorted(position.items(), key=lambda item: item[1].rank)[:k]
+            if len(best) < k or best[-1][1].rank > k:
+                raise ValueError(f"position {t}: {len(best)} of the {k} best log-probs asked (prompt_logprobs={k})")
+            top_ids.append([i for i, _ in best])
+            top_lps.append([lp.logprob for _, lp in best])
+    return targets, top_ids, top_lps
 
 
 def serve(conn, backend) -> None:

@@ -24,7 +24,11 @@ def check_before_start(cfg) -> None:
     for prefix, c in phases(cfg):
         rollout, reward, ray = getattr(c, "rollout", None), getattr(c, "reward", None), getattr(c, "ray", None)
         # on a cluster Ray joins (ray.address), the engines' interpreter is on other machines: theirs to say
-        if rollout is not None and rollout.engine == "vllm" and not (ray is not None and ray.enabled and ray.address):
+        distill = getattr(c, "distill", None)
+        engine = rollout is not None and rollout.engine == "vllm" and not (ray is not None and ray.enabled
+                                                                           and ray.address)
+        teacher = distill is not None and distill.teacher is not None and distill.teacher_engine == "vllm"
+        if engine or teacher:  # a vLLM teacher's engine takes rollout.vllm.python too
             check_vllm_python(rollout.vllm.python, prefix)
         timeout = min(reward.timeout, 10.0) if reward is not None else 10.0
         if reward is not None:

@@ -21,3 +21,17 @@ def gather(obj) -> list:
     out = [None] * world_size()
     torch.distributed.all_gather_object(out, obj)
     return out
+
+
+def gather_fields(mine: dict[int, list], n: int, names: tuple[str, ...], who: str) -> dict[str, list]:
+    """Every rank's ``mine`` (sample index -> its fields, in ``names``' order) joined into each field's list over
+    all ``n`` samples; a sample no rank computed is an error naming ``who`` (a layout that missed it)."""
+    out: list[list | None] = [None] * n
+    for part in gather(mine):
+        for i, row in part.items():
+            out[i] = row
+    missing = [i for i, row in enumerate(out) if row is None]
+    if missing:
+        raise RuntimeError(f"the {who}'s {', '.join(names)} were computed for no micro-batch holding samples "
+                           f"{missing[:8]}")
+    return {name: [row[j] for row in out] for j, name in enumerate(names)}

@@ -22,7 +22,7 @@ import torch
 
 from exactrl.data.batch import Sample
 from exactrl.device import use_device
-from exactrl.distributed.collectives import gather
+from exactrl.distributed.collectives import gather_fields
 from exactrl.distributed.launch import rank, world_size
 from exactrl.rollout.vllm_generator import VLLMGenerator, rank_gpu
 
@@ -52,15 +52,7 @@ class VLLMTeacher:
         k = self.topk if "topk_logprobs" in names or "topk_ids" in names else 0
         scored = self.engine.score([samples[i].ids for i in mine], k)
         part = {i: self.fields(samples[i], names, k, *row) for i, row in zip(mine, scored)}
-        out: list[list[torch.Tensor] | None] = [None] * len(samples)
-        for got in gather(part):
-            for i, row in got.items():
-                out[i] = row
-        missing = [i for i, row in enumerate(out) if row is None]
-        if missing:
-            raise RuntimeError(f"the teacher's {', '.join(names)} were computed for no micro-batch holding samples "
-                               f"{missing[:8]}")
-        return {name: [row[j] for row in out] for j, name in enumerate(names)}
+        return gather_fields(part, len(samples), names, self.role)
 
     @staticmethod
     def fields(sample: Sample, names: tuple[str, ...], k: int, logprobs, top_ids, top_logprobs) -> list:

@@ -37,7 +37,7 @@ import torch
 from exactrl.checks.weight_sync import Digesting, SyncCheck, SyncReport, probe_ids
 from exactrl.data.batch import Sample, collate
 from exactrl.device import process_device
-from exactrl.distributed.collectives import gather
+from exactrl.distributed.collectives import gather_fields
 from exactrl.distributed.engine import SampleAccountingError, build_engine
 from exactrl.distributed.launch import rank, world_size
 from exactrl.distributed.step_plan import StepPlan
@@ -167,15 +167,7 @@ class Worker:
                 # Kept on the CPU between passes (collate moves them back): a rollout's worth of
                 # per-token fields stays off the GPU, and gather pickles CPU tensors.
                 mine[i] = [values[j][: samples[i].num_targets].to("cpu", copy=True) for values in rows]
-        out: list[list[torch.Tensor] | None] = [None] * len(samples)
-        for part in gather(mine):
-            for i, row in part.items():
-                out[i] = row
-        missing = [i for i, row in enumerate(out) if row is None]
-        if missing:
-            raise RuntimeError(f"the {self.role}'s {', '.join(names)} were computed for no micro-batch holding samples "
-                               f"{missing[:8]}")
-        return {name: [row[k] for row in out] for k, name in enumerate(names)}
+        return gather_fields(mine, len(samples), names, self.role)
 
     def micro_batch(self, samples: list[Sample], objective: Objective, normalizers: dict, metrics: Metrics,
                     mean_of: int | None = None):

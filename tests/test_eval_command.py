@@ -104,3 +104,37 @@ def test_eval_refusals_are_one_line(tmp_path, cache):
     line = one_line_error(exactrl(["eval", "model.path=builtin", "pass_at_k.temperature=0.7"], tmp_path, cache), 2)
     assert "pass_at_k.temperature set, but pass_at_k.n=0 draws no samples" in line, line
     assert not list(tmp_path.glob("runs/*"))  # refused before a report directory was made
+
+
+def test_pass_at_k_samples_written_as_preference_data_that_rm_trains_on(cache, tmp_path):
+    """pass_at_k.preference: every sample an unpaired row labelled by the reward (recomputed here), each prompt's
+    i-th right sample paired against its i-th wrong one, and the pairs are what `exactrl rm` reads."""
+    from reward_fixtures import parity
+
+    n = 4
+    proc = exactrl(["eval", "model.path=builtin", "data.eval_size=12", "eval.max_new_tokens=12", *EVAL,
+                    f"pass_at_k.n={n}", "pass_at_k.temperature=1.5", "pass_at_k.preference=true",
+                    f"output_dir={tmp_path / 'ev'}"], tmp_path, cache)
+    assert proc.returncode == 0, proc.stderr
+    ev = tmp_path / "ev"
+    unpaired = [json.loads(line) for line in (ev / "unpaired.jsonl").read_text().splitlines()]
+    pairs = [json.loads(line) for line in (ev / "pairs.jsonl").read_text().splitlines()]
+    counts = [json.loads(line)["correct_samples"] for line in (ev / "samples.jsonl").read_text().splitlines()]
+    assert len(unpaired) == 12 * n and 0 < len(pairs) < 12 * n // 2
+    assert [r["label"] for r in unpaired] == [v == 1.0 for v in parity([r["prompt"] for r in unpaired],
+                                                                      [r["completion"] for r in unpaired], None)]
+    want = []
+    for i, c in enumerate(counts):
+        group = unpaired[i * n : (i + 1) * n]
+        assert len({r["prompt"] for r in group}) == 1 and sum(r["label"] for r in group) == c
+        right = [r["completion"] for r in group if r["label"]]
+        wrong = [r["completion"] for r in group if not r["label"]]
+        want += [(group[0]["prompt"], a, b) for a, b in zip(right, wrong) if a != b]
+    assert [(p["prompt"], p["chosen"], p["rejected"]) for p in pairs] == want
+    results = json.loads((ev / "results.json").read_text())
+    assert results["preference_pairs"] == len(pairs) and results["preference_unpaired"] == len(unpaired)
+    proc = exactrl(["rm", "model.path=builtin", f"data.train={ev / 'pairs.jsonl'}", "data.eval=null",
+                    "train.global_batch_size=2", "train.micro_batch_size=1", "train.max_steps=1",
+                    f"output_dir={tmp_path / 'rm'}"], tmp_path, cache)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "rm" / "final" / "reward_stats.json").is_file()

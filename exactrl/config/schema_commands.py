@@ -65,6 +65,10 @@ class PassAtKConfig(Section):
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of the pass@k samples.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling of the pass@k samples.")
     seed: int = Field(0, description="Seeds the pass@k samples.")
+    preference: bool = Field(False, description="Also write the samples as preference data beside samples.jsonl: "
+                             "pairs.jsonl (each prompt's i-th right sample against its i-th wrong one, in sample "
+                             "order; rejected_kind 'sampled') and unpaired.jsonl (every sample, labelled right when "
+                             "its reward is >= 1), the rows exactrl rm, dpo and kto read.")
 
 
 class EvalScoringConfig(EvalConfig):

@@ -321,3 +321,14 @@ def load_unpaired(path, tokenizer, data) -> tuple[list[UnpairedExample], str | N
     examples = encode_unpaired(rows, tokenizer, data.max_length, data.max_prompt_length, data.over_length, dropped,
                                truncated)
     return examples, loaded_note(path, data, len(rows), dropped, truncated)
+
+
+def sampled_sets(prompt: str, answer, samples: list[tuple[str, bool]]) -> tuple[list[dict], list[dict]]:
+    """A prompt's sampled answers ``samples`` ((text, right), in sample order) as preference rows: pairs of its
+    i-th right answer against its i-th wrong one (as many as the scarcer side; an identical text is skipped),
+    and every answer as an unpaired row labelled right or wrong."""
+    right = [t for t, ok in samples if ok]
+    wrong = [t for t, ok in samples if not ok]
+    pairs = [{"prompt": prompt, "chosen": c, "rejected": r, "answer": answer, "rejected_kind": "sampled"}
+             for c, r in zip(right, wrong) if c != r]
+    return pairs, [{"prompt": prompt, "completion": t, "label": ok, "answer": answer} for t, ok in samples]

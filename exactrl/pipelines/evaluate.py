@@ -5,6 +5,8 @@ model and settings), pass@k from n samples per prompt, and a report directory:
     results.json   every figure and the settings that produced it
     report.md      the same as a table
     samples.jsonl  per prompt: the greedy answer, its reward, the correct samples out of n
+    pairs.jsonl, unpaired.jsonl   with pass_at_k.preference: the samples as preference data (right against
+                   wrong answers of one prompt; every answer labelled), for exactrl rm, dpo and kto
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from exactrl.algorithms.sft import resolve
 from exactrl.audit.manifest import write_manifest
 from exactrl.config.loader import ConfigError
 from exactrl.config.schema_commands import EvalCommandConfig
+from exactrl.data.preference import sampled_sets
 from exactrl.device import use_device
 from exactrl.models.loading import load_causal_lm, load_tokenizer
 from exactrl.models.lora import adapter_base, is_adapter_dir, load_adapted
@@ -89,11 +92,22 @@ def _measure(cfg: EvalCommandConfig, model, tok, eval_set, run_dir: Path) -> dic
                "pass_at_k": None}
     if pk.n:
         bar = progress(len(prompts), f"eval {pk.n} samples", unit="prompt")
+        sets = {"pairs": [], "unpaired": []}
+
+        def keep(p, samples):  # the samples as preference rows (pass_at_k.preference)
+            pairs, unpaired = sampled_sets(p.text, p.answer, [(t, v >= 1.0) for t, v in samples])
+            sets["pairs"] += pairs
+            sets["unpaired"] += unpaired
+
         counts = correct_samples(model, tok, prompts, eval_set.reward, pk.n, batch_size=e.batch_size,
                                  max_new_tokens=e.max_new_tokens, temperature=pk.temperature, top_p=pk.top_p,
-                                 seed=pk.seed,
-                                 on_batch=lambda chunk: bar.update(len(chunk)))
+                                 seed=pk.seed, on_batch=lambda chunk: bar.update(len(chunk)),
+                                 on_samples=keep if pk.preference else None)
         bar.close()
+        for name, rows_of in sets.items() if pk.preference else ():
+            with open(run_dir / f"{name}.jsonl", "w") as f:
+                f.writelines(json.dumps(row) + "\n" for row in rows_of)
+            results[f"preference_{name}"] = len(rows_of)
         for row, c in zip(rows, counts):
             row["correct_samples"] = c
         results["pass_at_k"] = {"n": pk.n, "temperature": pk.temperature, "top_p": pk.top_p, "seed": pk.seed,

@@ -92,10 +92,11 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def correct_samples(model, tokenizer, prompts: list[Prompt], reward: Reward, n: int, *, batch_size: int,
                     max_new_tokens: int, temperature: float, top_p: float, seed: int, timeout: float = DEFAULT_TIMEOUT,
-                    on_batch=None) -> list[int]:
+                    on_batch=None, on_samples=None) -> list[int]:
     """How many of ``n`` sampled answers per prompt get full reward (>= 1), one count per prompt,
     about ``batch_size`` sequences decoded together; sample j of prompt i keyed by (``seed``, i, j),
-    so the batch size does not change it. ``on_batch(prompts)`` after each batch."""
+    so the batch size does not change it. ``on_batch(prompts)`` after each batch; ``on_samples(prompt, [(text,
+    reward)] * n)`` for each prompt, in order."""
     engine, counts = HFEngine(model, tokenizer, batch_size), []
     step = max(1, batch_size // n)
     for i in range(0, len(prompts), step):
@@ -108,6 +109,8 @@ def correct_samples(model, tokenizer, prompts: list[Prompt], reward: Reward, n: 
                                                                      for j in range(n)],
                        timeout)
         counts += [sum(v >= 1.0 for v in values[j * n : (j + 1) * n]) for j in range(len(chunk))]
+        for j, p in enumerate(chunk if on_samples is not None else ()):
+            on_samples(p, [(g.text, v) for g, v in zip(gens[j * n : (j + 1) * n], values[j * n : (j + 1) * n])])
         if on_batch is not None:
             on_batch(chunk)
     return counts

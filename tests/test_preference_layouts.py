@@ -1,7 +1,8 @@
 """Every preference loss's update is the same for every layout, through the commands' own code (issue 36).
 
 For each pair loss of losses/preference.py PAIR_LOSSES (dpo, conservative dpo, robust, ipo per token and summed,
-simpo, orpo with its NLL), RPO's NLL add-on, the reward model's Bradley-Terry loss with margin and centring, and KTO
+simpo, orpo with its NLL), RPO's NLL add-on, the reward model's Bradley-Terry loss with margin and centring (also with
+LoRA, model.lora.rank > 0: adapters on the body, the head trained whole through peft's modules_to_save), and KTO
 with the step's z: one float64 SGD step through the commands' functions (dpo_objective / rm_objective /
 kto_objective, plan_samples with unit=2 as train_dpo and train_rm make it, the reference worker in the step's own
 micro-batches, kto_step, Worker.train_step, the canary on) equals one SGD step on the paper's loss over all pairs at
@@ -56,6 +57,11 @@ def expected_split(case: dict, micro: int) -> list[int]:
     return [n // count + (c < n % count) for c in range(count)]
 
 
+def lora_faults(cases: list[dict]) -> list[dict]:
+    """A LoRA case where a frozen base weight moved or an adapter or the head did not (bt-lora)."""
+    return [c for c in cases if "n_trained" in c and (c["base_moved"] or c["trained_still"] or c["n_trained"] < 3)]
+
+
 @pytest.mark.parametrize("name", [c["name"] for c in CASES])
 def test_each_loss_s_update_is_the_paper_s_full_batch_update_for_every_micro_batch_size(setup, name):
     tok, lm_dir, refs = setup
@@ -64,6 +70,7 @@ def test_each_loss_s_update_is_the_paper_s_full_batch_update_for_every_micro_bat
     kind = "rows" if case["command"] == "kto" else "pairs"
     assert [c["units_per_micro_batch"] for c in cases] == [expected_split(case, m) for m in MICROS[1][kind]]
     assert not over_bound(cases), cases
+    assert not lora_faults(cases), cases
     assert all(c["canary"] == pytest.approx(1.0, abs=1e-12) for c in cases), cases
     assert len({round(c["loss_value"], 12) for c in cases}) == 1, cases  # the step's loss, whatever the split
     (p,) = peers
@@ -136,8 +143,9 @@ def test_every_backend_applies_each_loss_s_full_batch_update_on_uneven_ranks(lau
     if world == 2:
         assert {tuple(c["units_per_rank"]) for c in r["cases"]} <= {(3, 2), (5, 4)}
         assert all(len(set(c["units_per_micro_batch"])) > 1 for c in r["cases"] if c["micro"] == 2)
-    bad = over_bound(r["cases"])
+    bad = over_bound(r["cases"]) + lora_faults(r["cases"])
     assert not bad, bad
+    assert any("n_trained" in c for c in r["cases"])  # the LoRA reward model ran on this backend
     assert all(abs(c["canary"] - 1) < 1e-9 for c in r["cases"]), r["cases"]
     for loss in sorted({c["loss"] for c in r["cases"]}):
         mine = [c for c in r["cases"] if c["loss"] == loss]

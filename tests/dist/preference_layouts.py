@@ -24,11 +24,12 @@ import sys
 import tempfile
 from dataclasses import replace
 
+import torch
 from equivalence import dtype_of, full_state, precision, relative_error
 from kto_references import make_rows, reference_model
 from kto_references import sgd_reference as kto_reference
 from pair_references import fresh_model
-from preference_references import make_scored_pairs, reference_update, save_lm, value_model
+from preference_references import LORA, lora_value_model, make_scored_pairs, reference_update, save_lm, value_model
 
 from exactrl.algorithms.dpo import dpo_objective
 from exactrl.algorithms.kto import kto_objective, kto_step, layout_of
@@ -58,6 +59,9 @@ CASES = [
     {"name": "orpo", "command": "dpo", "loss": "orpo", "params": {"orpo_lambda": 0.5}, "nll": 1.0},
     {"name": "rpo", "command": "dpo", "loss": "dpo", "params": {"beta": 0.5}, "nll": 0.3},
     {"name": "bt", "command": "rm", "loss": "bt", "params": {"center_rewards": 0.05}, "margin": True},
+    # exactrl rm with model.lora.rank > 0: adapters on the body, the head trained whole (peft's modules_to_save)
+    {"name": "bt-lora", "command": "rm", "loss": "bt", "params": {"center_rewards": 0.05}, "margin": True,
+     "lora": True},
     {"name": "kto", "command": "kto", "params": {"beta": 0.5, "desirable_weight": 1.0, "undesirable_weight": 1.3}},
 ]
 CONFIGS = {"dpo": DPOConfig, "rm": RMConfig, "kto": KTOConfig}
@@ -89,7 +93,21 @@ def settings(case: dict) -> list[str]:
         out += [f"dpo.loss={case['loss']}", f"dpo.nll_coef={case.get('nll', 0.0)}"]
     if section == "rm":
         out.append(f"rm.margin={str(case['margin']).lower()}")
+    if case.get("lora"):
+        out += [f"model.lora.rank={LORA.rank}", f"model.lora.alpha={LORA.alpha}"]
     return out
+
+
+def trained(key: str) -> bool:
+    """Whether a LoRA reward model trains the parameter ``key``: an adapter, or peft's trained copy of the head."""
+    return "lora_" in key or ".modules_to_save." in key
+
+
+def lora_facts(got: dict, ref: dict, init: dict) -> dict:
+    """A LoRA case's frozen parameters that moved, and its trained ones that did not (both must be empty)."""
+    return {"base_moved": [k for k in init if not trained(k) and not torch.equal(got[k], init[k])],
+            "trained_still": [k for k in ref if trained(k) and torch.equal(got[k], init[k])],
+            "n_trained": sum(trained(k) for k in ref)}
 
 
 def run(case: dict, layout: list[str], world: int, tok, micro: int, lm_dir, micro_means: bool = False,
@@ -111,7 +129,8 @@ def run(case: dict, layout: list[str], world: int, tok, micro: int, lm_dir, micr
     else:
         batch = make_scored_pairs(tok, dtype)
         if case["command"] == "rm":
-            model = value_model(lm_dir, dtype)
+            # the reward_model role with model.lora as workers/load.py gives it (apply_lora of models/lora.py)
+            model = lora_value_model(lm_dir, dtype, cfg.model.lora) if case.get("lora") else value_model(lm_dir, dtype)
             policy = RewardModel("reward_model", model, build_engine(model, cfg, total_steps=1), pad_id=pad,
                                  packed=t.padding_free)
             objective = rm_objective(cfg)
@@ -163,7 +182,8 @@ def cases_for(backend: str, world: int, tok, lm_dir, refs: dict | None, names=No
                 got, facts = run(case, layout, world, tok, micro, lm_dir)
                 if refs is not None:
                     cases.append({"loss": case["name"], "micro": micro, "config": " ".join(layout), **facts,
-                                  "rel_err": relative_error(got, *refs[case["name"]])})
+                                  "rel_err": relative_error(got, *refs[case["name"]]),
+                                  **(lora_facts(got, *refs[case["name"]]) if case.get("lora") else {})})
         if world > 1 and case["name"] not in PEERS_AT_WORLD_2 and not everything():
             continue  # one process shows every loss's; at world size 2 one pair loss and KTO do
         got, facts = run(case, layouts(backend)[0], world, tok, PEERS_MICRO[world][kind], lm_dir, micro_means=True)

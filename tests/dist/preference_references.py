@@ -14,11 +14,14 @@ import torch.nn.functional as F
 from equivalence import SMALL, in_dtype
 from pair_references import answer_logprobs, fresh_model, make_pairs
 
+from exactrl.config.schema import LoraConfig
 from exactrl.models.loading import load_value_model
+from exactrl.models.lora import apply_lora
 from exactrl.tasks.tiny_model import build_tiny_model
 
 MARGINS = [0.5, -0.25, 1.0, 0.0, 2.0]  # bt's margin column, one per pair
 HEAD_SCALE = 30.0  # the value head's scores then differ by O(1): the reward model's loss is far from ln 2
+LORA = LoraConfig(rank=4, alpha=8.0)  # a LoRA reward model's model.lora (its keys: preference_layouts.settings)
 
 
 def make_scored_pairs(tok, dtype=torch.float64):
@@ -39,6 +42,19 @@ def value_model(path, dtype=torch.float64):
     model = in_dtype(load_value_model(path, init_seed=7), dtype)
     with torch.no_grad():
         model.score.weight.mul_(HEAD_SCALE)
+    return model
+
+
+def lora_value_model(path, dtype=torch.float64, lora=LORA):
+    """value_model with adapters on its body and its head trained whole (exactrl rm's apply_lora, as
+    workers/load.py gives the reward_model role), A and B drawn from one seed (peft starts B at 0, which would
+    leave A's gradient 0): the same model every call, on every rank."""
+    model = in_dtype(apply_lora(value_model(path, dtype), lora), dtype)  # the adapters in the model's dtype too
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype))
     return model
 
 
@@ -82,7 +98,7 @@ def paper_pair_loss(case: dict, model, samples, pad_id: int) -> torch.Tensor:
 def paper_bt_loss(case: dict, model, samples) -> torch.Tensor:
     """Bradley-Terry over all pairs (Ouyang et al. 2022 eq. 1; margin: Touvron et al. 2023 eq. 2; centring:
     Eisenstein et al. 2023): -log sigma(r_c - r_r - m) + c (r_c + r_r)^2, r = the head at each sequence's last
-    token, each sequence run alone."""
+    token, each sequence run alone (a LoRA model: through its adapters and its trained copy of the head)."""
     r = torch.stack([model(input_ids=torch.tensor([s.ids])).logits[0, -1, 0] for s in samples])
     m = torch.tensor([s.margin for s in samples[0::2]], dtype=r.dtype) if case["margin"] else 0.0
     c, rj = r[0::2], r[1::2]
@@ -95,12 +111,14 @@ def sgd_step(model, loss_fn, lr: float) -> tuple[dict, dict]:
     loss_fn(model).backward()
     with torch.no_grad():
         for p in model.parameters():
-            p -= lr * p.grad
+            if p.requires_grad:  # a LoRA model: its adapters and head; the frozen base keeps no gradient
+                p -= lr * p.grad
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, init
 
 
 def reference_update(case: dict, tok, samples, lr: float, lm_dir=None) -> tuple[dict, dict]:
     """One SGD step on the case's paper loss over all pairs, from the same start as the tested run."""
     if case["command"] == "rm":
-        return sgd_step(value_model(lm_dir), lambda m: paper_bt_loss(case, m, samples), lr)
+        model = lora_value_model(lm_dir) if case.get("lora") else value_model(lm_dir)
+        return sgd_step(model, lambda m: paper_bt_loss(case, m, samples), lr)
     return sgd_step(fresh_model(tok), lambda m: paper_pair_loss(case, m, samples, tok.pad_token_id), lr)

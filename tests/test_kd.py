@@ -16,13 +16,13 @@ from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).parent / "dist"))
 from equivalence import relative_error
-from pair_references import ANSWERS, fresh_model, padded
+from kd_references import ALPHA, BETA, LOSSES, LR, K, T, make_samples, reference_loss, sgd_reference
+from pair_references import fresh_model
 
-from distributed_harness import TOL
+from distributed_harness import TOL, over_bound, run_cases
 from exactrl.algorithms.kd import kd_step, train_kd
 from exactrl.config import SFTConfig, load_config
 from exactrl.config.schema_kd import KDConfig
-from exactrl.data.batch import Sample
 from exactrl.distributed.engine import build_engine
 from exactrl.distributed.step_plan import plan_samples
 from exactrl.losses.kd import TEACHER_FIELDS, kd_objective
@@ -30,62 +30,14 @@ from exactrl.tasks.builtin import BuiltinSpec
 from exactrl.workers.teacher import Teacher
 from exactrl.workers.worker import Worker
 
-LR, ALPHA, T, BETA, K = 1.0, 0.6, 0.7, 0.3, 5
-LOSSES = ("forward_kl", "reverse_kl", "jsd", "topk_forward_kl")
 SPEC = BuiltinSpec(n_sft=20, n_rl=40, n_eval=10)
+SCRIPT = Path(__file__).parent / "dist" / "kd_layouts.py"
 
 
 @pytest.fixture(scope="module")
 def samples(tokenizer):
     """Ten SFT samples whose completions run from 1 to ~60 tokens: micro-batches of very different token counts."""
-    out = []
-    for i, (a, b) in enumerate(ANSWERS):
-        for answer in (a, b):
-            out.append(Sample(tokenizer(f"{i}+{i * 7}=")["input_ids"], tokenizer(answer, add_special_tokens=False)[
-                "input_ids"], source="demonstration"))
-    return out
-
-
-# ---- the reference: every divergence from its formula, one padded forward per model
-
-def divergence_ref(loss: str, zt: torch.Tensor, zs: torch.Tensor) -> torch.Tensor:
-    lt, ls = torch.log_softmax(zt / T, -1), torch.log_softmax(zs / T, -1)
-    pt, ps = lt.exp(), ls.exp()
-    if loss == "forward_kl":
-        return (pt * (lt - ls)).sum(-1)
-    if loss == "reverse_kl":
-        return (ps * (ls - lt)).sum(-1)
-    if loss == "jsd":
-        m = BETA * pt + (1 - BETA) * ps
-        return BETA * (pt * (lt - m.log())).sum(-1) + (1 - BETA) * (ps * (ls - m.log())).sum(-1)
-    top, ids = lt.topk(K, -1)
-    q = top.exp() / top.exp().sum(-1, keepdim=True)  # the teacher renormalised over its top K
-    return (q * (q.log() - ls.gather(-1, ids))).sum(-1)
-
-
-def reference_loss(student, teacher, samples, pad_id, loss, alpha=ALPHA):
-    """(the step's loss, its mean divergence) over every loss token of ``samples``."""
-    ids, attn = padded(samples, pad_id)
-    zs = student(input_ids=ids, attention_mask=attn).logits[:, :-1]
-    with torch.no_grad():
-        zt = teacher(input_ids=ids, attention_mask=attn).logits[:, :-1]
-    nll = -torch.log_softmax(zs, -1).gather(-1, ids[:, 1:, None])[..., 0]
-    mask = torch.zeros_like(nll)
-    for b, s in enumerate(samples):
-        mask[b, len(s.prompt_ids) - 1 : len(s.prompt_ids) - 1 + len(s.response_ids)] = 1
-    div = divergence_ref(loss, zt, zs)
-    n = mask.sum()
-    return (((1 - alpha) * nll + alpha * div) * mask).sum() / n, (div * mask).sum() / n
-
-
-def sgd_reference(tok, samples, loss, teacher_seed=9):
-    student, teacher = fresh_model(tok), fresh_model(tok, seed=teacher_seed)
-    value, div = reference_loss(student, teacher, samples, tok.pad_token_id, loss)
-    value.backward()
-    with torch.no_grad():
-        for p in student.parameters():
-            p -= LR * p.grad
-    return {k: v.detach().clone() for k, v in student.state_dict().items()}, value.item(), div.item()
+    return make_samples(tokenizer)
 
 
 def one_step(tok, samples, micro: int, loss: str, teacher_seed=9, alpha=ALPHA):
@@ -127,6 +79,26 @@ def test_a_teacher_that_is_the_student_gives_zero_divergence_and_the_nll_gradien
         want = {k: v - LR * v.grad for k, v in student.named_parameters()}
     err = relative_error({k: got[k] for k in want}, want, fresh_model(tokenizer).state_dict())
     assert err <= TOL["float64"], err
+
+
+@pytest.mark.parametrize("backend", ["fsdp2", "deepspeed"], ids=["fsdp2-world2", "deepspeed-zero2-offload-world2"])
+def test_world_size_two_applies_the_reference_update_on_uneven_ranks(tmp_path, backend):
+    """Every kd.loss through kd_step on two gloo ranks of 5 and 4 samples (FSDP2 in float64; DeepSpeed ZeRO-2 with
+    the optimizer offloaded: a float64 model stepped through fp32 master weights): one SGD step is the one-pass
+    reference's. The peers' per-micro-batch mean is another update."""
+    from old_deepspeed import ds_env
+
+    if backend == "deepspeed":
+        pytest.importorskip("deepspeed")
+    r = run_cases(backend, 2, tmp_path / "out.json", ds_env() if backend == "deepspeed" else None, script=SCRIPT)
+    cases = r["cases"]
+    assert [c["loss"] for c in cases] == list(LOSSES)
+    assert all(c["samples_per_rank"] == [5, 4] and len(set(c["samples_per_micro_batch"])) > 1 for c in cases), cases
+    assert not over_bound(cases), cases
+    assert all(abs(c["canary"] - 1) < 1e-6 for c in cases), cases
+    print(f"{backend} world 2: " + ", ".join(f"{c['loss']} {c['rel_err']:.2g} ({c['precision']})" for c in cases)
+          + f"; the peers' per-micro-batch mean {r['peers'][0]['rel_err']:.3g}")
+    assert r["peers"][0]["rel_err"] > 1e-3, r["peers"]
 
 
 def _exit(tmp_path, *overrides):

@@ -105,8 +105,9 @@ def trained(key: str) -> bool:
 
 def lora_facts(got: dict, ref: dict, init: dict) -> dict:
     """A LoRA case's frozen parameters that moved, and its trained ones that did not (both must be empty)."""
-    return {"base_moved": [k for k in init if not trained(k) and not torch.equal(got[k], init[k])],
-            "trained_still": [k for k in ref if trained(k) and torch.equal(got[k], init[k])],
+    same = lambda k: torch.equal(got[k], init[k].to(got[k].dtype))  # noqa: E731 (a float32 layout: its own start)
+    return {"base_moved": [k for k in init if not trained(k) and not same(k)],
+            "trained_still": [k for k in ref if trained(k) and same(k)],
             "n_trained": sum(trained(k) for k in ref)}
 
 

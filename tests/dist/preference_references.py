@@ -48,13 +48,14 @@ def value_model(path, dtype=torch.float64):
 def lora_value_model(path, dtype=torch.float64, lora=LORA):
     """value_model with adapters on its body and its head trained whole (exactrl rm's apply_lora, as
     workers/load.py gives the reward_model role), A and B drawn from one seed (peft starts B at 0, which would
-    leave A's gradient 0): the same model every call, on every rank."""
+    leave A's gradient 0): the same model every call, on every rank, in any dtype."""
     model = in_dtype(apply_lora(value_model(path, dtype), lora), dtype)  # the adapters in the model's dtype too
     g = torch.Generator().manual_seed(11)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_" in n:
-                p.copy_(0.3 * torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype))
+                # drawn in float32, so a float32 layout (ZeRO-0) starts from the float64 reference's very values
+                p.copy_(0.3 * torch.randn(p.shape, generator=g, dtype=torch.float32))
     return model
 
 

@@ -10,6 +10,7 @@ from pydantic import BeforeValidator, Field, model_validator
 from exactrl.config.methods import METHODS, NAMES, names
 from exactrl.config.schema import CheckPolicy, CommonConfig, OptimConfig, Section, check_layout
 from exactrl.config.schema_distill import DistillConfig, check_teacher_engine
+from exactrl.config.schema_env import EnvConfig
 from exactrl.config.schema_mixed import (
     ChordConfig,
     HPTConfig,
@@ -326,6 +327,8 @@ class RLConfig(CommonConfig):
     ray: RayConfig = RayConfig()
     distill: DistillConfig = Field(default_factory=DistillConfig,
                                    description="On-policy distillation: a teacher scoring the student's samples.")
+    env: EnvConfig = Field(default_factory=EnvConfig,
+                           description="Multi-turn and agent rollouts: an environment answering each policy turn.")
 
 
     @model_validator(mode="after")

@@ -45,6 +45,7 @@ from exactrl.algorithms.sft_rl import SFTBuffer, relift_sft
 from exactrl.audit.manifest import record
 from exactrl.checks.on_policy import on_policy_check
 from exactrl.checks.rollout_gap import rollout_gap_metrics
+from exactrl.checks.trajectory import turn_gaps
 from exactrl.checks.weight_sync import SyncCheck
 from exactrl.compute import FlopsCounter, count_parameters
 from exactrl.config.aggregation import norm_len
@@ -61,6 +62,7 @@ from exactrl.losses.token_losses import kl_penalty
 from exactrl.models.loading import load_tokenizer
 from exactrl.rewards import load_rewards, require_answers
 from exactrl.rollout.generator import compares_kept_set
+from exactrl.rollout.multiturn import episode_runner
 from exactrl.rollout.schedule import RolloutSchedule
 from exactrl.run.context import RunContext
 from exactrl.run.evaluation import eval_data, load_eval_set
@@ -120,10 +122,14 @@ def attach_advantages(samples: list[Sample], cfg: RLConfig, kl_coef: float | Non
         samples = [s for s in samples if s.source == "on_policy"]
         if not samples:  # HPT sent every question of the rollout to SFT
             return
-    mask = pad_right([[0] * (len(s.prompt_ids) - 1) + [1] * len(s.response_ids) for s in samples], 0).to(torch.float64)
+    # Estimators run over each row's policy tokens alone, gathered contiguous: a multi-turn episode's observation
+    # and template tokens sit between its turns and are no step of the policy (GAE's next value, a return to go and
+    # REINFORCE++'s whitening skip them); for a one-turn row this is its response.
+    at = [advantage_targets(s) for s in samples]
+    mask = pad_right([[1] * len(p) for p in at], 0).to(torch.float64)
 
     def pad(ts):
-        return torch.nn.utils.rnn.pad_sequence([t.double() for t in ts], batch_first=True)
+        return torch.nn.utils.rnn.pad_sequence([t.double()[p] for t, p in zip(ts, at)], batch_first=True)
 
     token_rewards = values = None
     if a.kl_coef > 0 and a.kl_in_reward:  # -beta * KL(old policy || reference) per token, k1
@@ -131,7 +137,14 @@ def attach_advantages(samples: list[Sample], cfg: RLConfig, kl_coef: float | Non
                                         for s in samples])
     if alg.critic:
         values = pad([s.old_values for s in samples])
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+    outcome = [s.reward for s in samples]
+    if any(s.turn_rewards for s in samples):  # each environment step's reward on its turn's last policy token
+        token_rewards = torch.zeros_like(mask) if token_rewards is None else token_rewards
+        for i, s in enumerate(samples):
+            for (_, end), r in zip(s.turn_spans or (), s.turn_rewards or ()):
+                token_rewards[i, at[i].tolist().index(end - 1)] += r
+            outcome[i] -= sum(s.turn_rewards or ())
+    rewards = torch.tensor(outcome, dtype=torch.float64)
     if a.reward_norm != "none" and len(rewards) > 1:
         rewards = (rewards - rewards.mean() if a.reward_norm == "whiten" else rewards) / (rewards.std() + EPS)
     adv, returns = get_advantage(alg.advantage)(AdvantageInput(rewards, mask, a.group_size, token_rewards, values,
@@ -139,11 +152,20 @@ def attach_advantages(samples: list[Sample], cfg: RLConfig, kl_coef: float | Non
                                                                        std_normalize=a.std_normalize))
     if alg.whiten_advantages and a.gae.whiten_advantages:
         adv = whiten(adv, mask)
-    for s, row, ret in zip(samples, adv, returns):
-        n = len(s.prompt_ids) + len(s.response_ids) - 1
-        s.advantages, s.returns = row[:n].float(), ret[:n].float()
+    for s, p, row, ret in zip(samples, at, adv, returns):
+        full = torch.zeros(2, s.num_targets, dtype=torch.float64)
+        full[0, p], full[1, p] = row[: len(p)], ret[: len(p)]
+        s.advantages, s.returns = full[0].float(), full[1].float()
     if alg.reshape_advantages:  # a method's own advantages from the same rewards (prefix_rft's code variant)
         alg.reshape_advantages(samples, rewards, cfg)
+
+
+def advantage_targets(s: Sample) -> torch.Tensor:
+    """The targets an advantage estimator steps through: the response's, less an episode's environment and
+    template tokens (rollout/multiturn.py)."""
+    head, origins = len(s.prompt_ids) - 1, s.origin
+    return torch.tensor([t for t in range(head, s.num_targets)
+                         if origins is None or origins[t] not in ("environment", "template")], dtype=torch.long)
 
 
 def require_demonstrations(prompts: list[Prompt], name: str) -> None:
@@ -203,8 +225,9 @@ def reuses_first_forward(cfg: RLConfig, samples: list[Sample], stale: bool = Fal
     fp32 as generation does, and the generator recorded what it sampled with, with the weights
     that train on it (not ``stale``: an asynchronous rollout's were an update older)."""
     a = cfg.algo
+    # episodes (env.*) compare the trainer's log-probs with the generator's turn by turn: they need the pass
     return (a.ppo_epochs * a.mini_batches == 1 and a.kl_coef == 0 and cfg.model.dtype == "fp32" and not stale
-            and all(s.gen_logprobs is not None for s in samples))
+            and not cfg.env.enabled and all(s.gen_logprobs is not None for s in samples))
 
 
 def mini_batches(samples: list[Sample], cfg: RLConfig, world_size: int,
@@ -287,7 +310,11 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
                               cfg.eval.reward_fn)
     require_answers(prompts, reward_fns, "reward.fn")
     reward_fns.model = model_reward(cfg.reward, tok, t.micro_batch_size, cfg.model.trust_remote_code)
+    if cfg.env.enabled:  # multi-turn episodes: their environments, and the template checked to extend append-only
+        reward_fns.episodes = episode_runner(cfg.env, tok, say=print if is_main() else None)
     eval_set = load_eval_set(cfg, tok, eval_path, reward_fns.eval)
+    if eval_set is not None:
+        eval_set.episodes = reward_fns.episodes
     steps_per_rollout = a.ppo_epochs * a.mini_batches
     prompts_per_rollout = t.global_batch_size * a.mini_batches // a.group_size
     rollouts = math.ceil(t.max_steps / steps_per_rollout) if t.max_steps else max(1, math.ceil(t.epochs * len(
@@ -360,7 +387,7 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
             reused = attach_fields(samples, cfg, policy, reference, critic, kept, stale=rstats["staleness"] > 0)
             attach_teacher(samples, teacher, first_pass_micro_batches(samples, cfg, policy.world_size), cfg.distill)
             if not reused:  # else the update's forward measures it (checks/rollout_gap.py)
-                rstats |= rollout_gap_metrics(samples, gap)
+                rstats |= rollout_gap_metrics(samples, gap) | turn_gaps(samples)
 
             # 3. advantages over the whole rollout, under this rollout's KL coefficient (the controller moves it for
             # the next)

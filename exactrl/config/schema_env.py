@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from exactrl.config.methods import METHODS
 from exactrl.config.schema import Section
 
 
@@ -62,3 +63,20 @@ class EnvConfig(Section):
         if self.args and self.cls is None:
             raise ValueError("env.args are env.cls's constructor arguments, and env.cls is not set")
         return self
+
+
+def check_env(cfg) -> None:
+    """Refuses what multi-turn episodes cannot honour in an `exactrl rl` config (env.* set)."""
+    if not cfg.env.enabled:
+        return
+    a, m = cfg.algo, METHODS[cfg.algo.name]
+    if m.demonstrations or m.hinted:
+        raise ValueError(f"algo.name={a.name} mixes demonstrations or hints into its rollouts; with env.* a rollout "
+                         "is the policy's own episodes: use ppo, grpo, dr_grpo, rloo, reinforce_pp(_baseline), dapo "
+                         "or gspo")
+    if a.overlong_buffer:
+        raise ValueError(f"algo.overlong_buffer={a.overlong_buffer} shapes a one-turn response's length against "
+                         "rollout.max_new_tokens; an episode's budget is env.max_tokens: set algo.overlong_buffer=0")
+    if cfg.distill.teacher is not None:
+        raise ValueError("distill.teacher with env.*: a teacher scoring an episode's policy turns between "
+                         "observations is not built yet; leave one of them unset")

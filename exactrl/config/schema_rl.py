@@ -10,7 +10,7 @@ from pydantic import BeforeValidator, Field, model_validator
 from exactrl.config.methods import METHODS, NAMES, names
 from exactrl.config.schema import CheckPolicy, CommonConfig, OptimConfig, Section, check_layout
 from exactrl.config.schema_distill import DistillConfig, check_teacher_engine
-from exactrl.config.schema_env import EnvConfig
+from exactrl.config.schema_env import EnvConfig, check_env
 from exactrl.config.schema_mixed import (
     ChordConfig,
     HPTConfig,
@@ -381,6 +381,7 @@ class RLConfig(CommonConfig):
             raise ValueError(f"algo.name={a.name} trains a distillation term alone: set distill.teacher (a model "
                              "sharing the student's tokenizer, e.g. distill.teacher=builtin-sft)")
         check_teacher_engine(self)
+        check_env(self)
         if m.one_step and a.ppo_epochs * a.mini_batches != 1:
             raise ValueError(f"algo.name={a.name} trains each rollout's responses and its prompts' demonstrations in "
                              f"one optimizer step: set algo.ppo_epochs=1 and algo.mini_batches=1 (given "

@@ -22,8 +22,10 @@ from exactrl.data.batching import pad_right
 
 Source = Literal["on_policy", "demonstration", "chosen", "rejected"]
 # Who wrote a token: the policy being trained, or a text it is shown (a demonstration, a
-# preference pair's response). A term of the objective may apply to the tokens of some origins.
-ORIGINS = ("policy", "demonstration")
+# preference pair's response), or, in a multi-turn episode, an environment's observation or the chat
+# template's tokens around it (rollout/multiturn.py; never in the loss). A term of the objective may apply to
+# the tokens of some origins.
+ORIGINS = ("policy", "demonstration", "environment", "template")
 SOURCE_ORIGIN = {"on_policy": "policy", "demonstration": "demonstration", "chosen": "demonstration",
                  "rejected": "demonstration"}  # the origin of every token of a row that declares none
 
@@ -60,6 +62,10 @@ class Sample:
     # who wrote each target, one of ORIGINS per target (num_targets long), for a row that mixes them (a
     # demonstration's prefix, then the policy's continuation); None: all are its source's (SOURCE_ORIGIN)
     origin: tuple[str, ...] | None = None
+    # a multi-turn episode's policy turns (rollout/multiturn.py): each turn's [start, end) in targets, and the
+    # reward its environment step gave (placed on the turn's last target by the advantage estimators)
+    turn_spans: tuple[tuple[int, int], ...] | None = None
+    turn_rewards: tuple[float, ...] | None = None
     advantages: torch.Tensor | None = per_token("zero on prompt targets")
     old_logprobs: torch.Tensor | None = per_token("the policy's before the rollout's first update, fixed for the "
                                                   "rollout")

@@ -68,6 +68,9 @@ class Rewards:
         # reward.model's scorer (workers/reward_model.py ModelReward), set by the run once its workers exist: it
         # scores token ids, not text, so collect.py adds it after the rollout is gathered (add_model_reward)
         self.model = None
+        # env.*'s episode runner (rollout/multiturn.py), set by the run: its environments share the reward's
+        # isolation (a process of their own, a time limit per call) and are closed with it
+        self.episodes = None
 
     def _load(self, spec: str, timeout: float, retries: int) -> Reward:
         if _is_url(spec):
@@ -92,6 +95,8 @@ class Rewards:
     def close(self) -> None:
         if self._worker is not None:
             self._worker.close()
+        if self.episodes is not None:
+            self.episodes.close()
 
     def __enter__(self):
         return self

@@ -19,11 +19,13 @@ import random
 
 import torch
 
+from exactrl.checks.trajectory import check_episodes
 from exactrl.config.schema_rl import RLConfig
 from exactrl.data.batch import Sample
 from exactrl.distributed.collectives import gather, shard
 from exactrl.rewards import score_all
 from exactrl.rollout.generator import SamplingParams, prompt_seeds
+from exactrl.rollout.multiturn import SUMMED, episode_counts, to_sample
 
 
 class RolloutError(RuntimeError):
@@ -47,6 +49,13 @@ def collect_rollout(engine_gen, prompts, rewards_cfg, cfg: RLConfig, rollout: in
     seeds = shard(prompt_seeds(cfg.train.seed, rollout, refill_round, positions=range(len(prompts))))
     params = SamplingParams(n=a.group_size, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, stop=tuple(r.stop),
                             max_new_tokens=r.max_new_tokens)
+    if rewards_cfg.episodes is not None:  # env.*: multi-turn episodes (rollout/multiturn.py)
+        samples, failures, counts = episode_rollout(rewards_cfg, engine_gen, mine, seeds, params, cfg)
+        shares = gather((samples, len(failures), counts))
+        samples = [s for part, _, _ in shares for s in part]
+        add_model_reward(samples, rewards_cfg)
+        return samples, rollout_stats(samples, sum(n for _, n, _ in shares), cfg) | merge_counts(
+            [c for _, _, c in shares])
     gens = engine_gen.generate([p.input_ids for p in mine], params, seeds)
     src = [mine[g.prompt_index] for g in gens]
     failures: list = []
@@ -64,6 +73,39 @@ def collect_rollout(engine_gen, prompts, rewards_cfg, cfg: RLConfig, rollout: in
     samples = [s for part, _ in shares for s in part]
     add_model_reward(samples, rewards_cfg)
     return samples, rollout_stats(samples, sum(n for _, n in shares), cfg)
+
+
+def episode_rollout(rewards_cfg, engine_gen, prompts, seeds, params, cfg: RLConfig) -> tuple[list[Sample], list,
+                                                                                                 dict]:
+    """This rank's episodes as samples, checked (checks/trajectory.py), the reward failures, and the episodes'
+    counts (env/*) as sums with their number, for merge_counts."""
+    runner = rewards_cfg.episodes
+    episodes = runner.run(engine_gen.generate, prompts, seeds, params)
+    failures: list = []
+    src = [e.prompt for e in episodes]
+    if cfg.env.reward_fn:
+        finals, parts = score_all(rewards_cfg, [p.text for p in src], [e.final_text for e in episodes],
+                                  [p.answer for p in src], [p.source for p in src], cfg.reward.timeout,
+                                  cfg.reward.fallback, failures)
+    else:
+        finals, parts = [0.0] * len(episodes), {}
+    samples = []
+    for i, e in enumerate(episodes):
+        s = to_sample(e, finals[i])
+        s.parts = {k: (0.0 if e.error else v[i]) for k, v in parts.items()} | {
+            "env": s.reward - (0.0 if e.error else finals[i])}
+        samples.append(s)
+    counts = episode_counts(episodes) | check_episodes(samples, episodes, runner.tok)
+    return samples, failures, {k: (v, len(episodes)) for k, v in counts.items()}
+
+
+def merge_counts(shares: list[dict]) -> dict:
+    """Every rank's episode counts as one figure each: means over episodes, sums for counts ("errors", "drift")."""
+    out = {}
+    for key in shares[0]:
+        total, n = sum(c[key][0] for c in shares), sum(c[key][1] for c in shares)
+        out[key] = total if key in SUMMED else total / max(n, 1)
+    return out
 
 
 def add_model_reward(samples: list[Sample], rewards) -> None:

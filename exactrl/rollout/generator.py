@@ -47,7 +47,8 @@ import torch
 
 from exactrl.checks.weight_sync import WeightsDigest, WeightsState, WeightSyncError
 
-__all__ = ["Generation", "Generator", "GeneratorError", "SamplingParams", "WeightSyncError", "prompt_seeds", "row_seed"]
+__all__ = ["Generation", "Generator", "GeneratorError", "SamplingParams", "WeightSyncError", "prompt_seeds", "row_seed",
+           "turn_seed"]
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -93,6 +94,12 @@ def prompt_seeds(*key, positions: Iterable[int]) -> list[int]:
 def row_seed(seed: int, sample: int) -> int:
     """The seed of response ``sample`` of the prompt seeded ``seed``."""
     return _key("sample", seed, sample)
+
+
+def turn_seed(seed: int, turn: int) -> int:
+    """The prompt seed of turn ``turn`` of the episode seeded ``seed`` (rollout/multiturn.py): each turn is
+    asked for as its own prompt, with one sample."""
+    return _key("turn", seed, turn)
 
 
 class Generator(Protocol):

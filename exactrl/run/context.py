@@ -118,11 +118,13 @@ class RunContext:
         # forward); greedy decoding keeps them in lockstep.
         acc = greedy_accuracy(self.cfg, policy, self.tokenizer, self.eval_set)
         self.write(step, {"eval_accuracy": acc.value, "eval_ci95": list(acc.ci95),
-                          "eval_reward_failures": acc.reward_failures})
+                          "eval_reward_failures": acc.reward_failures, **acc.extra})
         if is_main():
             failed = (f" ({acc.reward_failures} scored reward.fallback: the reward failed on them)"
                       if acc.reward_failures else "")
-            say(f"[{self.phase}] step {step}: greedy accuracy on {acc.n} eval prompts {acc}{failed}")
+            rate = acc.extra.get("eval_env/tool_call_rate")
+            tools = "" if rate is None else f", tool-call rate {100 * rate:.1f}%"
+            say(f"[{self.phase}] step {step}: greedy accuracy on {acc.n} eval prompts {acc}{tools}{failed}")
         return acc
 
     def finish(self, saved: dict) -> Path:

@@ -11,7 +11,7 @@ import functools
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +31,7 @@ class Accuracy:
     seconds: float
     generated_tokens: int
     reward_failures: int = 0  # answers the reward failed on, scored with reward.fallback instead
+    extra: dict = field(default_factory=dict)  # further figures as metrics (episodes: eval_env/tool_call_rate, ...)
 
     def as_dict(self) -> dict:
         return {"value": self.value, "ci95": list(self.ci95), "correct": self.correct, "n": self.n}
@@ -126,6 +127,7 @@ class EvalSet:
     prompts: list[Prompt]
     reward: Reward
     owned: Rewards | None = None
+    episodes: object | None = None  # env.*'s episode runner (rollout/multiturn.py): answers are whole episodes
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -191,10 +193,39 @@ def greedy_accuracy(cfg, policy, tokenizer, eval_set: EvalSet) -> Accuracy:
     end at rollout.stop too), decoded where its model lives (on every rank) and scored here."""
     r, rollout = getattr(cfg, "reward", None), getattr(cfg, "rollout", None)
     decode = functools.partial(policy.apply, decode_with, tokenizer, cfg.eval.batch_size)
+    if eval_set.episodes is not None:
+        return episode_accuracy(decode, eval_set, batch_size=cfg.eval.batch_size,
+                                max_new_tokens=cfg.eval.max_new_tokens, stop=tuple(rollout.stop),
+                                timeout=r.timeout, fallback=r.fallback, reward_fn=cfg.env.reward_fn)
     return evaluate_accuracy(decode, eval_set.prompts, eval_set.reward, batch_size=cfg.eval.batch_size,
                              max_new_tokens=cfg.eval.max_new_tokens, stop=tuple(rollout.stop) if rollout else (),
                              timeout=r.timeout if r else DEFAULT_TIMEOUT,
                              fallback=r.fallback if r else None)
+
+
+def episode_accuracy(generate: Callable, eval_set: EvalSet, *, batch_size: int, max_new_tokens: int,
+                     stop: tuple[str, ...], timeout: float, fallback: float | None, reward_fn: bool) -> Accuracy:
+    """Share of held-out prompts whose greedy episode (rollout/multiturn.py: every turn greedy, the environment
+    answering) earns full reward (>= 1): its steps' rewards plus, with ``reward_fn``, the eval reward's score of
+    its final turn. ``extra``: the episodes' env/* figures (tool-call rate, turns)."""
+    from exactrl.rollout.multiturn import episode_counts  # rollout imports run/ in its turn
+
+    t0, runner = time.perf_counter(), eval_set.episodes
+    params = SamplingParams(greedy=True, stop=stop, max_new_tokens=max_new_tokens)
+    rewards, failures, tokens, counts = [], [], 0, {}
+    for i in range(0, len(eval_set), batch_size):
+        chunk = eval_set.prompts[i : i + batch_size]
+        episodes = runner.run(generate, chunk, prompt_seeds("eval", positions=range(i, i + len(chunk))), params)
+        finals = score(eval_set.reward, [p.text for p in chunk], [e.final_text for e in episodes],
+                       [p.answer for p in chunk], [p.source for p in chunk], timeout, fallback,
+                       failures) if reward_fn else [0.0] * len(chunk)
+        rewards += [0.0 if e.error else sum(e.rewards) + f for e, f in zip(episodes, finals)]
+        tokens += sum(len(e.ids) for e in episodes)
+        for k, v in episode_counts(episodes).items():
+            counts[k] = counts.get(k, 0) + v
+    k, n = sum(r >= 1.0 for r in rewards), len(eval_set)
+    extra = {f"eval_{key}": v if key == "env/errors" else v / n for key, v in counts.items()}
+    return Accuracy(k / n, wilson_interval(k, n), k, n, time.perf_counter() - t0, tokens, len(failures), extra)
 
 
 def pairwise_accuracy(chosen: torch.Tensor, rejected: torch.Tensor, kinds: list[str | None] | None = None) -> dict:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -16,7 +16,7 @@ class EnvConfig(Section):
                                         "step(action)), one instance per episode, run in a process of its own with "
                                         "env.timeout per call. One of env.cls, env.url, env.tools turns multi-turn "
                                         "rollouts on.")
-    args: dict = Field(default_factory=dict, description="Keyword arguments of env.cls's constructor.")
+    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of env.cls's constructor.")
     url: str | None = Field(None,
                             description="An environment served over HTTP (python -m exactrl.envs.server): POST "
                                         "/reset and /step per episode.")
@@ -71,9 +71,9 @@ def check_env(cfg) -> None:
         return
     a, m = cfg.algo, METHODS[cfg.algo.name]
     if m.demonstrations or m.hinted:
+        own = ", ".join(n for n, x in METHODS.items() if not (x.demonstrations or x.hinted))
         raise ValueError(f"algo.name={a.name} mixes demonstrations or hints into its rollouts; with env.* a rollout "
-                         "is the policy's own episodes: use ppo, grpo, dr_grpo, rloo, reinforce_pp(_baseline), dapo "
-                         "or gspo")
+                         f"is the policy's own episodes: one of {own}")
     if a.overlong_buffer:
         raise ValueError(f"algo.overlong_buffer={a.overlong_buffer} shapes a one-turn response's length against "
                          "rollout.max_new_tokens; an episode's budget is env.max_tokens: set algo.overlong_buffer=0")

@@ -52,10 +52,11 @@ class RemoteReward:
         raise RemoteRewardError(f"{self.url} failed {times}; last: {last}")
 
 
-def check_server(url: str, key: str, timeout: float = 10.0) -> None:
-    """Refuse, before anything starts, a reward server that accepts no connection (naming ``key`` and the
-    address): a run would find out at its first rollout, after its model loaded. A connection is all this asks:
-    servers need not answer anything but their POST."""
+def check_server(url: str, key: str, timeout: float = 10.0, what: str = "reward server",
+                 start: str = "python -m exactrl.rewards.server MODULE:FUNCTION") -> None:
+    """Refuse, before anything starts, a ``what`` that accepts no connection (naming ``key`` and the address;
+    ``start`` is the command that starts one): a run would find out at its first rollout, after its model loaded.
+    A connection is all this asks: servers need not answer anything but their POST."""
     parts = urllib.parse.urlsplit(url)
     try:
         port = parts.port or (443 if parts.scheme == "https" else 80)
@@ -67,6 +68,5 @@ def check_server(url: str, key: str, timeout: float = 10.0) -> None:
         socket.create_connection((parts.hostname, port), timeout=timeout).close()
     except OSError as e:
         why = e.strerror or str(e) or type(e).__name__
-        raise RemoteRewardError(f"{key}={url}: no reward server answers at {parts.hostname}:{port} ({why}); start it "
-                          f"(e.g. python -m exactrl.rewards.server MODULE:FUNCTION --port {port}) or fix {key}") \
-            from None
+        raise RemoteRewardError(f"{key}={url}: no {what} answers at {parts.hostname}:{port} ({why}); start it "
+                                f"(e.g. {start} --port {port}) or fix {key}") from None

@@ -145,7 +145,11 @@ class EpisodeRunner:
                 e.done = True  # a budget ended it: not finished
                 continue
             closing = self.renderer.close_turn(e.turns[-1].ids)
-            obs_ids, obs_origin = self.renderer.observation(r.observation)
+            try:
+                obs_ids, obs_origin = self.renderer.observation(r.observation)
+            except ValueError as err:  # a template that cannot render this observation (envs/render.py RenderError)
+                self._fail(e, EnvError(f"episode {e.uid}, turn {turn}: its observation cannot be rendered: {err}"))
+                continue
             if len(e.ids) + len(closing) + len(obs_ids) >= self.cfg.max_tokens:  # no room left for a turn after it
                 e.done = True
                 continue

@@ -204,7 +204,7 @@ def episode_runner(env_cfg, tokenizer, say=None) -> EpisodeRunner:
     """The run's episode runner: env.*'s environments in their pool, and observations rendered as env.render
     says ('template': the chat template, checked at start-up to extend a conversation append-only)."""
     from exactrl.checks.template import check_template
-    from exactrl.envs.process import make_env_pool
+    from exactrl.envs import make_env_pool
     from exactrl.envs.render import ObservationRenderer
 
     mode = env_cfg.render or ("template" if getattr(tokenizer, "chat_template", None) else "text")

@@ -29,18 +29,23 @@ SUCCESS = End(0, "success", "", "The run finished: the final model (the report, 
 # Matched in this order (a subclass listed in an earlier row wins: EngineStartError is a GeneratorError).
 ENDS = (
     End(2, "error", "error", "A problem in the config, data, model, checkpoint, output_dir, device, vLLM environment "
-        "or reward server, or a dynamic-sampling rollout that cannot be filled: the line names the file, row or key "
+        "or reward server, an environment that cannot start (env.on_error=stop: one that failed an episode), a chat "
+        "template that cannot render an observation, or a dynamic-sampling rollout that cannot be filled: the line "
+        "names the file, row or key "
         "and how to fix it; nothing was trained past it.",
         ("exactrl.config.loader:ConfigError", "exactrl.data.jsonl:DataError", "exactrl.models.loading:ModelLoadError",
          "exactrl.rewards:RewardError", "exactrl.rewards.remote:RemoteRewardError",
          "exactrl.distributed.checkpoint:CheckpointError", "exactrl.rollout.collect:RolloutError",
-         "exactrl.device:DeviceError", "exactrl.rollout.vllm_generator:EngineStartError")),
+         "exactrl.device:DeviceError", "exactrl.rollout.vllm_generator:EngineStartError",
+         "exactrl.envs.base:EnvError", "exactrl.envs.render:RenderError")),
     End(3, "check", "stopped by a self-check", "A verification check stopped the run: the packing, generation or "
-        "determinism self-check, the on-policy ratio, a weight sync, or a rollout of other weights than its "
-        "schedule's. Checkpoints written so far are intact.",
+        "determinism self-check, the on-policy ratio, a weight sync, a rollout of other weights than its "
+        "schedule's, or a multi-turn row that is not the episode sampled (checks/trajectory.py). Checkpoints "
+        "written so far are intact.",
         ("exactrl.checks.packing:PackingCheckError", "exactrl.rollout.generation_check:GenerationCheckError",
          "exactrl.checks.determinism:DeterminismError", "exactrl.checks.on_policy:OnPolicyCheckError",
-         "exactrl.rollout.generator:WeightSyncError", "exactrl.rollout.schedule:StaleRolloutError")),
+         "exactrl.rollout.generator:WeightSyncError", "exactrl.rollout.schedule:StaleRolloutError",
+         "exactrl.checks.trajectory:TrajectoryError")),
     End(None, "error", "error", "A phase of a pipeline (demo), run as a command of its own, failed: the pipeline "
         "ends with that phase's code and says why once.", ("exactrl.pipelines.pipeline:PhaseError",)),
     End(1, "error", "error", "The final evaluation failed (the model is saved), or a study's cell failed (the other "

@@ -136,6 +136,20 @@ def test_messages_row_learns_only_assistant_turns(tokenizer):
         "|" * len(["<|user|>", *"2+2=", "<|assistant|>"]) + "#### 4<eos>"
 
 
+def test_a_tool_message_is_context_not_a_target(tokenizer):
+    """A tool episode (the calculator task's): the call and the final answer are learnt, each with its <eos>; the
+    tool's result, rendered by the template as <|tool|>632, carries no loss."""
+    call = '<tool_call>{"name": "calc", "arguments": {"expr": "347+285"}}</tool_call>'
+    messages = [{"role": "user", "content": "347+285="}, {"role": "assistant", "content": call},
+                {"role": "tool", "content": "632"}, {"role": "assistant", "content": "#### 0632"}]
+    ex = encode_sft([Row("x:1", {"messages": messages})], tokenizer, max_length=128)[0]
+    assert tokenizer.decode(ex.input_ids) == tokenizer.apply_chat_template(messages, tokenize=False)
+    tokens = tokenizer.convert_ids_to_tokens(ex.input_ids)
+    learned = "".join(t if m else "|" for t, m in zip(tokens, ex.loss_mask))
+    assert learned == "|" * len(["<|user|>", *"347+285=", "<|assistant|>"]) + call + "<eos>" + \
+        "|" * len([*"<|tool|>632", "<|assistant|>"]) + "#### 0632<eos>"
+
+
 def test_rl_prompt_from_messages_opens_an_assistant_turn(tmp_path, tokenizer):
     p = write_lines(tmp_path, [json.dumps({"prompt": [{"role": "user", "content": "1+1="}], "answer": 2})])
     prompt = encode_prompts(read_jsonl(p), tokenizer, max_length=32)[0]

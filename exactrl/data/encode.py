@@ -2,10 +2,11 @@
 
 SFT rows: ``{"prompt", "completion"}`` (plain text, completion ends with EOS) or
 ``{"messages": [{"role", "content"}, ...]}`` (the tokenizer's chat template; the loss covers
-assistant turns only). RL rows: ``{"prompt": str | messages, "answer": optional}``, and for
-the mixed-policy methods a demonstration of the answer with each: ``{"prompt", "answer",
-"demonstration": str}`` or ``{"messages": [..., {"role": "assistant", ...}], "answer"}`` (the last
-message is the demonstration, the turns before it the prompt).
+assistant turns only: a "tool" message, a tool's result shown to the model, is context like a
+user's). RL rows: ``{"prompt": str | messages, "answer": optional}``, and for the mixed-policy
+methods a demonstration of the answer with each: ``{"prompt", "answer", "demonstration": str}`` or
+``{"messages": [..., {"role": "assistant", ...}], "answer"}`` (the last message is the
+demonstration, the turns before it the prompt).
 Prompt and completion are tokenised separately, exactly as RL sees them (prompt alone, then
 generated tokens), so SFT and RL agree on token boundaries.
 
@@ -24,7 +25,7 @@ from jinja2 import TemplateError, TemplateSyntaxError
 from exactrl.data.files import read_rows
 from exactrl.data.jsonl import DataError, Row, require_str
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 class OverLength(DataError):

@@ -70,11 +70,11 @@ class StepPlan:
         return RankPlan(self.micro_batches[rank :: self.world_size])
 
     def count(self, sources: Iterable[str] | None = None, origins: Iterable[str] | None = None) -> tuple[int, int]:
-        """(loss tokens, sequences) of the step's samples from ``sources`` (None: all). With
-        ``origins``: their loss tokens of those origins, and the sequences having at least one."""
+        """(loss tokens, sequences having at least one) of the step's samples from ``sources`` (None: all).
+        With ``origins``: their loss tokens of those origins, and the sequences having at least one."""
         chosen = [c for c in self.counts if sources is None or c.source in sources]
-        if origins is None:
-            return sum(c.tokens for c in chosen), sum(c.seqs for c in chosen)
+        if origins is None:  # a row without loss tokens (an episode its environment ended at reset) is no sequence
+            return sum(c.tokens for c in chosen), sum(c.seqs for c in chosen if c.tokens)
         origins = set(origins)
         scoped = [(sum(n for o, n in c.origins if o in origins), c.seqs) for c in chosen]
         return sum(t for t, _ in scoped), sum(s for t, s in scoped if t)
@@ -150,7 +150,8 @@ def plan_step(loss_tokens: Sequence[int], micro_batch_size: int, mode: str, norm
     counts = tuple(SourceCount(src, sum(loss_tokens[i] for i in group), len(group), len(first.intersection(group)),
                                tuple((o, sum(origins[i][o] for i in group)) for o in present))
                    for (src, present), group in rows.items())
-    normalizer = StepNormalizer(mode=mode, num_tokens=int(sum(loss_tokens)), num_seqs=n, norm_len=norm_len)
+    normalizer = StepNormalizer(mode=mode, num_tokens=int(sum(loss_tokens)), num_seqs=sum(t > 0 for t in loss_tokens),
+                                norm_len=norm_len)
     return StepPlan(micro, world_size, counts, normalizer, unit=unit)
 
 

@@ -4,8 +4,6 @@ catches a row that is not; advantages step through policy tokens only."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from tokenizers import Tokenizer, models
@@ -16,60 +14,14 @@ from exactrl.algorithms.rl import attach_advantages
 from exactrl.checks.trajectory import TrajectoryError, check_episodes
 from exactrl.config import RLConfig, load_config
 from exactrl.data.encode import Prompt
-from exactrl.envs.base import Action, EnvError, StepResult, check_step
+from exactrl.envs.base import EnvError
 from exactrl.envs.render import ObservationRenderer
-from exactrl.rollout.generator import Generation, SamplingParams
+from exactrl.rollout.generator import SamplingParams
 from exactrl.rollout.hf import HFEngine
 from exactrl.rollout.multiturn import EpisodeRunner, to_sample
 from exactrl.tasks.tiny_model import build_tiny_model
 from exactrl.tasks.tokenizer import build_tokenizer
-
-
-class LocalPool:
-    """The pool interface (envs/process.py) in this process: one ``make()`` per episode."""
-
-    def __init__(self, make):
-        self.make, self.envs = make, {}
-
-    def reset(self, episodes):
-        out = []
-        for uid, row in episodes:
-            self.envs[uid] = self.make()
-            out.append(self.envs[uid].reset(row))
-        return out
-
-    def step(self, actions):
-        out = []
-        for uid, action in actions:
-            try:
-                out.append(check_step(self.envs[uid].step(action), "env"))
-            except Exception as e:  # the process pool turns these into EnvError too
-                out.append(EnvError(f"env episode {uid}: {e}"))
-        return out
-
-    def end(self, ids):
-        for uid in ids:
-            self.envs.pop(uid, None)
-
-    def close(self):
-        self.envs.clear()
-
-
-class Echo:
-    """Answers every turn with 'ok<n>' until the third, which ends the episode; reward 0.5 per turn."""
-
-    def reset(self, row):
-        self.turns = []
-        return None
-
-    def step(self, action: Action):
-        self.turns.append(action)
-        return StepResult(f"ok{len(self.turns)}", 0.5, done=len(self.turns) == 3, info={"tool_calls": 1})
-
-
-def env_cfg(**kw):
-    return SimpleNamespace(max_turns=kw.get("max_turns", 4), max_tokens=kw.get("max_tokens", 64),
-                           on_error=kw.get("on_error", "end"))
+from multiturn_fixtures import Echo, LocalPool, Scripted, env_cfg
 
 
 @pytest.fixture(scope="module")
@@ -155,23 +107,6 @@ def merging_tokenizer():
     vocab = {"<pad>": 0, "<eos>": 1, "a": 2, "b": 3, "ab": 4, "o": 5, "k": 6, "1": 7, "2": 8, "3": 9}
     core = Tokenizer(models.BPE(vocab, merges=[("a", "b")]))
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>")
-
-
-class Scripted:
-    """A generator that samples what it is told: turn k's ids, with made-up log-probs."""
-
-    logprobs_over = "vocabulary"
-
-    def __init__(self, turns):
-        self.turns, self.calls = turns, 0
-
-    def generate(self, prompt_ids, params, seeds):
-        out = []
-        for i, ids in enumerate(prompt_ids):
-            resp = self.turns[self.calls % len(self.turns)]
-            out.append(Generation(i, list(ids), list(resp), "", True, [-0.25 - 0.01 * j for j in range(len(resp))]))
-        self.calls += 1
-        return out
 
 
 def test_trained_ids_are_the_sampled_ids_when_re_encoding_would_merge_them():

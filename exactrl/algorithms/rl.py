@@ -65,7 +65,7 @@ from exactrl.rollout.generator import compares_kept_set
 from exactrl.rollout.multiturn import episode_runner
 from exactrl.rollout.schedule import RolloutSchedule
 from exactrl.run.context import RunContext
-from exactrl.run.evaluation import eval_data, load_eval_set
+from exactrl.run.evaluation import eval_data, load_eval_set, prompt_tools
 from exactrl.seeding import seed_everything
 from exactrl.tasks.builtin import BuiltinSpec
 from exactrl.workers.critic import Critic
@@ -300,7 +300,7 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     train_kind = "mixed_train" if alg.demonstrations else "rl_train"
     train_path, eval_path = resolve(cfg.data.train, train_kind, spec), resolve(eval_data(cfg), "eval", spec)
     tok = load_tokenizer(model_path, cfg.model.trust_remote_code, cfg.data.chat_template)
-    prompts, note = load_prompts(train_path, tok, cfg.data)
+    prompts, note = load_prompts(train_path, tok, cfg.data, tools=prompt_tools(cfg))
     if note and is_main():
         print(note)
     if alg.demonstrations:

@@ -56,6 +56,8 @@ class Prompt:
     # a worked answer to learn from (mixed-policy methods), tokenised like an SFT completion:
     # no special tokens, then EOS; None: the row has none
     demonstration: list[int] | None = None
+    # the row's other columns, for an environment's reset (envs/base.py): its task id, its documents, ...
+    columns: dict | None = None
 
 
 def _ids(tokenizer, text: str, first: bool) -> list[int]:
@@ -91,12 +93,13 @@ def use_chat_template(tokenizer, template: str) -> None:
     tokenizer.exactrl_template_origin = origin  # named in render errors
 
 
-def _render(tokenizer, messages: list[dict], row: Row, add_generation_prompt: bool = False) -> str:
+def _render(tokenizer, messages: list[dict], row: Row, add_generation_prompt: bool = False, tools=None) -> str:
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(f"{row.source}: 'messages' rows need a chat template; the tokenizer has none: set "
                         "data.chat_template to a Jinja file")
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **({"tools": tools} if tools else {}))
     except TemplateError as e:  # a syntax error, an undefined name, the template's own raise_exception
         origin = getattr(tokenizer, "exactrl_template_origin", "the tokenizer's chat template")
         if isinstance(e, TemplateSyntaxError) and e.lineno:
@@ -222,14 +225,15 @@ def _demonstration(row: Row, tokenizer) -> tuple[object, list[int] | None]:
 
 
 def encode_prompts(rows: list[Row], tokenizer, max_length: int, max_prompt_length: int | None = None,
-                   over_length: str = "error", dropped: list[str] | None = None) -> list[Prompt]:
+                   over_length: str = "error", dropped: list[str] | None = None, tools=None) -> list[Prompt]:
+    """``tools``: OpenAI-style schemas the chat template renders into message prompts (env.tools)."""
     limit = _char_limit(tokenizer, max_length)
 
     def encode(row: Row) -> Prompt:
         _check_size(row, limit, max_length)
         raw, demonstration = _demonstration(row, tokenizer)
         if isinstance(raw, list):
-            text = _render(tokenizer, _check_messages(row, raw), row, add_generation_prompt=True)
+            text = _render(tokenizer, _check_messages(row, raw), row, add_generation_prompt=True, tools=tools)
         else:
             text = require_str(row, "prompt")
         answer = row.data.get("answer")
@@ -245,7 +249,8 @@ def encode_prompts(rows: list[Row], tokenizer, max_length: int, max_prompt_lengt
         if demonstration is not None and len(ids) + len(demonstration) > max_length:
             raise OverLength(f"{row.source}: prompt and demonstration of {len(ids) + len(demonstration)} tokens "
                              f"exceed data.max_length={max_length}; {FIX}")
-        return Prompt(ids, text, None if answer is None else str(answer), row.source, demonstration)
+        columns = {k: v for k, v in row.data.items() if k not in ("prompt", "answer", "messages", "demonstration")}
+        return Prompt(ids, text, None if answer is None else str(answer), row.source, demonstration, columns or None)
 
     return _keep(rows, encode, over_length, dropped)
 
@@ -270,8 +275,9 @@ def load_sft(path, tokenizer, data) -> tuple[list[SFTExample], str | None]:
     return examples, _dropped_note(dropped, len(rows), path, data)
 
 
-def load_prompts(path, tokenizer, data, first: int | None = None) -> tuple[list[Prompt], str | None]:
-    """``load_sft`` for prompts (rl's training prompts, the eval set's ``first`` rows)."""
+def load_prompts(path, tokenizer, data, first: int | None = None, tools=None) -> tuple[list[Prompt], str | None]:
+    """``load_sft`` for prompts (rl's training prompts, the eval set's ``first`` rows); ``tools`` as encode_prompts."""
     rows, dropped = read_rows(path)[:first], []
-    prompts = encode_prompts(rows, tokenizer, data.max_length, data.max_prompt_length, data.over_length, dropped)
+    prompts = encode_prompts(rows, tokenizer, data.max_length, data.max_prompt_length, data.over_length, dropped,
+                             tools)
     return prompts, _dropped_note(dropped, len(rows), path, data)

@@ -159,8 +159,7 @@ class EpisodeRunner:
 
 def row_of(prompt) -> dict:
     """The data row an environment's reset reads: the prompt's text, answer and source, and its other columns."""
-    return {**(getattr(prompt, "row", None) or {}), "prompt": prompt.text, "answer": prompt.answer,
-            "source": prompt.source}
+    return {**(prompt.columns or {}), "prompt": prompt.text, "answer": prompt.answer, "source": prompt.source}
 
 
 def to_sample(e: Episode, final: float) -> Sample:
@@ -208,8 +207,14 @@ def episode_runner(env_cfg, tokenizer, say=None) -> EpisodeRunner:
     from exactrl.envs.render import ObservationRenderer
 
     mode = env_cfg.render or ("template" if getattr(tokenizer, "chat_template", None) else "text")
-    if mode == "template":
-        report = check_template(tokenizer)
-        if not report.append_only and say is not None:
-            say(f"note: {report.detail}")
-    return EpisodeRunner(make_env_pool(env_cfg), ObservationRenderer(tokenizer, mode), tokenizer, env_cfg)
+    pool = make_env_pool(env_cfg)
+    tools = getattr(pool, "tools", None)  # env.tools: the template renders the conversation with their schemas
+    try:
+        if mode == "template":
+            report = check_template(tokenizer, tools=tools)
+            if not report.append_only and say is not None:
+                say(f"note: {report.detail}")
+        return EpisodeRunner(pool, ObservationRenderer(tokenizer, mode, tools=tools), tokenizer, env_cfg)
+    except BaseException:
+        pool.close()
+        raise

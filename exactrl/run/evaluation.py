@@ -162,12 +162,23 @@ def eval_reward_spec(cfg) -> str:
     return cfg.reward.specs()[0] if hasattr(cfg, "reward") else BUILTIN_CHECKER
 
 
+def prompt_tools(cfg) -> list[dict] | None:
+    """The tools' schemas an `rl` run with env.tools renders into its message prompts (as the model is told of
+    them at inference), else None."""
+    env = getattr(cfg, "env", None)
+    if env is None or env.tools is None:
+        return None
+    from exactrl.envs.tools import schemas  # transformers' schema builder: only for a run with tools
+
+    return schemas(env.tools)
+
+
 def load_eval_set(cfg, tokenizer, eval_path: str | None, reward: Reward | None = None) -> EvalSet | None:
     """The first data.eval_size eval rows, each checked to carry the answer the reward needs.
     Without ``reward`` (sft), the eval reward gets a process of its own."""
     if not eval_path:
         return None
-    prompts, note = load_prompts(eval_path, tokenizer, cfg.data, first=cfg.data.eval_size)
+    prompts, note = load_prompts(eval_path, tokenizer, cfg.data, first=cfg.data.eval_size, tools=prompt_tools(cfg))
     if note and is_main():
         print(note)
     owned = None if reward is not None else Rewards(eval_reward_spec(cfg))

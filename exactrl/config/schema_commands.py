@@ -113,13 +113,12 @@ def _size(name: str) -> str:
 
 
 class TaskConfig(Section):
-    name: Literal["addition", "multiplication"] = Field("addition",
-                                                        description="The built-in task: 'addition' (two operands "
-                                                                    "of task.digits digits, exactrl/tasks/"
-                                                                    "arithmetic.py) or 'multiplication' (a "
-                                                                    "task.digits-digit number times 2-9, a teacher "
-                                                                    "that also slips: exactrl/tasks/"
-                                                                    "multiplication.py), harder for the tiny model.")
+    name: Literal["addition", "multiplication", "calculator"] = Field(
+        "addition", description="The built-in task: 'addition' (two operands of task.digits digits, exactrl/tasks/"
+                                "arithmetic.py), 'multiplication' (a task.digits-digit number times 2-9, a teacher "
+                                "that also slips: exactrl/tasks/multiplication.py), harder for the tiny model, or "
+                                "'calculator' (addition as chats whose teacher sometimes calls a calculator tool, "
+                                "exactrl/tasks/calculator.py: the multi-turn task).")
     seed: int = Field(0, description="Seed of the problems, the SFT style mix and the initial model.")
     digits: int | None = Field(None, ge=1, le=6,
                                description="Digits per operand (multiplication: of the first); unset = the task's "

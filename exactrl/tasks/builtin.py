@@ -13,7 +13,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from exactrl.tasks import arithmetic, multiplication, preference
+from exactrl.tasks import arithmetic, calculator, multiplication, preference
 from exactrl.tasks.tiny_model import SIZES, save_tiny_model
 from exactrl.tasks.tokenizer import save_tokenizer
 
@@ -24,7 +24,8 @@ def cache_dir() -> Path:
 
 
 # task.name -> (its digits, its teacher's slip_prob) when not given: exactrl/tasks/<module>.py
-TASKS = {"addition": (3, None), "multiplication": (4, 0.6)}
+TASKS = {"addition": (3, None), "multiplication": (4, 0.6), "calculator": (3, None)}
+PREFIX = {"addition": "arith-", "multiplication": "mul-", "calculator": "calc-"}  # of each task's cache key
 
 
 @dataclass(frozen=True)
@@ -45,8 +46,8 @@ class BuiltinSpec:
             raise ValueError(f"no built-in task '{self.name}'; the tasks are {', '.join(TASKS)}")
         if self.model not in SIZES:
             raise ValueError(f"no built-in model size '{self.model}'; the sizes are {', '.join(SIZES)}")
-        if self.name == "addition" and self.slip_prob is not None:
-            raise ValueError("slip_prob is the multiplication teacher's; the addition task has none")
+        if self.name != "multiplication" and self.slip_prob is not None:
+            raise ValueError(f"slip_prob is the multiplication teacher's; the {self.name} task has none")
         digits, slip = TASKS[self.name]
         object.__setattr__(self, "digits", digits if self.digits is None else self.digits)
         object.__setattr__(self, "slip_prob", slip if self.slip_prob is None else self.slip_prob)
@@ -56,9 +57,9 @@ class BuiltinSpec:
         name = fields.pop("name")
         if fields["model"] == "tiny":  # caches made before there were two sizes keep their key
             fields.pop("model")
-        if name == "addition":  # the addition task's caches keep the key they had before there were two tasks
+        if name != "multiplication":  # only its teacher slips (and addition's caches keep their first key)
             fields.pop("slip_prob")
-        return {"addition": "arith-", "multiplication": "mul-"}[name] + "-".join(f"{k}{v}" for k, v in fields.items())
+        return PREFIX[name] + "-".join(f"{k}{v}" for k, v in fields.items())
 
 
 @dataclass(frozen=True)
@@ -106,19 +107,26 @@ def _build(spec: BuiltinSpec, paths: BuiltinPaths) -> None:
     if spec.name == "multiplication":
         _build_multiplication(spec, paths)
         return
+    rows = _addition_rows(spec)
     train = arithmetic.generate("train", spec.n_sft + spec.n_rl, spec.seed, spec.digits)
-    _write_jsonl(paths.sft_train, arithmetic.sft_rows(train[: spec.n_sft], spec.direct_fraction, spec.skip_prob,
-                                                      spec.seed))
+    _write_jsonl(paths.sft_train, rows.sft_rows(train[: spec.n_sft], spec.direct_fraction, spec.skip_prob, spec.seed))
     _write_mixed(spec, paths)
-    _write_jsonl(paths.rl_train, arithmetic.rl_rows(train[spec.n_sft :]))
+    _write_jsonl(paths.rl_train, rows.rl_rows(train[spec.n_sft :]))
     _write_pretrain(spec, paths)
-    _write_jsonl(paths.eval, arithmetic.rl_rows(arithmetic.generate("eval", spec.n_eval, spec.seed, spec.digits)))
+    _write_jsonl(paths.eval, rows.rl_rows(arithmetic.generate("eval", spec.n_eval, spec.seed, spec.digits)))
     (root / "DONE").write_text(json.dumps(asdict(spec)))
+
+
+def _addition_rows(spec: BuiltinSpec):
+    """The module writing the rows of an addition problem: the addition task's, or the calculator task's (the same
+    problems, with a tool)."""
+    return calculator if spec.name == "calculator" else arithmetic
 
 
 def _write_mixed(spec: BuiltinSpec, paths: BuiltinPaths) -> None:
     sft = arithmetic.generate("train", spec.n_sft + spec.n_rl, spec.seed, spec.digits)[: spec.n_sft]
-    _write_jsonl(paths.mixed_train, arithmetic.mixed_rows(sft, spec.direct_fraction, spec.skip_prob, spec.seed))
+    _write_jsonl(paths.mixed_train, _addition_rows(spec).mixed_rows(sft, spec.direct_fraction, spec.skip_prob,
+                                                                    spec.seed))
 
 
 def _write_pretrain(spec: BuiltinSpec, paths: BuiltinPaths) -> None:
@@ -128,8 +136,8 @@ def _write_pretrain(spec: BuiltinSpec, paths: BuiltinPaths) -> None:
         rows = [{"prompt": p.prompt, "completion": multiplication.worked_solution(p, frozenset(range(spec.digits)))}
                 for p in problems]
     else:
-        rows = arithmetic.pretrain_rows(arithmetic.generate("train", spec.n_sft + spec.n_rl, spec.seed,
-                                                            spec.digits)[spec.n_sft :])
+        rows = _addition_rows(spec).pretrain_rows(arithmetic.generate("train", spec.n_sft + spec.n_rl, spec.seed,
+                                                                      spec.digits)[spec.n_sft :])
     _write_jsonl(paths.pretrain, rows)
 
 

@@ -45,6 +45,7 @@ class HFBackend:
         self.engine = HFEngine(self.model, AutoTokenizer.from_pretrained(model), batch_size=64)
         self.state_ = WeightsState(name)
         self.group, self.hang_on_load, self.generate_seconds = None, hang_on_load, generate_seconds
+        self.max_model_len = max_model_len
         self.die_in_load = faults.get("die_in_load", False)
         self.path, self.wake_with_base, self.sleeps, self.host = model, faults.get("wake_with_base", False), \
             sleep_level > 0, None
@@ -134,10 +135,17 @@ class HFBackend:
         time.sleep(self.generate_seconds)
         p = SamplingParams(**{**params, "n": 1, "stop": tuple(params["stop"])})
         stop = StopStrings(self.engine.tok, p.stop) if p.stop else None
+        for ids, _ in requests:  # vLLM's own check (v1/engine/input_processor.py _validate_prompt_len)
+            if len(ids) >= self.max_model_len:
+                raise ValueError(f"The decoder prompt (length {len(ids)}) plus the number of requested output tokens "
+                                 f"(at least 1) is longer than the maximum model length of {self.max_model_len}")
         # the requests' seeds are already each response's own (row_seed): drawn with as they are
         gens = self.engine._generate_batch([(i, ids, seed) for i, (ids, seed) in enumerate(requests)], p, stop)
-        return {"rows": [(g.response_ids, self.kept(ids, g, p)) for (ids, _), g in zip(requests, gens)],
-                "state": self.state()}
+        rows = []
+        for (ids, _), g in zip(requests, gens):  # and vLLM stops a request at max_model_len tokens, unfinished
+            room, lp = self.max_model_len - len(ids), self.kept(ids, g, p)  # (v1/core/sched/utils.py check_stop)
+            rows.append((g.response_ids[:room], None if lp is None else lp[:room]))
+        return {"rows": rows, "state": self.state()}
 
     @torch.no_grad()
     def kept(self, prompt: list[int], g, p: SamplingParams):

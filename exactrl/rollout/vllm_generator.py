@@ -334,7 +334,7 @@ def vllm_generator(cfg, model_dir: str, tokenizer, run_dir: Path, index: int = 0
     env = {"VLLM_CPU_KVCACHE_SPACE": str(v.cpu_kv_cache_gb)} if v.cpu_kv_cache_gb else {}
     if not (ray is not None and ray.enabled):  # Ray shows an engine actor (and so its engine) its own GPUs
         env |= rank_gpu(use_device(cfg.distributed.device))
-    longest = cfg.data.max_length + cfg.rollout.max_new_tokens
+    longest = longest_request(cfg)
     positions = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
     return VLLMGenerator(model_dir, tokenizer, python=v.python, dtype=cfg.model.dtype, seed=cfg.train.seed,
                          max_model_len=min(longest, positions or longest), index=index,
@@ -343,6 +343,16 @@ def vllm_generator(cfg, model_dir: str, tokenizer, run_dir: Path, index: int = 0
                          request_timeout=v.request_timeout, bucket_mb=v.bucket_mb, log_dir=run_dir, env=env,
                          trust_remote_code=cfg.model.trust_remote_code, sleep_level=level,
                          tensor_parallel_size=tp)
+
+
+def longest_request(cfg) -> int:
+    """The longest sequence a rollout asks the engine for: a prompt and a response; with env.* an episode's turn is
+    sampled after the ids it holds so far (rollout/multiturn.py: fewer than env.max_tokens after the prompt), so
+    prompt + env.max_tokens + a turn's rollout.max_new_tokens. A shorter max_model_len would make vLLM refuse a
+    late turn's prompt, or stop its response where the decode loop would go on."""
+    env = getattr(cfg, "env", None)
+    return cfg.data.max_length + cfg.rollout.max_new_tokens + (env.max_tokens if env is not None and env.enabled
+                                                                else 0)
 
 
 def rank_gpu(device: torch.device) -> dict:

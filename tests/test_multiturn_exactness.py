@@ -190,9 +190,8 @@ def failed_reset(tokenizer):
     with pytest.warns(UserWarning, match="reset failed"):
         samples, episodes = make_samples(tokenizer, failed_resets=(2,))
     assert [s.loss_tokens == 0 for s in samples] == [i == 2 for i in range(8)]
-    # to_sample gives a row without turns no generator log-probs while the others have them, which collate refuses
-    # in one micro-batch; the update does not read them
-    samples[2].gen_logprobs = torch.zeros(samples[2].num_targets)
+    # a row without turns carries zero generator log-probs, as collate needs beside the sampled rows'
+    assert not samples[2].gen_logprobs.any() and all(s.gen_logprobs is not None for s in samples)
     return samples, episodes
 
 

@@ -284,9 +284,11 @@ def test_the_plan_counts_tokens_and_sequences_per_source_and_origin():
     assert plan.count(origins=ORIGINS) == (10, 4)  # a sequence with tokens of both origins counts once
     assert pickle.loads(pickle.dumps(plan)) == plan
     assert collate([mixed, prefix], 0)["origin"].tolist() == [[0, 1, 1, 0], [0, 1, 1, 0]]
-    with pytest.raises(ValueError, match=r"origin names one of policy, demonstration per target \(4 of them\); got 3"):
+    with pytest.raises(ValueError, match=r"origin names one of policy, demonstration, environment, template per "
+                                         r"target \(4 of them\); got 3"):
         plan_samples([Sample([1, 2], [3, 4, 5], origin=("policy",) * 3)], 1, "token-mean")
-    with pytest.raises(ValueError, match="a nll term's origins are some of policy, demonstration"):
+    with pytest.raises(ValueError, match="a nll term's origins are some of policy, demonstration, environment, "
+                                         "template"):
         NLLTerm(origins=("teacher",))
 
 

@@ -179,7 +179,8 @@ def to_sample(e: Episode, final: float) -> Sample:
                   origin=("policy",) * head + tuple(e.origin),
                   turn_spans=tuple((head + t.start, head + t.start + len(t.ids)) for t in e.turns),
                   turn_rewards=turn_rewards,
-                  gen_logprobs=torch.tensor([0.0] * head + e.logprobs) if g and g.logprobs is not None else None)
+                  # an episode that sampled nothing (its reset failed) has zeros, as a row beside sampled ones must
+                  gen_logprobs=None if g and g.logprobs is None else torch.tensor([0.0] * head + e.logprobs))
 
 
 # counts reported as totals over the rollout; the others are means per episode

@@ -257,8 +257,10 @@ def rm(config: Path | None = ConfigOpt, overrides: list[str] | None = OverridesA
 @app.command(short_help=RL_SHORT_HELP, help=RL_HELP)
 def rl(config: Path | None = ConfigOpt, overrides: list[str] | None = OverridesArg):
     from exactrl.algorithms.rl import train_rl
+    from exactrl.tasks.builtin import BuiltinSpec
 
-    _run("rl", config, overrides, lambda cfg: _say_final(train_rl(cfg).final_model))
+    _run("rl", config, overrides, lambda cfg: _say_final(train_rl(cfg, spec=BuiltinSpec(**cfg.task.model_dump()))
+                                                         .final_model))
 
 
 @app.command()

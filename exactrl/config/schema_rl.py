@@ -21,6 +21,7 @@ from exactrl.config.schema_mixed import (
     UFTConfig,
 )
 from exactrl.config.schema_ray import RayConfig, check_ray
+from exactrl.config.schema_task import TaskConfig
 from exactrl.config.schema_vllm import VLLMConfig
 
 
@@ -327,6 +328,9 @@ class RLConfig(CommonConfig):
     ray: RayConfig = RayConfig()
     distill: DistillConfig = Field(default_factory=DistillConfig,
                                    description="On-policy distillation: a teacher scoring the student's samples.")
+    task: TaskConfig = Field(default_factory=TaskConfig,
+                             description="The built-in task model.path=builtin / builtin-sft and data.*=builtin mean "
+                                         "(task.name=calculator: the multi-turn tool task).")
     env: EnvConfig = Field(default_factory=EnvConfig,
                            description="Multi-turn and agent rollouts: an environment answering each policy turn.")
 

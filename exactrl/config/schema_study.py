@@ -131,6 +131,13 @@ class StudyConfig(Section):
                                         "continues, never re-running a finished cell); {time} is filled in.")
 
     @model_validator(mode="after")
+    def _one_task(self):
+        for phase in ("rl", "mixed"):
+            if getattr(self, phase).task != TaskConfig():
+                raise ValueError(f"{phase}.task: every cell of a study runs the study's task (task.*)")
+        return self
+
+    @model_validator(mode="after")
     def _known_methods(self):
         known = (*SFT_BASED, *NAMES)
         for where, names in (("methods", self.methods), ("bugs.methods", self.bugs.methods),

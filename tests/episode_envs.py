@@ -4,6 +4,8 @@ module so the environment process (exactrl/envs/process.py) imports only this an
 
 from __future__ import annotations
 
+import time
+
 from exactrl.envs.base import Action, StepResult
 
 
@@ -13,14 +15,16 @@ class Tally:
     and there is something to learn) except on odd turns, and each observation form once: a 'tool' message
     (rendered by the chat template's delta), plain text, token ids."""
 
-    def __init__(self, ids_turn: list[int] | None = None):
+    def __init__(self, ids_turn: list[int] | None = None, delay: float = 0.0):
         self.ids_turn = ids_turn or [5, 6]  # the token-id observation (within the built-in vocabulary)
+        self.delay = delay  # seconds each step takes (a slow tool)
 
     def reset(self, row: dict):
         self.digits, self.turns = 0, 2
         return None  # the row's prompt as loaded
 
     def step(self, action: Action) -> StepResult:
+        time.sleep(self.delay)
         if action.turn == 0:
             self.turns = 2 + sum(action.ids) % 2
         digits = sum(ch.isdigit() for ch in action.text)

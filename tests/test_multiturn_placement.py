@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -23,13 +25,17 @@ import ray
 import torch
 from safetensors.torch import load_file
 
+from episode_envs import Tally
 from exactrl.algorithms.rl import train_rl
 from exactrl.config import RLConfig, load_config
+from exactrl.envs.base import Action
+from exactrl.envs.process import ProcessEnvPool
 from exactrl.rollout import collect, multiturn, vllm_generator
 from exactrl.rollout.generator import Generation
 from exactrl.rollout.multiturn import Episode, Turn, to_sample
 from exactrl.rollout.vllm_generator import VLLMGenerator
 from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin
+from multiturn_fixtures import LocalPool
 from test_ray import stand_in_engines
 
 SPEC = BuiltinSpec(n_sft=20, n_rl=40, n_eval=10)
@@ -93,7 +99,7 @@ def layout(placement_: str, ranks: int, engines: int) -> list[str]:
 
 def run(tmp: Path, *extra: str) -> dict:
     """One run (cached by its settings): its metrics rows, its rollouts' rows and its final weights."""
-    out = tmp / ("-".join(extra).replace("=", "_").replace("/", "_") or "plain")
+    out = tmp / (re.sub(r"[^\w.-]+", "_", "-".join(extra)) or "plain")
     if not (out / "final").exists():
         OUT["now"] = str(out)
         train_rl(load_config(RLConfig, None, [*COMMON, *extra, f"output_dir={out}"]), spec=SPEC)
@@ -201,6 +207,21 @@ def test_asynchronous_episodes_under_ray_are_the_schedule_run_in_sequence(tmp):
             assert all(set(turns) == {version} for turns in episodes) and max(map(len, episodes)) >= 2
 
 
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:ray.async_rollouts=true without ray.enabled")
+def test_asynchronous_episodes_beside_an_evaluation_under_ray(tmp):
+    """The same, evaluating at every step with a slow environment (0.2 s a step): the evaluation's greedy episodes
+    (main thread) and the next rollout's (the schedule's thread) share the run's environment pool at once. Unlocked,
+    the Ray run died on a reset answered with a StepResult (the fast test above holds the pool to that)."""
+    slow = [*ASYNC, "data.eval=builtin", "train.eval_every=1", "eval.max_new_tokens=8", 'env.args={"delay": 0.2}']
+    lagged, placed = run(tmp, *slow), run(tmp, *slow, *layout("split", 1, 1))
+    assert same_episodes(placed, lagged) <= LP_TOL and max_diff(placed["weights"], lagged["weights"]) <= TOL
+    evals = [[(r["step"], r["eval_accuracy"], r["eval_env/turns"]) for r in map(json.loads, (x["dir"] / "metrics.jsonl")
+              .read_text().splitlines()) if "eval_accuracy" in r] for x in (lagged, placed)]
+    print(f"async with evaluations: {evals[1]}")
+    assert evals[0] == evals[1] and len(evals[0]) >= 3
+
+
 def test_an_episode_sampled_across_two_weights_versions_is_refused():
     """to_sample's guard, for a sync landing between two turns of an episode."""
     def turn(version, start):
@@ -214,6 +235,26 @@ def test_an_episode_sampled_across_two_weights_versions_is_refused():
     e.turns[1] = turn(4, 3)
     with pytest.raises(RuntimeError, match=r"an episode's turns were sampled with weights versions \[3, 4\]"):
         to_sample(e, 0.0)
+
+
+def test_one_environment_pool_serves_rollout_and_evaluation_threads_at_once():
+    """Under ray.async_rollouts the next rollout's episodes run in a thread while evaluation runs its own episodes on
+    the main thread, both through the run's one environment pool: each batch must get its own answers. (Unlocked, the
+    two threads' requests and replies crossed on the child's connection: a reset answered with a StepResult.)"""
+    def episodes(first: int, pool) -> list:
+        ids = range(first, first + 4)
+        out = pool.reset([(uid, {"prompt": str(uid)}) for uid in ids])
+        for turn in range(2):  # a Tally episode lasts 2 or 3 turns
+            out += pool.step([(uid, Action([uid, turn, 7][: 1 + (uid + turn) % 3], f"{uid}x{turn}", True, turn))
+                              for uid in ids])
+        pool.end(list(ids))
+        return out
+
+    with ProcessEnvPool("episode_envs:Tally", {"delay": 0.02}, timeout=30) as pool:
+        with ThreadPoolExecutor(2) as threads:
+            got = list(threads.map(lambda first: episodes(first, pool), [0, 100, 200, 300]))
+    here = LocalPool(lambda: Tally(delay=0.0))
+    assert got == [episodes(first, here) for first in (0, 100, 200, 300)]
 
 
 @pytest.fixture(scope="module")

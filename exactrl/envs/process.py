@@ -182,6 +182,9 @@ class ProcessEnvPool(EnvPool):
         self._child = None
         self._live: set[int] = set()  # episodes whose instance lives in the current child
         self._lost: dict[int, str] = {}  # episode -> why its instance is gone (its child was killed)
+        # one batch at a time over the child's connection: under ray.async_rollouts the next rollout's episodes run in
+        # a thread (rollout/schedule.py) while evaluation runs its own on the main thread, through this same pool
+        self._lock = threading.Lock()
         self._start()
 
     def _start(self) -> None:
@@ -266,22 +269,25 @@ class ProcessEnvPool(EnvPool):
         return results
 
     def reset(self, episodes: list[tuple[int, dict]]) -> list[object]:
-        return self._run("reset", list(episodes))
+        with self._lock:
+            return self._run("reset", list(episodes))
 
     def step(self, actions: list[tuple[int, Action]]) -> list[object]:
-        return self._run("step", list(actions))
+        with self._lock:
+            return self._run("step", list(actions))
 
     def end(self, ids: list[int]) -> None:
-        for episode in ids:
-            self._live.discard(episode)
-            self._lost.pop(episode, None)
-        if self._child is not None:
-            try:
-                self._child.conn.send(("end", list(ids)))
-            except OSError:  # the child died while idle: the next call starts a fresh one
-                self._kill("the environment process died while idle")
+        with self._lock:
+            for episode in ids:
+                self._live.discard(episode)
+                self._lost.pop(episode, None)
+            if self._child is not None:
+                try:
+                    self._child.conn.send(("end", list(ids)))
+                except OSError:  # the child died while idle: the next call starts a fresh one
+                    self._kill("the environment process died while idle")
 
-    def close(self) -> None:
+    def close(self) -> None:  # not behind the lock: a failed run closes the pool while a batch may hang in it
         if self._child is not None:
             self._child.stop(grace=1.0)
             self._child = None

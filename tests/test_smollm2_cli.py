@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from transformers import AutoTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,3 +56,20 @@ def test_grpo_one_step_with_the_math_reward(smollm2_dir, tmp_path):
     assert step["ratio_dev_first"] is not None and step["ratio_dev_first"] <= 1e-2
     assert 0.0 <= step["reward_mean"] <= 1.0 and step.get("reward_failures", 0) == 0
     assert (run / "final" / "model.safetensors").exists()
+
+
+def test_grpo_one_step_with_a_tool_through_the_chat_template(smollm2_dir, tmp_path):
+    """examples/smollm2_tools.yaml: episodes through SmolLM2's own ChatML template (append-only: no notice), the
+    trajectory check passing on every rollout, observations never in the loss, the on-policy check passing."""
+    run = tmp_path / "tools"
+    proc = exactrl(["rl", "--config", "examples/smollm2_tools.yaml", f"model.path={smollm2_dir}", "data.eval=null",
+                    "train.max_steps=1", "train.global_batch_size=8", "train.micro_batch_size=4", "algo.group_size=4",
+                    "rollout.max_new_tokens=40", f"output_dir={run}"])
+    assert "not an extension" not in proc.stdout + proc.stderr  # the template check found ChatML append-only
+    (step,) = metrics(run, "reward_mean")
+    assert step["samples"] == 8 and step["canary"] == 1.0
+    assert step["ratio_dev_first"] is not None and step["ratio_dev_first"] <= 1e-2
+    assert step["env/errors"] == 0 and step["env/turns"] >= 1.0
+    # a turn closed by <|im_end|> gets only the template's '\n'; the policy's tokens are all that is trained
+    assert step["loss_tokens"] == pytest.approx(8 * step["env/policy_tokens"])
+    assert step["rollout_gap/turn_0_max"] <= 1e-3

@@ -127,7 +127,7 @@ def plan(cfg, command: str, opts: Options) -> list[PhasePlan]:
     if command == "sft":
         return [plan_sft(cfg, BuiltinSpec(), opts)]
     if command == "rl":
-        return [plan_rl(cfg, BuiltinSpec(), opts)]
+        return [plan_rl(cfg, BuiltinSpec(**cfg.task.model_dump()), opts)]
     if command == "study":
         return plan_study(cfg, opts)
     spec = BuiltinSpec(**cfg.task.model_dump()) if command == "demo" else BuiltinSpec()

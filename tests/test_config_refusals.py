@@ -4,9 +4,12 @@ the override, other frameworks' names, RL step counts that are not whole rollout
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from exactrl.config import ConfigError, DemoConfig, RLConfig, SFTConfig, dump_config, load_config
+from exactrl.config.schema_study import StudyConfig
 
 
 def error_of(cls, path=None, overrides=()) -> str:
@@ -174,3 +177,17 @@ def test_the_tables_name_real_keys():
     sections = {k.rsplit(".", i)[0] + "." for k in keys for i in range(1, k.count(".") + 1)}
     assert not [row.key for row in USED_WHEN if row.key not in keys | sections]
     assert not [target for target, _ in ALIASES.values() if target not in keys]
+
+
+@pytest.mark.parametrize("cls, overrides, message", [
+    (RLConfig, ["task.name=calculator"], "task.name=calculator is a tool task"),
+    (DemoConfig, ["task.name=calculator"], "set rl.env.tools=exactrl.tasks.calculator_tools"),
+    (StudyConfig, ["task.name=calculator"], "a study compares one-turn methods"),
+    (RLConfig, ["env.tools=m", "algo.name=luffy"], "with env.* a rollout is the policy's own episodes"),
+    (RLConfig, ["env.tools=m", "algo.overlong_buffer=8"], "an episode's budget is env.max_tokens"),
+    (RLConfig, ["env.tools=m", "env.cls=m:C"], "env.cls and env.tools are both set"),
+    (RLConfig, ["env.args={a: 1}"], "env.args are env.cls's constructor arguments"),
+])
+def test_episode_settings_that_cannot_work_are_refused(cls, overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(cls, None, overrides)

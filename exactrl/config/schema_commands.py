@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from exactrl.config.schema import DataConfig, EvalConfig, ModelConfig, OptimConfig, Section, SFTConfig, TrainConfig
+from exactrl.config.schema_env import TOOL_TASKS, tool_task_refusal
 from exactrl.config.schema_rl import AlgoConfig, RLConfig, RolloutConfig
 from exactrl.config.schema_task import TaskConfig
 
@@ -215,3 +216,9 @@ class DemoConfig(PipelineConfig):
                            description="The SFT phase (model and data are the built-in task's).")
     rl: RLConfig = Field(default_factory=_demo_rl, description="The GRPO phase, from the SFT model.")
     output_dir: str = Field("runs/demo-{time}", description="Run directory; {time} is filled in.")
+
+    @model_validator(mode="after")
+    def _tool_task_has_its_environment(self):
+        if self.task.name in TOOL_TASKS and not self.rl.env.enabled:
+            raise ValueError(tool_task_refusal(self.task.name, "rl."))
+        return self

@@ -65,9 +65,23 @@ class EnvConfig(Section):
         return self
 
 
+# built-in tasks whose answers are episodes, and the env.* that runs them
+TOOL_TASKS = {"calculator": "env.tools=exactrl.tasks.calculator_tools"}
+
+
+def tool_task_refusal(task: str, prefix: str = "") -> str:
+    return (f"task.name={task} is a tool task: its model answers by calling a tool over several turns, and one-turn "
+            f"rollouts would train the calls away; set {prefix}{TOOL_TASKS[task]} and {prefix}rollout.max_new_tokens "
+            "of at least 96 (examples/agent_tools.yaml)")
+
+
 def check_env(cfg) -> None:
-    """Refuses what multi-turn episodes cannot honour in an `exactrl rl` config (env.* set)."""
+    """Refuses what multi-turn episodes cannot honour in an `exactrl rl` config (env.* set), and a tool task
+    without them."""
     if not cfg.env.enabled:
+        if cfg.task.name in TOOL_TASKS and (cfg.data.train == "builtin" or cfg.model.path in ("builtin",
+                                                                                             "builtin-sft")):
+            raise ValueError(tool_task_refusal(cfg.task.name))
         return
     a, m = cfg.algo, METHODS[cfg.algo.name]
     if m.demonstrations or m.hinted:

@@ -10,6 +10,7 @@ from pydantic import Field, model_validator
 from exactrl.config.methods import NAMES
 from exactrl.config.schema import DataConfig, OptimConfig, Section, SFTConfig, TrainConfig
 from exactrl.config.schema_commands import TaskConfig
+from exactrl.config.schema_env import TOOL_TASKS
 from exactrl.config.schema_rl import AlgoConfig, RLConfig, RolloutConfig
 
 # The methods a study compares besides the mixed-policy algorithms of the registry: SFT alone,
@@ -132,6 +133,9 @@ class StudyConfig(Section):
 
     @model_validator(mode="after")
     def _one_task(self):
+        if self.task.name in TOOL_TASKS:
+            raise ValueError(f"task.name={self.task.name} is a tool task, answered in episodes; a study compares "
+                             "one-turn methods (the mixed-policy ones learn from one-turn demonstrations)")
         for phase in ("rl", "mixed"):
             if getattr(self, phase).task != TaskConfig():
                 raise ValueError(f"{phase}.task: every cell of a study runs the study's task (task.*)")

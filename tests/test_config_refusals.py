@@ -191,3 +191,8 @@ def test_the_tables_name_real_keys():
 def test_episode_settings_that_cannot_work_are_refused(cls, overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(cls, None, overrides)
+
+
+def test_a_dotted_override_inside_env_args_sets_a_constructor_argument():
+    cfg = load_config(RLConfig, None, ["env.cls=m:C", "env.args.delay=0.2", "env.args.name=x"])
+    assert cfg.env.args == {"delay": 0.2, "name": "x"}

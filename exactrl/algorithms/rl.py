@@ -327,7 +327,9 @@ def train_rl(cfg: RLConfig, run_dir: Path | None = None, spec: BuiltinSpec = Bui
     # The workers: the policy, the frozen reference (a KL term needs one), the critic (ppo), in this process or as
     # Ray actor groups (ray.enabled): the loop reads the same. With LoRA the reference is the policy's own model with
     # its adapters off: no second copy.
-    longest, pad = cfg.data.max_length + cfg.rollout.max_new_tokens, tok.pad_token_id
+    # the longest row a forward sees (start-up self-checks test up to it): an episode's turns and observations too
+    longest = cfg.data.max_length + cfg.rollout.max_new_tokens + (cfg.env.max_tokens if cfg.env.enabled else 0)
+    pad = tok.pad_token_id
     where = {"run_dir": ctx.run_dir, "phase": phase, "longest": longest, "pad_id": pad}
     warmup = min(cfg.critic.warmup_rollouts, rollouts) * steps_per_rollout if alg.critic else 0
     roles, schedule, teacher = place(cfg, ctx.run_dir, phase), None, None

@@ -251,6 +251,8 @@ def _check_nodes(node, p: Path) -> dict[str, int]:
 def _is_str_field(cls: type[BaseModel], path: list[str]) -> bool:
     for part in path[:-1]:
         cls = _submodel(cls.model_fields[part].annotation)
+        if cls is None:  # a key inside a dict-valued field (env.args.delay): its value is YAML's
+            return False
     annotation = cls.model_fields[path[-1]].annotation
     return annotation is str or (get_origin(annotation) is not None and str in get_args(annotation))
 

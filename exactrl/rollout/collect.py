@@ -118,6 +118,12 @@ def add_model_reward(samples: list[Sample], rewards) -> None:
         s.reward += rewards.model.weight * score
 
 
+def generated(s: Sample) -> int:
+    """The tokens the generator sampled for ``s``: its response, or an episode's policy turns (not the
+    observations and template tokens between them)."""
+    return len(s.response_ids) if s.turn_spans is None else sum(b - a for a, b in s.turn_spans)
+
+
 def rollout_stats(samples: list[Sample], failures: int, cfg: RLConfig) -> dict:
     """What a rollout held: rewards (each component when there are several), accuracy by the
     first reward, lengths, and how many prompts, responses and tokens it sampled."""
@@ -129,7 +135,7 @@ def rollout_stats(samples: list[Sample], failures: int, cfg: RLConfig) -> dict:
         stats |= {f"reward/{k}": sum(s.parts[k] for s in samples) / len(samples) for k in specs}
     if cfg.algo.overlong_buffer:
         stats["overlong_penalty"] = sum(s.penalty for s in samples) / len(samples)
-    tokens = sum(len(s.response_ids) for s in samples)
+    tokens = sum(generated(s) for s in samples)
     return stats | {"response_length": tokens / len(samples), "finished": sum(s.finished for s in samples) / len(
         samples),
                     "reward_failures": failures, "rollout_prompts": len(samples) // cfg.algo.group_size,

@@ -65,6 +65,15 @@ def rl_flops(n_params: float, rollouts: float, prompts_per_rollout: float, on_po
     return n_params * rollouts * prompts_per_rollout * per_prompt
 
 
+def _forwarded(s) -> int:
+    """Tokens the generator ran through the model for ``s``: its prompt and response once; for an episode
+    (rollout/multiturn.py), each turn's request, the episode so far and the turn's own tokens (every turn is its
+    own request, prefilled again)."""
+    if s.turn_spans is None:
+        return len(s.ids)
+    return sum(b + 1 for _, b in s.turn_spans)
+
+
 @dataclass
 class FlopsCounter:
     """What one phase processed, counted as it goes; ``record()`` is what metrics.jsonl and summary.json
@@ -82,7 +91,7 @@ class FlopsCounter:
         does not (the rollout's statistics do not carry it)."""
         made = [s for s in samples if s.source != "demonstration"]
         dropped = 0 if responses_generated is None else responses_generated - sum(len(s.response_ids) for s in made)
-        self.generated_tokens += sum(len(s.ids) for s in made) + max(0, dropped)
+        self.generated_tokens += sum(_forwarded(s) for s in made) + max(0, dropped)
 
     def trained(self, samples: Iterable) -> None:
         """One optimizer step's global batch (all ranks): 6*N*D per sample."""

@@ -12,10 +12,12 @@ from transformers import PreTrainedTokenizerFast
 from exactrl.advantages import AdvantageInput, get_advantage
 from exactrl.algorithms.rl import attach_advantages
 from exactrl.checks.trajectory import TrajectoryError, check_episodes
+from exactrl.compute import FlopsCounter
 from exactrl.config import RLConfig, load_config
 from exactrl.data.encode import Prompt
 from exactrl.envs.base import EnvError
 from exactrl.envs.render import ObservationRenderer
+from exactrl.rollout.collect import rollout_stats
 from exactrl.rollout.generator import SamplingParams
 from exactrl.rollout.hf import HFEngine
 from exactrl.rollout.multiturn import EpisodeRunner, to_sample
@@ -181,3 +183,18 @@ def test_outcome_estimators_see_the_episode_reward(tok, model):
     for s, a in zip(samples, adv):
         first = s.turn_spans[0][0]
         assert float(s.advantages[first]) == pytest.approx(float(a), abs=1e-6)
+
+
+def test_figures_count_what_the_generator_did(tok, model):
+    """generated_tokens counts the sampled turns only; the FLOPs counter every token each turn's request ran through
+    the model (the episode so far, prefilled again, and the turn), re-counted here from the generator's requests."""
+    _, eps = run(tok, model)
+    samples = [to_sample(e, 0.0) for e in eps]
+    for s in samples:
+        s.parts = {"env": s.reward}
+    cfg = load_config(RLConfig, None, ["algo.group_size=2", "train.global_batch_size=6", "train.micro_batch_size=2"])
+    stats = rollout_stats(samples, 0, cfg)
+    assert stats["generated_tokens"] == sum(len(t.ids) for e in eps for t in e.turns)
+    flops = FlopsCounter(1)
+    flops.generated(samples)
+    assert flops.generated_tokens == sum(len(t.generation.prompt_ids) + len(t.ids) for e in eps for t in e.turns)

@@ -198,3 +198,29 @@ def test_figures_count_what_the_generator_did(tok, model):
     flops = FlopsCounter(1)
     flops.generated(samples)
     assert flops.generated_tokens == sum(len(t.generation.prompt_ids) + len(t.ids) for e in eps for t in e.turns)
+
+
+def test_reinforce_pp_whitens_over_policy_tokens_only(tok, model):
+    """REINFORCE++'s return to go runs through an episode's policy tokens (a turn's reward on its last one, the
+    final reward on the last policy token) and its whitening counts policy tokens alone: written out here."""
+    cfg = load_config(RLConfig, None, ["algo.name=reinforce_pp", "algo.group_size=1", "algo.gamma=0.9",
+                                       "train.global_batch_size=6", "train.micro_batch_size=2"])
+    _, eps = run(tok, model)
+    samples = [to_sample(e, float(i % 2)) for i, e in enumerate(eps)]
+    attach_advantages(samples, cfg)
+    returns, where = [], []
+    for s in samples:
+        steps = [t for a, b in s.turn_spans for t in range(a, b)]
+        r = [0.0] * len(steps)
+        for (_, b), tr in zip(s.turn_spans, s.turn_rewards):
+            r[steps.index(b - 1)] += tr
+        r[-1] += s.reward - sum(s.turn_rewards)
+        g = 0.0
+        for t in reversed(range(len(steps))):
+            g = r[t] + 0.9 * g
+            returns.append(g)
+            where.append((s, steps[t]))
+    x = torch.tensor(returns, dtype=torch.float64)
+    want = (x - x.mean()) / (x.std() + 1e-6)
+    got = torch.tensor([float(s.advantages[t]) for s, t in where], dtype=torch.float64)
+    assert torch.allclose(got, want, atol=1e-5)

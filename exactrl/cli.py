@@ -312,6 +312,8 @@ def evaluate(config: Path | None = ConfigOpt, overrides: list[str] | None = Over
     e.g. exactrl eval model.path=runs/X/final                         (built-in problems and checker)
          exactrl eval model.path=DIR data.eval=test.jsonl eval.reward_fn=exactrl.rewards.mathverify:reward
                       pass_at_k.n=16 pass_at_k.k=[1,4,16] pass_at_k.temperature=0.7
+         exactrl eval task.name=calculator model.path=builtin-sft env.tools=exactrl.tasks.calculator_tools
+                      eval.max_new_tokens=96                  (greedy episodes with a tool: accuracy, tool-call rate)
     """
     from exactrl.pipelines.evaluate import run_eval
 

@@ -75,7 +75,7 @@ def test_types_and_defaults_read_as_typed():
                 "| `model.lora.dropout` | `float in [0, 1)` | `0.0` |",
                 "| `rollout.probe_tol` | `float > 0`, optional | `null` |",
                 "| `optim.betas` | `[float, float]` | `[0.9,0.999]` |",
-                "| `task.model` | `tiny \\| small` | `tiny` (rl); `tiny` (demo); `small` (study) |"):
+                "| `task.model` | `tiny \\| small` | `tiny` (rl); `tiny` (demo); `tiny` (eval); `small` (study) |"):
         assert row in page, row
     assert "**Former name:** `algo.lam`" in page and "**Other names:** `learning_rate`" in page
     assert "{c." not in page

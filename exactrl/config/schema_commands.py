@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from exactrl.config.schema import DataConfig, EvalConfig, ModelConfig, OptimConfig, Section, SFTConfig, TrainConfig
-from exactrl.config.schema_env import TOOL_TASKS, tool_task_refusal
+from exactrl.config.schema_env import TOOL_TASKS, EnvConfig, tool_task_refusal
 from exactrl.config.schema_rl import AlgoConfig, RLConfig, RolloutConfig
 from exactrl.config.schema_task import TaskConfig
 
@@ -80,7 +80,11 @@ class EvalScoringConfig(EvalConfig):
 
 
 class EvalCommandConfig(Section):
-    """`exactrl eval`: a model, an eval set and a reward -> greedy accuracy with its 95% interval, pass@k, a report."""
+    """`exactrl eval`: a model, an eval set and a reward -> greedy accuracy with its 95% interval, pass@k, a report.
+    With env.* each prompt is answered by a greedy episode (each turn up to eval.max_new_tokens tokens), scored as
+    `exactrl rl` scores its evaluation episodes: the steps' rewards plus, with env.reward_fn, the eval reward's
+    score of the final turn; the report adds the tool-call rate (episodes with a call) with its 95% interval and the
+    episodes' turns, tool errors and tokens, and samples.jsonl holds each episode's turns and observations."""
 
     model: EvalModelConfig = EvalModelConfig()
     data: EvalDataConfig = EvalDataConfig()
@@ -88,6 +92,12 @@ class EvalCommandConfig(Section):
                                     description="Generation budget, batch size and the reward, as in a training "
                                                 "run's final evaluation.")
     pass_at_k: PassAtKConfig = PassAtKConfig()
+    task: TaskConfig = Field(default_factory=TaskConfig,
+                             description="The built-in task model.path=builtin / builtin-sft and data.eval=builtin "
+                                         "mean (task.name=calculator: the multi-turn tool task, evaluated with env.*).")
+    env: EnvConfig = Field(default_factory=EnvConfig,
+                           description="Episodes instead of one-turn answers: an environment answering each greedy "
+                                       "turn, as env.* of `exactrl rl`.")
     output_dir: str = Field("runs/{command}-{time}",
                             description="Report directory (results.json, report.md, samples.jsonl); {command} and "
                                         "{time} are filled in.")
@@ -105,6 +115,21 @@ class EvalCommandConfig(Section):
         if not p.n and unused:
             raise ValueError(f"{', '.join(unused)} set, but pass_at_k.n=0 draws no samples; set pass_at_k.n (samples "
                              "per prompt)")
+        if p.preference and self.env.enabled:
+            raise ValueError("pass_at_k.preference with env.*: a sampled episode is several turns and observations, "
+                             "not one prompt -> completion pair the preference rows hold; unset one of them")
+        return self
+
+    @model_validator(mode="after")
+    def _task_is_used(self):
+        builtin = self.data.eval == "builtin" or self.model.path in ("builtin", "builtin-sft")
+        if self.task.name in TOOL_TASKS and builtin and not self.env.enabled:
+            raise ValueError(tool_task_refusal(self.task.name, budget="eval.max_new_tokens",
+                                               why="one-turn answers would score every call 0"))
+        if self.task != TaskConfig() and not builtin:
+            raise ValueError(f"task.* chooses what model.path=builtin / builtin-sft and data.eval=builtin mean, and "
+                             f"neither is used (model.path={self.model.path}, data.eval={self.data.eval}); unset "
+                             "task.*")
         return self
 
 

@@ -69,10 +69,10 @@ class EnvConfig(Section):
 TOOL_TASKS = {"calculator": "env.tools=exactrl.tasks.calculator_tools"}
 
 
-def tool_task_refusal(task: str, prefix: str = "") -> str:
-    return (f"task.name={task} is a tool task: its model answers by calling a tool over several turns, and one-turn "
-            f"rollouts would train the calls away; set {prefix}{TOOL_TASKS[task]} and {prefix}rollout.max_new_tokens "
-            "of at least 96 (examples/agent_tools.yaml)")
+def tool_task_refusal(task: str, prefix: str = "", budget: str = "rollout.max_new_tokens",
+                      why: str = "one-turn rollouts would train the calls away") -> str:
+    return (f"task.name={task} is a tool task: its model answers by calling a tool over several turns, and {why}; "
+            f"set {prefix}{TOOL_TASKS[task]} and {prefix}{budget} of at least 96 (examples/agent_tools.yaml)")
 
 
 def check_env(cfg) -> None:

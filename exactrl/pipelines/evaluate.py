@@ -4,7 +4,8 @@ model and settings), pass@k from n samples per prompt, and a report directory:
 
     results.json   every figure and the settings that produced it
     report.md      the same as a table
-    samples.jsonl  per prompt: the greedy answer, its reward, the correct samples out of n
+    samples.jsonl  per prompt: the greedy answer, its reward, the correct samples out of n (with env.*: the greedy
+                   episode: each turn's text, each observation's text, the rewards; pipelines/evaluate_episodes.py)
     pairs.jsonl, unpaired.jsonl   with pass_at_k.preference: the samples as preference data (right against
                    wrong answers of one prompt; every answer labelled), for exactrl rm, dpo and kto
 """
@@ -25,10 +26,12 @@ from exactrl.data.preference import sampled_sets
 from exactrl.device import use_device
 from exactrl.models.loading import load_causal_lm, load_tokenizer
 from exactrl.models.lora import adapter_base, is_adapter_dir, load_adapted
+from exactrl.pipelines.evaluate_episodes import episode_figures, measure_episodes
 from exactrl.progress import progress
 from exactrl.rollout.hf import HFEngine
 from exactrl.run.evaluation import correct_samples, eval_reward_spec, evaluate_accuracy, load_eval_set, pass_at_k
 from exactrl.run_dir import create_run_dir
+from exactrl.tasks.builtin import BuiltinSpec
 
 BASE_KEY = "model.base=PATH"
 
@@ -51,17 +54,25 @@ def run_eval(cfg: EvalCommandConfig, console: Console | None = None) -> dict:
         raise ConfigError(f"model.base={cfg.model.base}: '{cfg.model.path}' is not a LoRA adapter directory, so it has "
                           "no base to load; unset model.base")
     device = use_device(cfg.model.device, "model.device")
-    model_path, data_path = resolve(cfg.model.path, "model"), resolve(cfg.data.eval, "eval")
+    spec = BuiltinSpec(**cfg.task.model_dump())  # what builtin / builtin-sft mean
+    model_path, data_path = resolve(cfg.model.path, "model", spec), resolve(cfg.data.eval, "eval", spec)
     load, tokenizer_dir = _load(cfg, model_path, device)
     tok = load_tokenizer(tokenizer_dir, cfg.model.trust_remote_code, cfg.data.chat_template)
     # The data and the reward are checked before the model loads: a bad row fails in seconds.
     eval_set = load_eval_set(cfg, tok, data_path)
     try:
+        if cfg.env.enabled:  # episodes: the environments start (and the template is checked) before the model loads
+            from exactrl.rollout.multiturn import episode_runner
+
+            eval_set.episodes = episode_runner(cfg.env, tok, say=lambda s: console.print(s, highlight=False))
         model = load()
         run_dir = create_run_dir(cfg.output_dir, "eval", cfg)
         write_manifest(run_dir, cfg.pass_at_k.seed, {"eval": data_path}, {"model": str(model_path)})
-        results = _measure(cfg, model, tok, eval_set, run_dir)
+        measure = measure_episodes if eval_set.episodes is not None else _measure
+        results = measure(cfg, model, tok, eval_set, run_dir)
     finally:
+        if eval_set.episodes is not None:
+            eval_set.episodes.close()
         eval_set.close()
     results |= {"model": str(model_path), "data": str(data_path), "reward": eval_reward_spec(cfg),
                 "report": str(run_dir)}
@@ -119,6 +130,8 @@ def _measure(cfg: EvalCommandConfig, model, tok, eval_set, run_dir: Path) -> dic
 
 
 def _figures(results: dict) -> list[tuple[str, str]]:
+    if results.get("env"):
+        return episode_figures(results)
     g = results["greedy"]
     out = [("greedy accuracy [95% CI]",
             f"{100 * g['accuracy']:.1f}% [{100 * g['ci95'][0]:.1f}, {100 * g['ci95'][1]:.1f}]"),
@@ -142,9 +155,13 @@ def _table(results: dict) -> Table:
 
 
 def _markdown(results: dict) -> str:
+    env = results.get("env")
     lines = ["# Evaluation", "", f"- model: `{results['model']}`",
              f"- data: `{results['data']}` ({results['prompts']} prompts)",
              f"- reward: `{results['reward']}`",
-             f"- greedy decoding, up to {results['greedy']['max_new_tokens']} new tokens", "",
-             "| metric | value |", "|---|---|"]
+             f"- greedy decoding, up to {results['greedy']['max_new_tokens']} new tokens{' per turn' if env else ''}"]
+    if env:
+        lines.append(f"- episodes: `{env['source']}`, up to {env['max_turns']} turns and {env['max_tokens']} tokens "
+                     "after the prompt")
+    lines += ["", "| metric | value |", "|---|---|"]
     return "\n".join([*lines, *(f"| {name} | {value} |" for name, value in _figures(results))]) + "\n"

@@ -214,11 +214,23 @@ def greedy_accuracy(cfg, policy, tokenizer, eval_set: EvalSet) -> Accuracy:
                              fallback=r.fallback if r else None)
 
 
+def score_episodes(reward: Reward, episodes: list, timeout: float, fallback: float | None, failures: list,
+                   reward_fn: bool) -> tuple[list[float], list[float]]:
+    """Each episode's final-turn score (``reward``'s, with ``reward_fn``; else 0) and its reward: its steps'
+    rewards plus that score, 0 for an episode an error ended (as rollout/multiturn.py to_sample trains on it)."""
+    ps = [e.prompt for e in episodes]
+    finals = score(reward, [p.text for p in ps], [e.final_text for e in episodes], [p.answer for p in ps],
+                   [p.source for p in ps], timeout, fallback, failures) if reward_fn else [0.0] * len(episodes)
+    return finals, [0.0 if e.error else sum(e.rewards) + f for e, f in zip(episodes, finals)]
+
+
 def episode_accuracy(generate: Callable, eval_set: EvalSet, *, batch_size: int, max_new_tokens: int,
-                     stop: tuple[str, ...], timeout: float, fallback: float | None, reward_fn: bool) -> Accuracy:
+                     stop: tuple[str, ...], timeout: float, fallback: float | None, reward_fn: bool,
+                     on_batch=None) -> Accuracy:
     """Share of held-out prompts whose greedy episode (rollout/multiturn.py: every turn greedy, the environment
     answering) earns full reward (>= 1): its steps' rewards plus, with ``reward_fn``, the eval reward's score of
-    its final turn. ``extra``: the episodes' env/* figures (tool-call rate, turns)."""
+    its final turn. ``extra``: the episodes' env/* figures (tool-call rate, turns). ``on_batch(prompts, episodes,
+    final scores, rewards)`` after each batch."""
     from exactrl.rollout.multiturn import episode_counts  # rollout imports run/ in its turn
 
     t0, runner = time.perf_counter(), eval_set.episodes
@@ -227,13 +239,13 @@ def episode_accuracy(generate: Callable, eval_set: EvalSet, *, batch_size: int, 
     for i in range(0, len(eval_set), batch_size):
         chunk = eval_set.prompts[i : i + batch_size]
         episodes = runner.run(generate, chunk, prompt_seeds("eval", positions=range(i, i + len(chunk))), params)
-        finals = score(eval_set.reward, [p.text for p in chunk], [e.final_text for e in episodes],
-                       [p.answer for p in chunk], [p.source for p in chunk], timeout, fallback,
-                       failures) if reward_fn else [0.0] * len(chunk)
-        rewards += [0.0 if e.error else sum(e.rewards) + f for e, f in zip(episodes, finals)]
+        finals, values = score_episodes(eval_set.reward, episodes, timeout, fallback, failures, reward_fn)
+        rewards += values
         tokens += sum(len(e.ids) for e in episodes)
         for k, v in episode_counts(episodes).items():
             counts[k] = counts.get(k, 0) + v
+        if on_batch is not None:
+            on_batch(chunk, episodes, finals, values)
     k, n = sum(r >= 1.0 for r in rewards), len(eval_set)
     extra = {f"eval_{key}": v if key == "env/errors" else v / n for key, v in counts.items()}
     return Accuracy(k / n, wilson_interval(k, n), k, n, time.perf_counter() - t0, tokens, len(failures), extra)

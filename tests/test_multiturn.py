@@ -4,6 +4,8 @@ catches a row that is not; advantages step through policy tokens only."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from tokenizers import Tokenizer, models
@@ -224,3 +226,30 @@ def test_reinforce_pp_whitens_over_policy_tokens_only(tok, model):
     want = (x - x.mean()) / (x.std() + 1e-6)
     got = torch.tensor([float(s.advantages[t]) for s, t in where], dtype=torch.float64)
     assert torch.allclose(got, want, atol=1e-5)
+
+
+def _re_rendered_prefix(s, e):  # turn 1 asked with a history other than the row's (a re-rendered conversation)
+    g = e.turns[1].generation
+    e.turns[1].generation = replace(g, prompt_ids=g.prompt_ids[:-2] + [g.prompt_ids[-1]])
+
+
+def _observation_in_the_loss(s, e):
+    first_obs = s.origin.index("environment")
+    s.mask = s.mask[:first_obs] + (1,) + s.mask[first_obs + 1 :]
+
+
+def _log_probs_one_off(s, e):
+    s.gen_logprobs = torch.roll(s.gen_logprobs, 1)
+
+
+@pytest.mark.parametrize("tamper, message", [
+    (_re_rendered_prefix, "turn 1 was sampled from .* ids that differ from the row's"),
+    (_observation_in_the_loss, "target [0-9]+ has loss mask 1 but was not sampled"),
+    (_log_probs_one_off, "turn 0.s generator log-probs are not the ones it reported"),
+])
+def test_the_trajectory_check_catches_a_row_that_is_not_the_episode(tok, model, tamper, message):
+    _, eps = run(tok, model)
+    samples = [to_sample(e, 0.0) for e in eps]
+    tamper(samples[1], eps[1])
+    with pytest.raises(TrajectoryError, match="episode 1 of this rank's rollout: " + message):
+        check_episodes(samples, eps, tok)

@@ -241,7 +241,7 @@ def episode_accuracy(generate: Callable, eval_set: EvalSet, *, batch_size: int, 
         episodes = runner.run(generate, chunk, prompt_seeds("eval", positions=range(i, i + len(chunk))), params)
         finals, values = score_episodes(eval_set.reward, episodes, timeout, fallback, failures, reward_fn)
         rewards += values
-        tokens += sum(len(e.ids) for e in episodes)
+        tokens += sum(len(t.ids) for e in episodes for t in e.turns)  # sampled, not observed
         for k, v in episode_counts(episodes).items():
             counts[k] = counts.get(k, 0) + v
         if on_batch is not None:

@@ -22,10 +22,11 @@ from exactrl.config.methods import METHODS
 from exactrl.pipelines.plan_base import Options, PhasePlan, _local, _n_params, _tokenizer
 
 # A section only one command's config has, checked in this order: the first found names the command.
-SIGNATURES = (("study", "methods"), ("study", "seeds"), ("study", "mixed"), ("study", "bugs"), ("demo", "task"),
-              ("pipeline", "sft"), ("pipeline", "rl"), ("pipeline", "truncate"), ("eval", "pass_at_k"), ("rl", "algo"),
-              ("rl", "rollout"), ("rl", "reward"), ("rl", "critic"), ("dpo", "dpo"), ("kto", "kto"), ("rm", "rm"),
-              ("kd", "kd"))
+# in order: task.* is also rl's and eval's (after their own keys), env.* also rl's (after rl's)
+SIGNATURES = (("study", "methods"), ("study", "seeds"), ("study", "mixed"), ("study", "bugs"), ("rl", "algo"),
+              ("rl", "rollout"), ("rl", "reward"), ("rl", "critic"), ("eval", "pass_at_k"), ("eval", "env"),
+              ("demo", "task"), ("pipeline", "sft"), ("pipeline", "rl"), ("pipeline", "truncate"), ("dpo", "dpo"),
+              ("kto", "kto"), ("rm", "rm"), ("kd", "kd"))
 
 
 def detect_command(path: Path) -> str:

@@ -141,6 +141,17 @@ def test_trained_ids_are_the_sampled_ids_when_re_encoding_would_merge_them():
         check_episodes([to_sample(eps[0], 0.0)], eps, tok)
 
 
+def policy_steps(s) -> tuple[list[int], list[float]]:
+    """An episode row's policy targets in order, and the reward at each: a turn's on its last target, the rest of
+    the episode's (the final reward) on the last one."""
+    steps = [t for a, b in s.turn_spans for t in range(a, b)]
+    r = [0.0] * len(steps)
+    for (_, b), tr in zip(s.turn_spans, s.turn_rewards):
+        r[steps.index(b - 1)] += tr
+    r[-1] += s.reward - sum(s.turn_rewards)
+    return steps, r
+
+
 def gae_over_policy_tokens(rewards_at, values, gamma, lam):
     """GAE written out over a list of (reward, value) policy steps (the reference: observations are skipped)."""
     adv, last = [0.0] * len(values), 0.0
@@ -163,11 +174,7 @@ def test_gae_steps_through_policy_tokens_only(tok, model):
         s.old_values = torch.randn(s.num_targets, generator=g)
     attach_advantages(samples, cfg)
     for s in samples:
-        steps = [t for a, b in s.turn_spans for t in range(a, b)]
-        r = [0.0] * len(steps)
-        for (_, b), tr in zip(s.turn_spans, s.turn_rewards):
-            r[steps.index(b - 1)] += tr
-        r[-1] += s.reward - sum(s.turn_rewards)
+        steps, r = policy_steps(s)
         want = gae_over_policy_tokens(r, [float(s.old_values[t]) for t in steps], 0.9, 0.8)
         assert torch.allclose(s.advantages[steps].double(), torch.tensor(want, dtype=torch.float64), atol=1e-6)
         assert not s.advantages[[t for t in range(s.num_targets) if t not in steps]].any()
@@ -212,11 +219,7 @@ def test_reinforce_pp_whitens_over_policy_tokens_only(tok, model):
     attach_advantages(samples, cfg)
     returns, where = [], []
     for s in samples:
-        steps = [t for a, b in s.turn_spans for t in range(a, b)]
-        r = [0.0] * len(steps)
-        for (_, b), tr in zip(s.turn_spans, s.turn_rewards):
-            r[steps.index(b - 1)] += tr
-        r[-1] += s.reward - sum(s.turn_rewards)
+        steps, r = policy_steps(s)
         g = 0.0
         for t in reversed(range(len(steps))):
             g = r[t] + 0.9 * g

@@ -18,8 +18,8 @@ SELF_CHECK, CANARY = (3, "check", "stopped by a self-check"), (3, "canary", "sto
 INPUT, FAILED = (2, "error", "error"), (1, "error", "error")
 EXPECTED = {  # the error's class name -> (exit code, status.json state, the line's label)
     **dict.fromkeys(["ConfigError", "DataError", "ModelLoadError", "RewardError", "RemoteRewardError",
-                     "CheckpointError", "RolloutError", "DeviceError", "EngineStartError", "EnvError", "RenderError",
-                     "OSError"], INPUT),
+                     "ServerUnreachable", "CheckpointError", "RolloutError", "DeviceError", "EngineStartError",
+                     "EnvError", "RenderError", "OSError"], INPUT),
     **dict.fromkeys(["PackingCheckError", "GenerationCheckError", "DeterminismError", "OnPolicyCheckError",
                      "WeightSyncError", "StaleRolloutError", "TrajectoryError"], SELF_CHECK),
     **dict.fromkeys(["EvaluationError", "StudyIncomplete", "RoleDied", "GeneratorError"], FAILED),

@@ -123,14 +123,14 @@ def test_reference_server_times_out_hung_rewards_and_refuses_missing_answers(ref
 
 
 def test_the_start_check_passes_a_live_server_and_names_the_key_of_one_that_is_not(reference_server):
-    from exactrl.rewards.remote import check_server
+    from exactrl.serving import ServerUnreachable, check_server
 
     check_server(reference_server, "reward.url")  # a server that listens passes (only a connection is asked)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with pytest.raises(RemoteRewardError, match=rf"^reward.fn=http://127.0.0.1:{port}/x: no reward server answers at "
+    with pytest.raises(ServerUnreachable, match=rf"^reward.fn=http://127.0.0.1:{port}/x: no reward server answers at "
                                           rf"127.0.0.1:{port} \(Connection refused\)"):
         check_server(f"http://127.0.0.1:{port}/x", "reward.fn")
-    with pytest.raises(RemoteRewardError, match=r"^eval.reward_fn=http://127.0.0.1:99999/: the port is not a number"):
+    with pytest.raises(ServerUnreachable, match=r"^eval.reward_fn=http://127.0.0.1:99999/: the port is not a number"):
         check_server("http://127.0.0.1:99999/", "eval.reward_fn")

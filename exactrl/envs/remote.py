@@ -15,7 +15,7 @@ from dataclasses import asdict
 
 from exactrl.envs.base import Action, EnvError, StepResult, check_observation, check_step
 from exactrl.envs.process import _GRACE, EnvPool
-from exactrl.rewards.remote import RemoteRewardError, check_server
+from exactrl.serving import ServerUnreachable, check_server
 
 
 class RemoteEnvPool(EnvPool):
@@ -29,7 +29,7 @@ class RemoteEnvPool(EnvPool):
             try:
                 check_server(url, "env.url", what="environment server",
                              start="python -m exactrl.envs.server --cls MODULE:CLASS")
-            except RemoteRewardError as e:
+            except ServerUnreachable as e:
                 raise EnvError(str(e)) from None
 
     def _post(self, path: str, body: dict, where: str, wait: float):

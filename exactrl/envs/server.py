@@ -22,6 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from exactrl.envs.base import Action, EnvError
 from exactrl.envs.process import ProcessEnvPool
+from exactrl.serving import send_json
 
 
 def make_server(cls: str, args: dict | None = None, host: str = "127.0.0.1", port: int = 8100,
@@ -47,14 +48,10 @@ def make_server(cls: str, args: dict | None = None, host: str = "127.0.0.1", por
     class Handler(BaseHTTPRequestHandler):
         def _send(self, code: int, payload: dict) -> None:
             try:
-                data = json.dumps(payload).encode()
+                json.dumps(payload)
             except (TypeError, ValueError) as e:  # an observation or info JSON cannot carry
-                code, data = 200, json.dumps({"error": f"{cls}: its result is not JSON ({e})"}).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+                code, payload = 200, {"error": f"{cls}: its result is not JSON ({e})"}
+            send_json(self, code, payload)
 
         def do_GET(self):  # health check
             self._send(200, {"env": cls})

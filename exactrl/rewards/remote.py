@@ -8,7 +8,6 @@ reference server is exactrl/rewards/server.py."""
 from __future__ import annotations
 
 import json
-import socket
 import time
 import urllib.error
 import urllib.parse
@@ -50,23 +49,3 @@ class RemoteReward:
             return answer["rewards"]
         times = "once" if self.retries == 0 else f"{self.retries + 1} times"
         raise RemoteRewardError(f"{self.url} failed {times}; last: {last}")
-
-
-def check_server(url: str, key: str, timeout: float = 10.0, what: str = "reward server",
-                 start: str = "python -m exactrl.rewards.server MODULE:FUNCTION") -> None:
-    """Refuse, before anything starts, a ``what`` that accepts no connection (naming ``key`` and the address;
-    ``start`` is the command that starts one): a run would find out at its first rollout, after its model loaded.
-    A connection is all this asks: servers need not answer anything but their POST."""
-    parts = urllib.parse.urlsplit(url)
-    try:
-        port = parts.port or (443 if parts.scheme == "https" else 80)
-    except ValueError:
-        raise RemoteRewardError(f"{key}={url}: the port is not a number between 0 and 65535") from None
-    if not parts.hostname:
-        raise RemoteRewardError(f"{key}={url}: the address names no host (e.g. http://127.0.0.1:8000/)")
-    try:
-        socket.create_connection((parts.hostname, port), timeout=timeout).close()
-    except OSError as e:
-        why = e.strerror or str(e) or type(e).__name__
-        raise RemoteRewardError(f"{key}={url}: no {what} answers at {parts.hostname}:{port} ({why}); start it "
-                                f"(e.g. {start} --port {port}) or fix {key}") from None

@@ -24,6 +24,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from exactrl.rewards import load_reward_fn
+from exactrl.serving import send_json
 
 
 class TextRewardModel:
@@ -67,12 +68,7 @@ def make_server(spec: str | None, host: str = "127.0.0.1", port: int = 8000, tim
 
     class Handler(BaseHTTPRequestHandler):
         def _send(self, code: int, payload: dict) -> None:
-            data = json.dumps(payload).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            send_json(self, code, payload)
 
         def do_GET(self):  # health check
             self._send(200, {"reward": spec})

@@ -35,7 +35,8 @@ ENDS = (
         "and how to fix it; nothing was trained past it.",
         ("exactrl.config.loader:ConfigError", "exactrl.data.jsonl:DataError", "exactrl.models.loading:ModelLoadError",
          "exactrl.rewards:RewardError", "exactrl.rewards.remote:RemoteRewardError",
-         "exactrl.distributed.checkpoint:CheckpointError", "exactrl.rollout.collect:RolloutError",
+         "exactrl.serving:ServerUnreachable", "exactrl.distributed.checkpoint:CheckpointError",
+         "exactrl.rollout.collect:RolloutError",
          "exactrl.device:DeviceError", "exactrl.rollout.vllm_generator:EngineStartError",
          "exactrl.envs.base:EnvError", "exactrl.envs.render:RenderError")),
     End(3, "check", "stopped by a self-check", "A verification check stopped the run: the packing, generation or "

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from exactrl.rewards.remote import check_server
 from exactrl.rollout.vllm_env import check_vllm_python
+from exactrl.serving import check_server
 
 
 def phases(cfg) -> list[tuple[str, object]]:

@@ -70,7 +70,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=2000, help="held-out problems (the first n)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, default=250)
-    ap.add_argument("--max-new-tokens", type=int, default=96, help="a tool call is 73 tokens with its <eos>")
+    ap.add_argument("--max-new-tokens", type=int, default=96, help="a tool call is 74 tokens with its <eos>")
     args = ap.parse_args()
     from exactrl.algorithms.sft import ensure_builtin_sft
     from exactrl.tasks.builtin import BuiltinSpec, ensure_builtin

@@ -21,24 +21,20 @@ class TaskConfig(Section):
         "addition", description="The built-in task: 'addition' (two operands of task.digits digits, exactrl/tasks/"
                                 "arithmetic.py), 'multiplication' (a task.digits-digit number times 2-9, a teacher "
                                 "that also slips: exactrl/tasks/multiplication.py), harder for the tiny model, or "
-                                "'calculator' (a task.digits-digit number times a two-digit one, as chats whose "
-                                "teacher answers the product directly or, on 30% of problems, calls a calculator tool "
-                                "and copies its result: the multi-turn task, where only the tool gets products "
-                                "right; exactrl/tasks/calculator.py).")
+                                "'calculator' (addition as chats whose teacher sometimes calls a calculator tool, "
+                                "exactrl/tasks/calculator.py: the multi-turn task).")
     seed: int = Field(0, description="Seed of the problems, the SFT style mix and the initial model.")
     digits: int | None = Field(None, ge=1, le=6,
-                               description="Digits per operand (multiplication, calculator: of the first); unset = "
-                                           "the task's own, 3 for addition and calculator, 4 for multiplication.")
+                               description="Digits per operand (multiplication: of the first); unset = the task's "
+                                           "own, 3 for addition, 4 for multiplication.")
     slip_prob: float | None = Field(None, ge=0, le=1,
                                     description="multiplication: how often its teacher forgets a carry of 4 or more "
                                                 "(then its answer is wrong); unset = 0.6. The addition teacher "
                                                 "has no slips.")
     direct_fraction: float = Field(0.5, ge=0, le=1,
                                    description="The SFT teacher tends to skip the working when the first operand's "
-                                               "last digit is below 10 x this (see exactrl/tasks/arithmetic.py); "
-                                               "the calculator teacher shows no working.")
-    skip_prob: float = Field(0.75, ge=0, le=1, description="How often the teacher skips the working on those problems "
-                                                                "(not the calculator task's).")
+                                               "last digit is below 10 x this (see exactrl/tasks/arithmetic.py).")
+    skip_prob: float = Field(0.75, ge=0, le=1, description="How often the teacher skips the working on those problems.")
     model: Literal["tiny", "small"] = Field("tiny",
                                             description=f"The initial model: 'tiny' ({_size('tiny')}: the demo's) "
                                                         f"or 'small' ({_size('small')}: learns the worked solutions "
@@ -53,9 +49,4 @@ class TaskConfig(Section):
         if self.slip_prob is not None and self.name != "multiplication":
             raise ValueError(f"task.slip_prob={self.slip_prob} is the multiplication teacher's; set "
                              "task.name=multiplication or unset it")
-        habit = {k: getattr(self, k) for k in ("direct_fraction", "skip_prob")
-                 if getattr(self, k) != TaskConfig.model_fields[k].default}
-        if habit and self.name == "calculator":
-            raise ValueError(f"task.{', task.'.join(f'{k}={v}' for k, v in habit.items())}: the calculator "
-                             "task's teacher has no habit of skipping the working (it shows none); unset it")
         return self

@@ -25,9 +25,7 @@ def cache_dir() -> Path:
 
 # task.name -> (its digits, its teacher's slip_prob) when not given: exactrl/tasks/<module>.py
 TASKS = {"addition": (3, None), "multiplication": (4, 0.6), "calculator": (3, None)}
-# of each task's cache key; the calculator task's names its operation (its first files were of addition problems)
-PREFIX = {"addition": "arith-", "multiplication": "mul-", "calculator": "calc-mul-"}
-NO_TEACHER_HABIT = ("direct_fraction", "skip_prob")  # the calculator teacher answers directly or calls the tool
+PREFIX = {"addition": "arith-", "multiplication": "mul-", "calculator": "calc-"}  # of each task's cache key
 
 
 @dataclass(frozen=True)
@@ -50,10 +48,6 @@ class BuiltinSpec:
             raise ValueError(f"no built-in model size '{self.model}'; the sizes are {', '.join(SIZES)}")
         if self.name != "multiplication" and self.slip_prob is not None:
             raise ValueError(f"slip_prob is the multiplication teacher's; the {self.name} task has none")
-        defaults = BuiltinSpec.__dataclass_fields__
-        if self.name == "calculator" and any(getattr(self, k) != defaults[k].default for k in NO_TEACHER_HABIT):
-            raise ValueError("direct_fraction and skip_prob are the addition and multiplication teachers' habit; "
-                             "the calculator task's teacher has none")
         digits, slip = TASKS[self.name]
         object.__setattr__(self, "digits", digits if self.digits is None else self.digits)
         object.__setattr__(self, "slip_prob", slip if self.slip_prob is None else self.slip_prob)
@@ -65,9 +59,6 @@ class BuiltinSpec:
             fields.pop("model")
         if name != "multiplication":  # only its teacher slips (and addition's caches keep their first key)
             fields.pop("slip_prob")
-        if name == "calculator":
-            for k in NO_TEACHER_HABIT:
-                fields.pop(k)
         return PREFIX[name] + "-".join(f"{k}{v}" for k, v in fields.items())
 
 
@@ -116,37 +107,26 @@ def _build(spec: BuiltinSpec, paths: BuiltinPaths) -> None:
     if spec.name == "multiplication":
         _build_multiplication(spec, paths)
         return
-    if spec.name == "calculator":
-        _build_calculator(spec, paths)
-        return
+    rows = _addition_rows(spec)
     train = arithmetic.generate("train", spec.n_sft + spec.n_rl, spec.seed, spec.digits)
-    _write_jsonl(paths.sft_train, arithmetic.sft_rows(train[: spec.n_sft], spec.direct_fraction, spec.skip_prob,
-                                                      spec.seed))
+    _write_jsonl(paths.sft_train, rows.sft_rows(train[: spec.n_sft], spec.direct_fraction, spec.skip_prob, spec.seed))
     _write_mixed(spec, paths)
-    _write_jsonl(paths.rl_train, arithmetic.rl_rows(train[spec.n_sft :]))
+    _write_jsonl(paths.rl_train, rows.rl_rows(train[spec.n_sft :]))
     _write_pretrain(spec, paths)
-    _write_jsonl(paths.eval, arithmetic.rl_rows(arithmetic.generate("eval", spec.n_eval, spec.seed, spec.digits)))
+    _write_jsonl(paths.eval, rows.rl_rows(arithmetic.generate("eval", spec.n_eval, spec.seed, spec.digits)))
     (root / "DONE").write_text(json.dumps(asdict(spec)))
 
 
-def _build_calculator(spec: BuiltinSpec, paths: BuiltinPaths) -> None:
-    """The calculator task's files: chat rows of its multiplication problems (exactrl/tasks/calculator.py)."""
-    train = calculator.generate("train", spec.n_sft + spec.n_rl, spec.seed, spec.digits)
-    _write_jsonl(paths.sft_train, calculator.sft_rows(train[: spec.n_sft], spec.seed))
-    _write_mixed(spec, paths)
-    _write_jsonl(paths.rl_train, calculator.rl_rows(train[spec.n_sft :]))
-    _write_pretrain(spec, paths)
-    _write_jsonl(paths.eval, calculator.rl_rows(calculator.generate("eval", spec.n_eval, spec.seed, spec.digits)))
-    (paths.root / "DONE").write_text(json.dumps(asdict(spec)))
+def _addition_rows(spec: BuiltinSpec):
+    """The module writing the rows of an addition problem: the addition task's, or the calculator task's (the same
+    problems, with a tool)."""
+    return calculator if spec.name == "calculator" else arithmetic
 
 
 def _write_mixed(spec: BuiltinSpec, paths: BuiltinPaths) -> None:
-    if spec.name == "calculator":
-        sft = calculator.generate("train", spec.n_sft + spec.n_rl, spec.seed, spec.digits)[: spec.n_sft]
-        _write_jsonl(paths.mixed_train, calculator.mixed_rows(sft, spec.seed))
-        return
     sft = arithmetic.generate("train", spec.n_sft + spec.n_rl, spec.seed, spec.digits)[: spec.n_sft]
-    _write_jsonl(paths.mixed_train, arithmetic.mixed_rows(sft, spec.direct_fraction, spec.skip_prob, spec.seed))
+    _write_jsonl(paths.mixed_train, _addition_rows(spec).mixed_rows(sft, spec.direct_fraction, spec.skip_prob,
+                                                                    spec.seed))
 
 
 def _write_pretrain(spec: BuiltinSpec, paths: BuiltinPaths) -> None:
@@ -155,12 +135,9 @@ def _write_pretrain(spec: BuiltinSpec, paths: BuiltinPaths) -> None:
         problems = multiplication.generate("train", spec.n_sft + spec.n_rl, spec.seed, spec.digits)[spec.n_sft :]
         rows = [{"prompt": p.prompt, "completion": multiplication.worked_solution(p, frozenset(range(spec.digits)))}
                 for p in problems]
-    elif spec.name == "calculator":
-        rows = calculator.pretrain_rows(calculator.generate("train", spec.n_sft + spec.n_rl, spec.seed,
-                                                            spec.digits)[spec.n_sft :])
     else:
-        rows = arithmetic.pretrain_rows(arithmetic.generate("train", spec.n_sft + spec.n_rl, spec.seed,
-                                                            spec.digits)[spec.n_sft :])
+        rows = _addition_rows(spec).pretrain_rows(arithmetic.generate("train", spec.n_sft + spec.n_rl, spec.seed,
+                                                                      spec.digits)[spec.n_sft :])
     _write_jsonl(paths.pretrain, rows)
 
 

@@ -82,8 +82,9 @@ class EpisodeRunner:
         if isinstance(opened, str):
             return self.tok.encode(opened, add_special_tokens=False)
         if opened and isinstance(opened[0], dict):
+            tools = getattr(self.renderer, "tools", None)  # env.tools: told of them, as the data's prompts are
             return list(self.tok.apply_chat_template(opened, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=False))
+                                                     return_dict=False, **({"tools": tools} if tools else {})))
         return list(opened)
 
     def _fail(self, e: Episode, error: EnvError) -> None:

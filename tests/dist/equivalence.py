@@ -244,5 +244,20 @@ def main(backend: str, world: int, out_path: str) -> None:
     end_rank()
 
 
+def rank0() -> bool:
+    """Whether this is rank 0 (torchrun's RANK: known before the first engine starts the process group too)."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def finish(out_path: str, cases: list, peers) -> None:
+    """Rank 0 writes a layout script's results ({"cases", "peers"}); every rank then ends as exactrl's commands do."""
+    if rank0():
+        with open(out_path, "w") as f:
+            json.dump({"cases": cases, "peers": peers}, f)
+    shutdown()
+    end_rank()
+
+
 if __name__ == "__main__":
     main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+

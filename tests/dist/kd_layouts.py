@@ -14,19 +14,17 @@ tokens (the peers' convention, OpenRLHF's KDLoss and TRL's GKD), to show the com
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import replace
 
 import torch.distributed as dist
-from equivalence import dtype_of, full_state, precision, relative_error
+from equivalence import dtype_of, finish, full_state, precision, relative_error
 from kd_references import ALPHA, BETA, LOSSES, LR, K, T, make_samples, sgd_reference
 from pair_references import fresh_model
 
 from exactrl.algorithms.kd import kd_step
 from exactrl.config import SFTConfig, load_config
 from exactrl.distributed.engine import build_engine
-from exactrl.distributed.launch import end_rank, shutdown
 from exactrl.distributed.step_plan import plan_samples
 from exactrl.losses.kd import TEACHER_FIELDS, kd_objective
 from exactrl.tasks.tokenizer import build_tokenizer
@@ -72,11 +70,7 @@ def main(backend: str, world: int, out_path: str) -> None:
             ref, value, _ = sgd_reference(tok, make_samples(tok)[:N], "forward_kl" if loss == "peers" else loss)
             case = {"loss": loss, **facts, "reference_loss": value, "rel_err": relative_error(got, ref, init)}
             (peers if loss == "peers" else cases).append(case)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump({"cases": cases, "peers": peers}, f)
-    shutdown()
-    end_rank()
+    finish(out_path, cases, peers)
 
 
 if __name__ == "__main__":

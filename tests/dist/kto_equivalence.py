@@ -12,18 +12,15 @@ micro-batches of 2, against the step's reference and against TRL's z written out
 
 from __future__ import annotations
 
-import json
 import sys
 
-import torch.distributed as dist
-from equivalence import dtype_of, full_state, precision, relative_error
+from equivalence import dtype_of, finish, full_state, precision, rank0, relative_error
 from kto_references import BETA, W_D, W_U, make_rows, reference_model, sgd_reference
 from pair_references import fresh_model
 
 from exactrl.algorithms.kto import kto_step
 from exactrl.config import SFTConfig, load_config
 from exactrl.distributed.engine import build_engine
-from exactrl.distributed.launch import end_rank, shutdown
 from exactrl.distributed.step_plan import plan_samples
 from exactrl.losses.kto import KTOTerm
 from exactrl.losses.objective import Objective
@@ -61,9 +58,6 @@ def run(layout, world: int, tok, micro: int, mode: str = "step"):
     return full_state(engine, model), facts, plan
 
 
-def rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
 
 def main(backend: str, world: int, out_path: str) -> None:
     tok = build_tokenizer()
@@ -81,10 +75,7 @@ def main(backend: str, world: int, out_path: str) -> None:
         mbs = [list(mb) for mb in plan.micro_batches]
         trl = sgd_reference(rows, tok, LR, STEPS, [mbs[c : c + world] for c in range(0, len(mbs), world)])
         peers = {**facts, "rel_err": relative_error(got, *ref), "rel_err_to_trl": relative_error(got, *trl)}
-        with open(out_path, "w") as f:
-            json.dump({"cases": cases, "peers": peers}, f)
-    shutdown()
-    end_rank()
+    finish(out_path, cases, peers if rank0() else None)
 
 
 if __name__ == "__main__":

@@ -12,17 +12,14 @@ once the peers' per-micro-batch mean over pairs (fault.mean_of_means), to show i
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import replace
 
-import torch.distributed as dist
-from equivalence import dtype_of, full_state, precision, relative_error
+from equivalence import dtype_of, finish, full_state, precision, rank0, relative_error
 from pair_references import BETA, NLL_COEF, fresh_model, make_pairs, sgd_reference
 
 from exactrl.config import SFTConfig, load_config
 from exactrl.distributed.engine import build_engine
-from exactrl.distributed.launch import end_rank, shutdown
 from exactrl.distributed.step_plan import plan_samples
 from exactrl.losses.objective import NLLTerm, Objective
 from exactrl.losses.pairs import PairTerm
@@ -63,10 +60,6 @@ def run(layout, world: int, samples, tok, micro: int, objective: Objective, micr
     return full_state(engine, model), facts
 
 
-def rank0() -> bool:
-    """Whether this is rank 0 (the first engine starts the process group)."""
-    return not dist.is_initialized() or dist.get_rank() == 0
-
 
 def main(backend: str, world: int, out_path: str) -> None:
     tok = build_tokenizer()
@@ -85,10 +78,7 @@ def main(backend: str, world: int, out_path: str) -> None:
     got, facts = run(layouts(backend)[0], world, samples, tok, 4, OBJECTIVES["dpo"][0], micro_means=True)
     if rank0():
         peers = {**facts, "rel_err": relative_error(got, *refs["dpo"])}
-        with open(out_path, "w") as f:
-            json.dump({"cases": cases, "peers": peers}, f)
-    shutdown()
-    end_rank()
+    finish(out_path, cases, peers if rank0() else None)
 
 
 if __name__ == "__main__":

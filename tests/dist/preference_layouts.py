@@ -18,14 +18,13 @@ number of micro-batches; KTO: TRL's per-micro-batch z), to show the peers' conve
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
 from dataclasses import replace
 
 import torch
-from equivalence import dtype_of, full_state, precision, relative_error
+from equivalence import dtype_of, finish, full_state, precision, rank0, relative_error
 from kto_references import make_rows, reference_model
 from kto_references import sgd_reference as kto_reference
 from pair_references import fresh_model
@@ -38,7 +37,6 @@ from exactrl.config import load_config
 from exactrl.config.schema_pref import DPOConfig, KTOConfig
 from exactrl.config.schema_rm import RMConfig
 from exactrl.distributed.engine import build_engine
-from exactrl.distributed.launch import end_rank, shutdown
 from exactrl.distributed.step_plan import plan_samples
 from exactrl.losses.preference import PAIR_LOSSES
 from exactrl.tasks.tokenizer import build_tokenizer
@@ -157,10 +155,6 @@ def run(case: dict, layout: list[str], world: int, tok, micro: int, lm_dir, micr
     return full_state(policy.engine, model), facts
 
 
-def rank0() -> bool:
-    """Whether this is rank 0 (torchrun's RANK: before the first engine starts the process group too)."""
-    return int(os.environ.get("RANK", "0")) == 0
-
 
 def references(tok, lm_dir) -> dict:
     """Each case's (parameters after the paper's one-pass SGD step, initial parameters), on rank 0 only."""
@@ -199,11 +193,7 @@ def main(backend: str, world: int, out_path: str) -> None:
         save_lm(tok, d)
         refs = references(tok, d) if rank0() else None
         cases, peers = cases_for(backend, world, tok, d, refs)
-    if rank0():
-        with open(out_path, "w") as f:
-            json.dump({"cases": cases, "peers": peers}, f)
-    shutdown()
-    end_rank()
+    finish(out_path, cases, peers)
 
 
 if __name__ == "__main__":

@@ -12,17 +12,14 @@ steps (fault.mean_of_means), to show it is another update.
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import replace
 
-import torch.distributed as dist
-from equivalence import dtype_of, full_state, precision, relative_error
+from equivalence import dtype_of, finish, full_state, precision, rank0, relative_error
 from prm_references import make_steps, sgd_reference, value_model
 
 from exactrl.config import SFTConfig, load_config
 from exactrl.distributed.engine import build_engine
-from exactrl.distributed.launch import end_rank, shutdown
 from exactrl.distributed.step_plan import plan_samples
 from exactrl.losses.objective import Objective
 from exactrl.losses.process import ProcessTerm
@@ -59,9 +56,6 @@ def run(layout, world: int, rows, tok, micro: int, micro_means: bool = False):
     return full_state(engine, model), facts
 
 
-def rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
 
 def main(backend: str, world: int, out_path: str) -> None:
     tok = build_tokenizer()
@@ -77,10 +71,7 @@ def main(backend: str, world: int, out_path: str) -> None:
     if rank0():
         peers = {**facts, "rel_err": relative_error(got, *ref),
                  "peers_formula_err": relative_error(got, *sgd_reference(tok, rows, LR, STEPS, facts["groups"]))}
-        with open(out_path, "w") as f:
-            json.dump({"cases": cases, "peers": peers}, f)
-    shutdown()
-    end_rank()
+    finish(out_path, cases, peers if rank0() else None)
 
 
 if __name__ == "__main__":

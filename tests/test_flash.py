@@ -170,7 +170,7 @@ def loaded(name, tmp_path, attn="sdpa"):
                                               ("llama", "eager", "eager varlen")])
 def test_self_check_names_the_kernel(name, attn, kernel, tmp_path, monkeypatch):
     report = check_packing(loaded(name, tmp_path, attn), VOCAB, 64, padding_free=True, policy="error", tol=1e-4)
-    assert report.kernel == kernel and report.flash_error is None and report.packed_error < 1e-5
+    assert report.kernel == kernel and report.fast_error is None and report.packed_error < 1e-5
 
 
 @pytest.mark.parametrize("name", ["mistral", "gemma2"])
@@ -202,7 +202,7 @@ def test_self_check_compares_flash_with_sdpa_under_bf16_autocast(tmp_path, monke
     on_cuda_flash(monkeypatch)  # the real dtype rule, the CPU taken for CUDA
     model = loaded("mistral", tmp_path)
     report = check_packing(model, VOCAB, 64, padding_free=True, policy="error", tol=1e-4, autocast=bf16_autocast)
-    assert report.kernel == "flash_attn varlen" and report.flash_error <= BF16_TOL and report.notice is None
+    assert report.kernel == "flash_attn varlen" and report.fast_error <= BF16_TOL and report.notice is None
     assert report.packed_error < 1e-5  # the fp32 stage: SDPA against each sequence alone
     assert check_packing(model, VOCAB, 64, padding_free=True, policy="error", tol=1e-4).kernel == "sdpa varlen"
 
@@ -213,11 +213,13 @@ def test_flash_with_its_window_off_by_one_is_caught_and_turned_off(tmp_path, mon
     on_cuda_flash(monkeypatch)  # the real dtype rule, the CPU taken for CUDA
     fake_flash.impl = lambda *a, window_size=(-1, -1), **kw: reference_varlen(
         *a, window_size=(window_size[0] + 1 if window_size[0] >= 0 else -1, window_size[1]), **kw)
-    model = loaded("mistral", tmp_path)
-    with pytest.raises(PackingCheckError, match="flash-attention's packed rows differ"):
-        check_packing(model, VOCAB, 64, padding_free=True, policy="error", tol=1e-4, autocast=bf16_autocast)
+    with pytest.raises(PackingCheckError, match="flash_attn varlen: its packed rows differ from the packed sdpa"):
+        check_packing(loaded("mistral", tmp_path), VOCAB, 64, padding_free=True, policy="error", tol=1e-4,
+                      autocast=bf16_autocast)
+    model = loaded("mistral", tmp_path / "again")
     report = check_packing(model, VOCAB, 64, padding_free=True, policy="fallback", tol=1e-4, autocast=bf16_autocast)
-    assert report.flash_error > BF16_TOL and report.kernel == "sdpa varlen" and "sdpa varlen instead" in report.notice
+    assert list(report.turned_off) == ["flash_attn varlen"] and report.fast_error is None
+    assert report.kernel == "sdpa varlen" and "sdpa varlen instead" in report.notice
     assert report.packed  # packing itself stays on
     calls = len(fake_flash.calls)
     with bf16_autocast(), torch.no_grad():

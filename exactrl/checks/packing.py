@@ -22,10 +22,13 @@ through exactrl's kernel, right-padded batches through the model's own Hugging F
 (sdpa, else eager). Costs a few forwards of at most a few dozen tokens (more where a setting
 asks for longer probes).
 
-These run in fp32. flash-attention's kernel (exactrl/models/flash.py) only runs in half
-precision, so for a bf16 run the packed row runs once more under the run's autocast: when that
-engages flash, it is compared with the packed SDPA path (just verified in fp32) under the same
-autocast. The report names the kernel the packed forwards of training run.
+These run in fp32. The fast packed kernels (exactrl/models/varlen_kernels.py: flash-attention's,
+torch's varlen, flex) mostly run in half precision on CUDA, so for a bf16 run the packed row runs
+once more under the run's autocast: when that engages a fast kernel, it is compared with the
+gather path (packed SDPA/eager, just verified in fp32) under the same autocast. A fast kernel
+that disagrees, or fails, is turned off for the model, one rung at a time (flash, torch varlen,
+flex, the gather path), in either stage. The report names the kernel the packed forwards of
+training run and the kernels turned off, with why.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import torch
 
 from exactrl.checks import one_line
 from exactrl.device import device_of
-from exactrl.models import packing
+from exactrl.models import packing, varlen_kernels
 
 
 class PackingCheckError(RuntimeError):
@@ -55,15 +58,18 @@ class PackingReport:
     packed_attention_calls: int  # varlen_attention calls in the packed forward (0: the model bypassed it)
     seconds: float
     packed: bool  # whether the run trains on packed rows
-    notice: str | None = None  # why packing (or flash-attention) was turned off
-    kernel: str | None = None  # the packed attention: "flash_attn varlen", "sdpa varlen", "eager varlen"; None: not run
-    flash_error: float | None = None  # flash vs packed SDPA under the run's autocast, same scale; None: flash not used
+    notice: str | None = None  # why packing (or a fast kernel) was turned off
+    # the packed attention: "flash_attn varlen", "torch varlen", "flex varlen", "sdpa varlen", "eager varlen" (several
+    # where layers differ); None: not run
+    kernel: str | None = None
+    # the fast kernel vs the gather path under the run's autocast, same scale; None: no fast kernel under autocast
+    fast_error: float | None = None
     # padded forwards' attention: exactrl's kernel or the model's own ("hf sdpa", "hf eager")
     attention: str = "exactrl"
     mode: str = "train"  # the mode the forwards ran in: train (as training runs them) or eval
     settings: dict = field(default_factory=dict)  # the config's length-shaped settings the probes were made to pass
     reasons: dict = field(default_factory=dict)  # why a path was refused: {"packed": ..., "padded": ...}
-    without_flash: str | None = None  # the packed kernels with flash-attention turned off (bf16 runs that engaged it)
+    turned_off: dict = field(default_factory=dict)  # fast packed kernels turned off for the model: {kernel: why}
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -197,12 +203,17 @@ def _alone(model, seqs) -> list[torch.Tensor]:
             hf.set_attn_implementation(current)
 
 
-def _packed(model, seqs, lengths) -> tuple[list[torch.Tensor], int, str]:
-    """The packed forward's outputs per sequence, its calls of the packed attention and the
-    kernels those ran."""
+def _packed(model, seqs, lengths) -> tuple[list[torch.Tensor] | None, int, str, str | None]:
+    """The packed forward's outputs per sequence (None if it raised), its calls of the packed
+    attention, the kernels those ran (before any exception) and the exception's one-line reason."""
     calls, kernels = packing.packed_calls, packing.packed_kernels.copy()
-    flat = _outputs(model, **packing.model_batch(model, seqs, 0, packed=True).inputs)[0]
-    return list(flat.split(lengths)), packing.packed_calls - calls, ", ".join(sorted(packing.packed_kernels - kernels))
+    flat, why = _attempt(lambda: _outputs(model, **packing.model_batch(model, seqs, 0, packed=True).inputs)[0])
+    ran = ", ".join(sorted(packing.packed_kernels - kernels))
+    return None if flat is None else list(flat.split(lengths)), packing.packed_calls - calls, ran, why
+
+
+def _fast(kernel: str) -> list[str]:
+    return [k for k in varlen_kernels.FAST if k in kernel]
 
 
 def _error(rows: list[torch.Tensor], refs: list[torch.Tensor]) -> float:
@@ -210,9 +221,9 @@ def _error(rows: list[torch.Tensor], refs: list[torch.Tensor]) -> float:
     return max((a - b).abs().max().item() for a, b in zip(rows, refs)) / scale
 
 
-# flash against SDPA, both under bf16 autocast (8-bit mantissa, ~4e-3 per rounding): the two
-# kernels round differently, compounded over the layers and rounded again in the bf16 logits
-# (the tiny test models reach 2e-2); a window or softcap flash-attention misses changes whole
+# A fast kernel against the gather path, both under bf16 autocast (8-bit mantissa, ~4e-3 per
+# rounding): the kernels round differently, compounded over the layers and rounded again in the
+# bf16 logits (the tiny test models reach 2e-2); a window or softcap a kernel misses changes whole
 # attention rows (5e-1 and more there).
 BF16_TOL = 5e-2
 
@@ -251,9 +262,9 @@ def check_packing(model, vocab_size: int, longest: int, padding_free: bool, poli
     wrapped by an engine), in ``train_mode`` (default: the mode it was loaded in, the one its
     training or reference forwards run in). ``policy``: 'fallback' moves the model down the
     rungs (packed rows, padded through exactrl's kernel, padded through the model's own
-    attention) until one agrees with the sequences alone, or turns flash-attention off when
+    attention) until one agrees with the sequences alone, or turns a fast packed kernel off when
     only it disagrees; 'error' stops where the requested path disagrees. ``autocast``: the
-    run's (bf16), under which flash-attention may engage. Raises PackingCheckError."""
+    run's (bf16), under which the half-precision kernels may engage. Raises PackingCheckError."""
     t0 = time.perf_counter()
     hf = packing._hf_model(model)
     settings, unknown = length_settings(hf.config)
@@ -298,13 +309,16 @@ def _try_packed(model, seqs, lengths, refs, report: PackingReport, unknown: list
         report.reasons["packed"] = (f"the config has length-shaped settings the check does not know how to exercise "
                                     f"({', '.join(unknown)})")
         return
-    out, why = _attempt(lambda: _packed(model, seqs, lengths))
-    if out is None:
+    while True:  # a fast kernel that fails or disagrees is turned off, and the row runs again
+        rows, report.packed_attention_calls, report.kernel, why = _packed(model, seqs, lengths)
+        report.packed_error = None if rows is None else _error(rows, refs)
+        if (why is None and report.packed_error <= tol) or not _fast(report.kernel):
+            break
+        _turn_off(model, report, _fast(report.kernel), f"fail ({why})" if why else
+                  f"differ from each sequence alone by {report.packed_error:.3g} (train.packing_check_tol={tol:g})")
+    if why is not None:
         report.reasons["packed"] = f"a packed forward fails ({why})"
-        return
-    rows, report.packed_attention_calls, report.kernel = out
-    report.packed_error = _error(rows, refs)
-    if report.packed_attention_calls == 0:
+    elif report.packed_attention_calls == 0:
         report.reasons["packed"] = ("its attention never called exactrl's packed attention (the model computes "
                                     "attention or carries state itself, e.g. ALiBi in Falcon and Bloom, linear "
                                     "attention and SSM layers), so each sequence of a row would see the ones before it")
@@ -313,10 +327,15 @@ def _try_packed(model, seqs, lengths, refs, report: PackingReport, unknown: list
                                     f"(train.packing_check_tol={tol:g})")
     else:
         report.packed = True
-        if autocast is not None and "flash" not in report.kernel:
-            flash = _check_flash(model, seqs, lengths, autocast)
-            if flash is not None:
-                report.kernel, report.flash_error, report.without_flash = flash
+        if autocast is not None:
+            _check_fast(model, seqs, lengths, autocast, report)
+
+
+def _turn_off(model, report: PackingReport, kernels: list[str], why: str) -> None:
+    """Turn ``kernels`` off for ``model``: its packed rows step down to the next rung."""
+    for kernel in kernels:
+        report.turned_off[kernel] = f"its packed rows {why}"
+    packing.use_kernels(model, off=packing.kernels_off(model) | set(kernels))
 
 
 def _hand_to_own_attention(model, seqs, lengths, refs, report: PackingReport, policy: str, tol: float,
@@ -346,29 +365,40 @@ def _decide(model, report: PackingReport, padding_free: bool, policy: str, where
         own = " through the model's own attention" if report.attention != "exactrl" else ""
         report.notice = (f"packing self-check: {where}: {why}; training on right-padded batches{own} instead "
                          "(train.padding_free ignored)")
-    elif report.flash_error is not None and report.flash_error > BF16_TOL:
-        why = (f"flash-attention's packed rows differ from the packed SDPA path in bf16 by {report.flash_error:.3g} "
-               f"(allowed {BF16_TOL:g})")
+    elif report.turned_off:
+        why = "; ".join(f"{k}: {v}" for k, v in report.turned_off.items())
         if policy == "error":
-            raise PackingCheckError(f"packing self-check failed for {where}: {why}; uninstall flash-attn or set "
-                                    "train.padding_free=false")
-        packing.use_flash(model, False)
-        report.kernel = report.without_flash
-        report.notice = f"packing self-check: {where}: {why}; packed rows run {report.without_flash} instead"
+            raise PackingCheckError(f"packing self-check failed for {where}: {why}; set model.packed_kernel=gather "
+                                    "(or train.padding_free=false)")
+        report.notice = f"packing self-check: {where}: {why}; packed rows run {report.kernel} instead"
 
 
-def _check_flash(model, seqs, lengths, autocast) -> tuple[str, float, str] | None:
-    """Under the run's autocast: the kernels the packed row runs and, when flash-attention is
-    among them, its largest difference from the same row with flash turned off, and the kernels
-    that row ran."""
+def _check_fast(model, seqs, lengths, autocast, report: PackingReport) -> None:
+    """Under the run's autocast: when the packed row engages a fast kernel, its largest
+    difference from the same row through the gather path; one that fails or differs by more
+    than BF16_TOL is turned off and the row runs again (the next rung may engage)."""
     with autocast():
-        rows, _, kernel = _packed(model, seqs, lengths)
-    if "flash" not in kernel:
-        return None
-    packing.use_flash(model, False)
+        rows, _, kernel, why = _packed(model, seqs, lengths)
+    if not _fast(kernel):
+        return
+    off = packing.kernels_off(model)
+    packing.use_kernels(model, off=frozenset(varlen_kernels.FAST))
     try:
         with autocast():
-            refs, _, without_flash = _packed(model, seqs, lengths)
+            refs, _, gather, _ = _packed(model, seqs, lengths)
     finally:
-        packing.use_flash(model, True)
-    return kernel, _error(rows, refs), without_flash
+        packing.use_kernels(model, off=off)
+    if refs is None:  # the gather path fails under autocast too: nothing to compare with
+        report.kernel = kernel
+        return
+    while _fast(kernel):
+        error = None if rows is None else _error(rows, refs)
+        if why is None and error <= BF16_TOL:
+            report.kernel, report.fast_error = kernel, error
+            return
+        _turn_off(model, report, _fast(kernel), f"fail under the run's autocast ({why})" if why else
+                  f"differ from the packed {gather} path under the run's autocast by {error:.3g} "
+                  f"(allowed {BF16_TOL:g})")
+        with autocast():
+            rows, _, kernel, why = _packed(model, seqs, lengths)
+    report.kernel = kernel

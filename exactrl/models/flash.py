@@ -33,18 +33,21 @@ def _on_cuda(query: torch.Tensor) -> bool:
     return query.is_cuda
 
 
-def _flash_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.dtype | None:
-    """The half dtype flash-attention would run these in, None where it cannot run (the CPU,
-    fp32). Under autocast it is autocast's dtype, as Hugging Face's flash path does: queries and
-    keys leave the rotary embedding in fp32 there (its cos/sin follow the fp32 residual stream),
-    values come out of their projection in bf16."""
-    if not _on_cuda(query):
-        return None
+def half_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.dtype | None:
+    """The half dtype a half-precision-only kernel (flash-attention's, torch's varlen) would run
+    these in, None for fp32. Under autocast it is autocast's dtype, as Hugging Face's flash path
+    does: queries and keys leave the rotary embedding in fp32 there (its cos/sin follow the fp32
+    residual stream), values come out of their projection in bf16."""
     if torch.is_autocast_enabled(query.device.type):
         dtype = torch.get_autocast_dtype(query.device.type)
     else:
         dtype = query.dtype if key.dtype == value.dtype == query.dtype else None
     return dtype if dtype in HALF else None
+
+
+def _flash_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.dtype | None:
+    """The dtype flash-attention would run these in, None where it cannot run (the CPU, fp32)."""
+    return half_dtype(query, key, value) if _on_cuda(query) else None
 
 
 def flash_available(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[Callable, torch.dtype] | None:

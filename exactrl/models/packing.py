@@ -10,9 +10,10 @@ keep the packed forward equal to the padded one:
   queries, keys and values into a right-padded [sequences, heads, longest, dim] block and
   runs causal attention on it -- with the layer's sliding window and logit softcapping when
   it has them. Under a causal mask a real query never sees a pad key, pad queries are
-  dropped, so no pad contributes to any output or gradient. On CUDA in half precision with the
-  ``flash-attn`` extra installed, flash-attention's varlen kernel takes the packed row as it is
-  instead (exactrl/models/flash.py).
+  dropped, so no pad contributes to any output or gradient. On CUDA a fast kernel takes the
+  packed row as it is instead, where one can take the layer: flash-attention's varlen kernel
+  (the ``flash-attn`` extra), torch's varlen_attn, flex_attention with a mask by sequence
+  (exactrl/models/varlen_kernels.py).
 
 Models whose attention never calls the registered function (Falcon, Bloom: ALiBi) cannot be
 packed this way; the packing self-check (exactrl/checks/packing.py) finds them, and every other
@@ -34,7 +35,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from exactrl.data.batching import pad_right
 from exactrl.device import device_of
-from exactrl.models import dsa, flash
+from exactrl.models import dsa, varlen_kernels
 
 # One registered name per attention kernel (model.attn_implementation); both take packed rows.
 KERNELS = {"sdpa": "exactrl_varlen", "eager": "exactrl_varlen_eager"}
@@ -174,14 +175,13 @@ def varlen_attention(module, query, key, value, attention_mask, *, cu_seq_lens_q
     global packed_calls
     packed_calls += 1
     window, chunk = _window(module, sliding_window), _chunk(module)
-    fast = _flash_fn(module, query, key, value) if chunk is None and kwargs.get("s_aux") is None else None
-    if fast is not None:
-        packed_kernels["flash_attn varlen"] += 1
-        out = flash.flash_varlen_attention(
-            *fast, query, key, value, cu_seq_lens_q, kwargs.get("cu_seq_lens_k", cu_seq_lens_q), max_length_q,
-            kwargs.get("max_length_k", max_length_q), window, softcap, kwargs.get("dropout", 0.0),
-            kwargs.get("scaling"))
-        return out, None
+    if module.config._attn_implementation != KERNELS["eager"]:  # an explicit eager stays eager
+        fast = varlen_kernels.attend(module, query, key, value, cu_seq_lens_q, int(max_length_q), window, chunk,
+                                     softcap, kwargs.get("scaling"), kwargs.get("dropout", 0.0),
+                                     kwargs.get("s_aux") is not None)
+        if fast is not None:
+            packed_kernels[fast[0]] += 1
+            return fast[1], None
     packed_kernels["eager varlen" if kernel is eager_attention else "sdpa varlen"] += 1
     width = int(max_length_q)
     gather, keep = _gather_index(cu_seq_lens_q, width)
@@ -194,20 +194,21 @@ def varlen_attention(module, query, key, value, attention_mask, *, cu_seq_lens_q
     return out.flatten(0, 1).index_select(0, keep).unsqueeze(0), None  # [1, N, H, D]
 
 
-def _flash_fn(module, query, key, value):
-    """flash-attention's varlen function when it can take this packed call: the model runs SDPA
-    (an explicit eager stays eager) and the self-check has not turned flash off for it."""
-    if module.config._attn_implementation == KERNELS["eager"] or not getattr(module, "exactrl_flash", True):
-        return None
-    return flash.flash_available(query, key, value)
-
-
-def use_flash(model, on: bool) -> None:
-    """Allow (the default) or forbid flash-attention in ``model``'s packed forwards. A flag on
-    every submodule, the attention layers among them, so the model's config (saved with it)
-    stays as it was."""
+def use_kernels(model, setting: str | None = None, off: frozenset[str] | None = None) -> None:
+    """Which fast packed kernels ``model``'s packed forwards may run (varlen_kernels.attend):
+    ``setting`` (model.packed_kernel: auto, one kernel, or gather) and the kernels the self-check
+    turned ``off``. Flags on every submodule, the attention layers among them, so the model's
+    config (saved with it) stays as it was."""
     for module in _hf_model(model).modules():
-        module.exactrl_flash = on
+        if setting is not None:
+            module.exactrl_packed_kernel = setting
+        if off is not None:
+            module.exactrl_kernels_off = off
+
+
+def kernels_off(model) -> frozenset[str]:
+    """The fast packed kernels the self-check turned off for ``model``."""
+    return getattr(_hf_model(model), "exactrl_kernels_off", frozenset())
 
 
 def window_mask(width: int, window: int | None, device=None, chunk: int | None = None) -> torch.Tensor | None:
@@ -293,6 +294,13 @@ def disable_dropout(model: torch.nn.Module) -> int:
 def _hf_model(model):
     """The Hugging Face model inside an engine's wrapper (DeepSpeed keeps it as ``.module``)."""
     return model if hasattr(model, "set_attn_implementation") else getattr(model, "module", model)
+
+
+def base_model(model):
+    """The Hugging Face model inside an engine's or peft's wrapper."""
+    hf = _hf_model(model)
+    get = getattr(hf, "get_base_model", None)
+    return get() if callable(get) else hf
 
 
 @dataclass

@@ -55,6 +55,16 @@ class RolloutConfig(Section):
                     "and nothing after it is generated, masked in or trained on. Also ends rl's evaluation answers.")
     max_new_tokens: int = Field(48, gt=0, description="Response length limit.")
     batch_size: int = Field(256, gt=0, description="Sequences decoded together.")
+    decode: Literal["auto", "eager", "graphs"] = Field(
+        "auto",
+        description="How rollout.engine=hf decodes: 'eager' (the decode loop, finished rows leaving the batch), "
+                    "'graphs' (a static-shape step -- fixed batch, cache written in place, finished rows fed "
+                    "padding -- replayed from a CUDA graph on CUDA, run as is elsewhere: the same tokens for the "
+                    "same seeds; for small models, whose decode on a GPU is bound by kernel launches), 'auto' (graphs "
+                    "on CUDA where the generation self-check runs, eager otherwise). The self-check checks the "
+                    "path chosen and steps down to the eager loop, with a notice, for a model the static step "
+                    "cannot run (caches other than plain key/value layers, sharded parameters, a step that "
+                    "waits for the device) or gets wrong.")
     sync_check: Literal["error", "warn"] = Field("error",
                                                  description="After every push of the policy's weights to the "
                                                              "generator: the digest the generator computes from the "

@@ -105,6 +105,8 @@ USED_WHEN = [
              "distill.teacher_engine=vllm with distill.teacher)"),
     UsedWhen("rollout.batch_size", lambda c: c.rollout.engine == "hf", "vLLM batches its requests itself "
              "(rollout.engine={c.rollout.engine})", "set rollout.engine=hf"),
+    UsedWhen("rollout.decode", lambda c: c.rollout.engine == "hf", "vLLM decodes in its own engine "
+             "(rollout.engine={c.rollout.engine})", "set rollout.engine=hf"),
     UsedWhen("reward.fn", lambda c: c.reward.url is None, "reward.url replaces it",
              "list the URL in reward.fn instead"),
     *(UsedWhen(f"reward.{key}", lambda c: c.reward.model is not None, "there is no reward model (reward.model "

@@ -11,12 +11,15 @@ evaluations), the run's generator decodes a few prompts and must agree with the 
 It is what catches the cache layout nobody tested: a hybrid model's linear-attention or SSM
 state, MLA's latent cache, a model that wants its own cache argument, a position-dependent
 mechanism that left padding moves. Where the generator disagrees it steps down, one rung at a
-time (train.generation_check=fallback, with a notice; error: the run stops): exactrl's decode
-loop, ``generate``, ``generate`` on the prompts of each length apart without left padding
-(exactrl/rollout/unpadded.py). Where no rung's log-probs match the training forward, rollouts
-would not be on-policy: the run stops, unless it corrects the rollout-trainer gap
-(algo.rollout_correction), which it then measures every rollout (exactrl/checks/rollout_gap.py);
-it goes on with the decoder of least gap, and says so. Costs a few short decodes and forwards.
+time (train.generation_check=fallback, with a notice; error: the run stops): exactrl's static-shape
+step (rollout.decode: exactrl/rollout/static_decode.py, replayed from CUDA graphs; a model it
+cannot run or gets wrong steps down to the eager loop with a notice under either policy, since
+the loop below it is the same maths), exactrl's decode loop, ``generate``, ``generate`` on the
+prompts of each length apart without left padding (exactrl/rollout/unpadded.py). Where no
+rung's log-probs match the training forward, rollouts would not be on-policy: the run stops,
+unless it corrects the rollout-trainer gap (algo.rollout_correction), which it then measures
+every rollout (exactrl/checks/rollout_gap.py); it goes on with the decoder of least gap, and
+says so. Costs a few short decodes and forwards.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from exactrl.rollout.hf import (
     use_generate,
     use_unpadded,
 )
+from exactrl.rollout.static_decode import decodes_static, use_static
 
 
 class GenerationCheckError(RuntimeError):
@@ -65,20 +69,24 @@ class GenerationReport:
 
 
 # The decoders, fastest first; each rung down leaves out what the one above may get wrong.
-LOOP, GENERATE, UNPADDED = "exactrl loop", "generate", "generate, unpadded"
-RUNGS = (LOOP, GENERATE, UNPADDED)
-_SAYS = {GENERATE: "generate", UNPADDED: "generate on the prompts of each length apart (no left padding)"}
+STATIC, LOOP, GENERATE, UNPADDED = "exactrl static loop", "exactrl loop", "generate", "generate, unpadded"
+RUNGS = (STATIC, LOOP, GENERATE, UNPADDED)
+_SAYS = {LOOP: "exactrl's eager decode loop", GENERATE: "generate",
+         UNPADDED: "generate on the prompts of each length apart (no left padding)"}
 # With a gap the run corrects, the fastest decoder whose gap is within this factor of the least.
 _NEAR_LEAST = 1.1
 
 
 def _use(model, decoder: str, why: str | None) -> None:
-    use_generate(model, why if decoder != LOOP else None)
+    use_static(model, decoder == STATIC)
+    use_generate(model, why if decoder not in (STATIC, LOOP) else None)
     use_unpadded(model, why if decoder == UNPADDED else None)
 
 
 def _decoder(model) -> str:
-    return UNPADDED if decodes_unpadded(model) else GENERATE if decodes_with_generate(model) else LOOP
+    if decodes_unpadded(model):
+        return UNPADDED
+    return STATIC if decodes_static(model) else GENERATE if decodes_with_generate(model) else LOOP
 
 
 @contextmanager
@@ -199,7 +207,7 @@ def check_generation(model, vocab_size: int, *, eos: int, pad: int, policy: str,
         if why is None:
             break
         report.reasons[decoder] = why
-        if policy == "error" and decoder != UNPADDED:
+        if policy == "error" and decoder not in (STATIC, UNPADDED):
             lower = RUNGS[RUNGS.index(decoder) + 1]
             raise GenerationCheckError(f"generation self-check failed for {where}: {decoder}: {why} "
                                        f"(train.generation_check_tol={tol:g}); train.generation_check=fallback decodes "

@@ -173,7 +173,8 @@ def sample(model, input_ids: torch.Tensor, attention: torch.Tensor, *, max_new_t
     Each step's inputs come from the model's own ``prepare_inputs_for_generation``, as in
     ``generate`` (Mamba's decode steps drop the mask, hybrid models pick their masks). A model
     whose cache the loop does not know, or that the generation self-check handed to ``generate``
-    (exactrl/rollout/generation_check.py), is decoded by ``generate`` itself.
+    (exactrl/rollout/generation_check.py), is decoded by ``generate`` itself; one it set to the
+    static-shape step (rollout.decode), by exactrl/rollout/static_decode.py.
 
     A model the self-check set to decode unpadded (``use_unpadded``) decodes the prompts of each
     length as a batch of their own.
@@ -185,6 +186,8 @@ def sample(model, input_ids: torch.Tensor, attention: torch.Tensor, *, max_new_t
     kw = {"max_new_tokens": max_new_tokens, "eos": eos, "pad": pad, "greedy": greedy, "temperature": temperature,
           "top_p": top_p, "top_k": top_k, "seeds": seeds, "stop": stop, "synced": synced}
     hf = base_model(model)
+    if static := getattr(hf, "exactrl_static", None):  # rollout.decode: exactrl/rollout/static_decode.py
+        return static(model, input_ids, attention, **kw)
     made = None if getattr(hf, "exactrl_generate", None) else decode_cache(model, input_ids.shape[1] + max_new_tokens)
     decode = sample_with_generate if made is None else _loop
     if decodes_unpadded(model) and (synced or attention[:, 0].min() == 0):  # rows of several lengths

@@ -18,6 +18,7 @@ from exactrl.dtypes import PRECISIONS, autocast_for
 from exactrl.models.loading import load_causal_lm
 from exactrl.models.lora import apply_lora
 from exactrl.rollout.generation_check import check_generation
+from exactrl.rollout.static_decode import use_static, wants_static
 
 
 def load_model(cfg, path, run_dir: Path, phase: str, role: str, longest: int, trainable: bool = True, loader=None,
@@ -68,11 +69,13 @@ def load_model(cfg, path, run_dir: Path, phase: str, role: str, longest: int, tr
 def check_generator(cfg, model, tokenizer, run_dir: Path, phase: str, *, sampled: bool, synced: bool = False,
                     role: str = "policy") -> None:
     """The generation self-check on ``role``'s ``model`` (the policy's, or a Ray rollout engine's; every rank,
-    together), recorded in the manifest; ``sampled``: also the sampled log-probs against the training forward (rl)."""
+    together), recorded in the manifest; ``sampled``: also the sampled log-probs against the training forward (rl).
+    First puts the model on the decode path rollout.decode asks for (exactrl/rollout/static_decode.py)."""
     t = cfg.train
+    rollout = getattr(cfg, "rollout", None)
+    use_static(model, wants_static(getattr(rollout, "decode", "eager"), model, synced, t.generation_check != "off"))
     if t.generation_check == "off":
         return
-    rollout = getattr(cfg, "rollout", None)
     sampling = ({"temperature": rollout.temperature, "top_p": rollout.top_p, "top_k": rollout.top_k,
                  "max_new_tokens": rollout.max_new_tokens} if rollout else {"max_new_tokens": cfg.eval.max_new_tokens})
     correction = cfg.algo.rollout_correction if rollout else "none"  # a gap the run corrects does not stop it

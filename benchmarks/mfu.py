@@ -8,7 +8,8 @@ token-weighted mean sequence length, sum(T_i^2) / sum(T_i) over the rows (the fu
 score matrix, as masked SDPA computes it). Padding tokens are not counted, as
 tokens_per_s counts only real tokens. Peak: the best GFLOP/s of torch.mm in fp32 on the
 model's two MLP/attention GEMM shapes, [M x d] @ [d x I] and [M x d] @ [d x d] with M the
-tokens of one SFT batch, on the same number of threads.
+tokens of one SFT batch, on the same number of threads. On a GPU (gpu_bench.py): the bf16 rate
+of an 8192^3 matmul, cuda_matmul_flops.
 """
 
 from __future__ import annotations
@@ -68,3 +69,24 @@ def gemm_gflops(m: int, k: int, n: int, trials: int = 7, min_seconds: float = 0.
 def gemm_peak(tokens: int, hidden: int, intermediate: int) -> dict[str, float]:
     """GFLOP/s per shape; the caller takes the max as the peak."""
     return {f"[{tokens}x{hidden}]@[{hidden}x{n}]": gemm_gflops(tokens, hidden, n) for n in (intermediate, hidden)}
+
+
+def cuda_matmul_flops(n: int, dtype: torch.dtype, trials: int = 5, reps: int = 20) -> float:
+    """Best of ``trials`` timings of ``reps`` [n x n] @ [n x n] products on the GPU, in FLOP/s (a sync
+    around each timing: the launches return before the GPU is done)."""
+    from worker_common import Device
+
+    gpu = Device("cuda")
+    a, b = torch.randn(n, n, dtype=dtype, device="cuda"), torch.randn(n, n, dtype=dtype, device="cuda")
+    out = torch.empty(n, n, dtype=dtype, device="cuda")
+    for _ in range(3):  # warm-up: cuBLAS picks its kernel
+        torch.mm(a, b, out=out)
+    best = float("inf")
+    for _ in range(trials):
+        gpu.sync()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            torch.mm(a, b, out=out)
+        gpu.sync()
+        best = min(best, (time.perf_counter() - t0) / reps)
+    return 2 * n**3 / best

@@ -47,7 +47,8 @@ MODULE_TESTS = {
     "pytest": "tests/test_docs_commands.py::test_the_slow_marker_is_declared",
 }
 # Measurements run by hand (never in the suite: they time the machine); their scripts must parse their flags.
-MEASUREMENTS = {"benchmarks/examples_table.py"}
+# benchmarks/gpu_bench.py's --dry-run is in the suite (tests/test_gpu_bench.py); its GPU run is by hand.
+MEASUREMENTS = {"benchmarks/examples_table.py", "benchmarks/gpu_bench.py"}
 # Names the docs use for a config the reader brings, and the stand-in each is loaded as: an example, with
 # micro-batches of one so that any world size the command asks for divides its batch, as the reader's would.
 STAND_INS = {"my.yaml": {"sft": "examples/sft_tiny.yaml", "rl": "examples/grpo_tiny.yaml"},

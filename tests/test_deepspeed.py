@@ -74,7 +74,8 @@ def test_zero3_trains_float64_the_same_where_the_accelerator_has_fp16(tmp_path):
     r = run_cases("deepspeed", 1, tmp_path / "results.json",
                   {**ds_env(), "EXACTRL_TEST_FP16_ACCELERATOR": "1", "EXACTRL_TEST_ZERO_STAGES": "3"})
     assert {c["config"].split()[0] for c in r["cases"]} == {"deepspeed.zero_stage=3"}
-    assert len(r["cases"]) == 15  # 4 micro-batch sizes and K=3, x offload none/cpu; offload_param x 3; AdamW x 2
+    # 4 micro-batch sizes and K=3, x offload none/cpu; offload_param x 3; AdamW x 2; the chunked head
+    assert len(r["cases"]) == 16
     bad = over_bound(r["cases"])
     assert not bad, bad
     check_faults(r["faults"], "deepspeed", 1, layouts=2)

@@ -209,12 +209,15 @@ class TrainConfig(Section):
                                                      "instead of storing them (Hugging Face's "
                                                      "gradient_checkpointing_enable, non-reentrant): less memory, "
                                                      "about one more forward per step; gradients unchanged.")
-    logprob_chunk_size: int = Field(0, ge=0,
-                                    description="Tokens per chunk when turning logits into log-probs and entropies: "
-                                                "the fp32 log-softmax over the vocabulary is computed chunk by "
-                                                "chunk, never for the whole micro-batch at once (log-softmax is per "
-                                                "token, so the values and gradients are bit-identical). 0 = one "
-                                                "chunk.")
+    logprob_chunk_size: int = Field(2048, ge=0,
+                                    description="Tokens per chunk of the output head: the head's matmul and the fp32 "
+                                                "log-softmax run chunk by chunk, forward and (recomputed) backward, "
+                                                "so a micro-batch's [tokens x vocabulary] logits never exist "
+                                                "(exactrl/models/head.py; a micro-batch of at most this many tokens "
+                                                "runs the plain path's operations). Models whose logits the head "
+                                                "self-check cannot reproduce, and fields over the whole vocabulary "
+                                                "(distillation's logits), take the full logits, log-softmax still in "
+                                                "chunks of this size. 0 = the full logits, one log-softmax.")
     nonfinite: Literal["error", "skip"] = Field("error",
                                                 description="On an inf/NaN gradient norm: 'error' stops the run "
                                                             "(exit 4) before the step is applied; 'skip' applies no "

@@ -6,6 +6,8 @@ x[t+1], so every tensor here has length L-1 and ``mask`` marks targets that coun
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 
@@ -17,15 +19,17 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
     are upcast, float64 ones (the equivalence tests' models) are not rounded down.
     ``chunk`` > 0: at most that many positions at a time (see ``_by_chunks``)."""
     targets = input_ids[:, 1:]
+    return _by_chunks(partial(logprob_rows, temperature=temperature), logits[:, :-1], chunk,
+                      targets).view(targets.shape)
 
-    def nll(rows: torch.Tensor, rows_targets: torch.Tensor) -> torch.Tensor:
-        rows = rows.to(at_least_fp32(rows.dtype))
-        if temperature != 1.0:
-            rows = rows / temperature
-        # cross_entropy fuses log-softmax and gather without keeping a [N, V] log-prob tensor.
-        return F.cross_entropy(rows, rows_targets, reduction="none")
 
-    return -_by_chunks(nll, logits[:, :-1], chunk, targets).view(targets.shape)
+def logprob_rows(rows: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``token_logprobs`` of logits rows [N, V] and their targets [N]."""
+    rows = rows.to(at_least_fp32(rows.dtype))
+    if temperature != 1.0:
+        rows = rows / temperature
+    # cross_entropy fuses log-softmax and gather without keeping a [N, V] log-prob tensor.
+    return -F.cross_entropy(rows, targets, reduction="none")
 
 
 def kept_set(scores: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
@@ -55,25 +59,28 @@ def kept_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: fl
     its own (a rounding tie at the boundary) would otherwise give it log 0 = -inf (prime-rl
     PR #2601 does the same). Computed in fp32 at least, ``chunk`` positions at a time."""
     targets = input_ids[:, 1:]
+    return _by_chunks(partial(kept_rows, temperature=temperature, top_p=top_p, top_k=top_k), logits[:, :-1], chunk,
+                      targets).view(targets.shape)
 
-    def kept(rows: torch.Tensor, rows_targets: torch.Tensor) -> torch.Tensor:
-        scores = rows.to(at_least_fp32(rows.dtype)) / temperature
-        keep = kept_set(scores, top_p, top_k)
-        keep[torch.arange(len(keep), device=keep.device), rows_targets] = True
-        logp = scores.masked_fill(~keep, float("-inf")).log_softmax(-1)
-        return logp.gather(1, rows_targets[:, None])[:, 0]
 
-    return _by_chunks(kept, logits[:, :-1], chunk, targets).view(targets.shape)
+def kept_rows(rows: torch.Tensor, targets: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
+    """``kept_logprobs`` of logits rows [N, V] and their targets [N]."""
+    scores = rows.to(at_least_fp32(rows.dtype)) / temperature
+    keep = kept_set(scores, top_p, top_k)
+    keep[torch.arange(len(keep), device=keep.device), targets] = True
+    logp = scores.masked_fill(~keep, float("-inf")).log_softmax(-1)
+    return logp.gather(1, targets[:, None])[:, 0]
 
 
 def token_entropy(logits: torch.Tensor, temperature: float = 1.0, chunk: int = 0) -> torch.Tensor:
     """Entropy of the next-token distribution at each target position (for metrics)."""
+    return _by_chunks(partial(entropy_rows, temperature=temperature), logits[:, :-1], chunk).view(logits.shape[0], -1)
 
-    def entropy(rows: torch.Tensor) -> torch.Tensor:
-        logp = (rows.to(at_least_fp32(rows.dtype)) / temperature).log_softmax(-1)
-        return -(logp.exp() * logp).sum(-1)
 
-    return _by_chunks(entropy, logits[:, :-1], chunk).view(logits.shape[0], -1)
+def entropy_rows(rows: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``token_entropy`` of logits rows [N, V]."""
+    logp = (rows.to(at_least_fp32(rows.dtype)) / temperature).log_softmax(-1)
+    return -(logp.exp() * logp).sum(-1)
 
 
 def at_least_fp32(dtype: torch.dtype) -> torch.dtype:

@@ -24,7 +24,7 @@ from transformers.cache_utils import (
 from exactrl.checks.weight_sync import WeightsDigest, WeightsState, WeightSyncError, digest_of, shared_digest
 from exactrl.device import device_of
 from exactrl.distributed.export import hf_tensors
-from exactrl.models import packing
+from exactrl.models.packing import base_model
 from exactrl.rollout import unpadded
 from exactrl.rollout.generator import Generation, SamplingParams, prompt_seeds, row_seed
 from exactrl.rollout.sampling import KeyedDraw, draw, uniforms
@@ -75,13 +75,6 @@ _KV_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, DynamicIndexedLayer)
 _STATE_LAYERS = (LinearAttentionLayer, LinearAttentionAndFullAttentionLayer,
                  LinearAttentionAndSlidingWindowAttentionLayer)
 _KNOWN_LAYERS = (*_KV_LAYERS, *_STATE_LAYERS, DummyLayer)
-
-
-def base_model(model):
-    """The Hugging Face model inside an engine's or peft's wrapper."""
-    hf = packing._hf_model(model)
-    get = getattr(hf, "get_base_model", None)
-    return get() if callable(get) else hf
 
 
 def decode_cache(model, capacity: int) -> tuple[str, Cache] | None:

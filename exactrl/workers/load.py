@@ -11,6 +11,7 @@ from pathlib import Path
 
 from exactrl.audit.manifest import record_check
 from exactrl.checks.determinism import DeterminismError, check_determinism, random_forward_message
+from exactrl.checks.head import check_head
 from exactrl.checks.packing import check_packing, probe_lengths
 from exactrl.device import place, process_device
 from exactrl.distributed.launch import is_main
@@ -63,6 +64,12 @@ def load_model(cfg, path, run_dir: Path, phase: str, role: str, longest: int, tr
             record_check(run_dir, f"packing/{phase}/{role}", report.as_dict())
             if report.notice:
                 warnings.warn(report.notice, UserWarning, stacklevel=2)
+    if t.logprob_chunk_size > 0 and t.packing_check != "off":
+        head_report = check_head(model, vocab, t.packing_check_tol, what=f"the {role} model")
+        if is_main():
+            record_check(run_dir, f"head/{phase}/{role}", head_report.as_dict())
+            if head_report.notice:
+                warnings.warn(head_report.notice, UserWarning, stacklevel=2)
     return model
 
 

@@ -44,6 +44,7 @@ from exactrl.distributed.step_plan import StepPlan
 from exactrl.dtypes import autocast_for
 from exactrl.losses.objective import Metrics, Objective, micro_batch_loss
 from exactrl.losses.token_losses import kept_logprobs, token_entropy, token_logprobs
+from exactrl.models import head
 from exactrl.models.lora import reference_mode
 from exactrl.models.packing import model_batch
 from exactrl.rollout.hf import base_model
@@ -144,6 +145,29 @@ class Worker:
             return logits[:, :-1]
         raise ValueError(f"the {self.role} worker computes logprobs, kept_logprobs, entropy or logits, not '{name}'")
 
+    @contextlib.contextmanager
+    def per_token_head(self, batch, trained: tuple[str, ...], metrics: tuple[str, ...]):
+        """Around one forward of ``batch``: gives a function from the forward's ``.logits`` to the
+        fields ``trained`` (with their graph) and ``metrics`` (without), each [rows, L-1]. Through
+        the chunked head (exactrl/models/head.py) when every field is one it computes, the run
+        chunks (train.logprob_chunk_size) and the model's head passed its self-check; else from
+        the model's full logits (token_field)."""
+        names, ids = trained + metrics, batch.inputs["input_ids"]
+        if self.logprob_chunk > 0 and names and set(names) <= set(head.FIELDS) and head.can_chunk(self.model):
+            sampling = head.Sampling(self.temperature, self.top_p, self.top_k)
+            with head.per_token_head(self.model, ids, trained, metrics, sampling, self.logprob_chunk):
+                yield lambda output: {name: output[..., i] for i, name in enumerate(names)}
+            return
+
+        def from_logits(logits):
+            out = {}
+            for name in names:
+                with torch.set_grad_enabled(name in trained):
+                    out[name] = self.token_field(name, logits, ids)
+            return out
+
+        yield from_logits
+
     def forward(self, samples: list[Sample], name: str, layout: list[list[list[int]]]) -> list[torch.Tensor]:
         """Per-token ``name`` of every sample (one tensor of its num_targets each): this rank
         computes its micro-batches ``layout[rank]`` (indices into samples), then every rank receives
@@ -160,9 +184,9 @@ class Worker:
         for mb in layout[self.rank]:
             chunk = [samples[i] for i in mb]
             batch = self.model_batch(chunk)
-            with self.mode(), self.autocast():
-                logits = self.model(**batch.inputs).logits
-            rows = [batch.repad(self.token_field(name, logits, batch.inputs["input_ids"])) for name in names]
+            with self.mode(), self.autocast(), self.per_token_head(batch, (), names) as fields:
+                output = self.model(**batch.inputs).logits
+            rows = [batch.repad(field) for field in fields(output).values()]
             for j, i in enumerate(mb):
                 # Kept on the CPU between passes (collate moves them back): a rollout's worth of
                 # per-token fields stays off the GPU, and gather pickles CPU tensors.
@@ -178,13 +202,11 @@ class Worker:
         on_cpu = collate(samples, self.pad_id)
         b = {k: v.to(self.engine.device) for k, v in on_cpu.items()}
         mb = self.model_batch(samples)
-        with self.autocast():
-            logits = self.engine.forward(self.model, **mb.inputs).logits
-        fields = {}
-        for name in objective.fields():  # a field only a metric reads is computed without a graph
-            trains = any(name in t.fields for t in objective.terms)
-            with torch.set_grad_enabled(trains and torch.is_grad_enabled()):
-                fields[name] = mb.repad(self.token_field(name, logits, mb.inputs["input_ids"]))
+        names = objective.fields()  # a field only a metric reads is computed without a graph
+        trains = tuple(n for n in names if any(n in t.fields for t in objective.terms) and torch.is_grad_enabled())
+        with self.autocast(), self.per_token_head(mb, trains, tuple(n for n in names if n not in trains)) as made:
+            output = self.engine.forward(self.model, **mb.inputs).logits
+        fields = {name: mb.repad(value) for name, value in made(output).items()}
         # the canary share from the CPU copy of the mask: no device-to-host copy per micro-batch
         loss, share = micro_batch_loss(objective, fields, b, on_cpu, [s.source for s in samples], normalizers, metrics,
                                        mean_of)

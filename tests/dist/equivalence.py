@@ -162,7 +162,10 @@ def cases(backend: str, world: int) -> list[dict]:
         # Recomputed activations must not change the update (FSDP2's CPU offload needs a GPU: make gpu-check).
         knobs = [dict(mode="token-mean", micro=2 // world, optim="sgd", extra=[x]) for x in
                  ["train.gradient_checkpointing=true"] + (["distributed.fsdp_cpu_offload=true"] if os.environ.get("EXACTRL_TEST_DEVICE") == "cuda" else [])]
-        return out + [dict(k3, extra=[])] + [dict(a, extra=[]) for a in adamw] + knobs
+        # The output head in chunks of 3 tokens (exactrl/models/head.py), alone and with recomputed layers.
+        chunked = [dict(mode="token-mean", micro=2 // world, optim="sgd", extra=x) for x in (
+            ["train.logprob_chunk_size=3"], ["train.logprob_chunk_size=3", "train.gradient_checkpointing=true"])]
+        return out + [dict(k3, extra=[])] + [dict(a, extra=[]) for a in adamw] + knobs + chunked
     out = []
     for stage in (0, 1, 2, 3):
         for offload in (("none", "cpu") if stage else ("none",)):
@@ -171,6 +174,9 @@ def cases(backend: str, world: int) -> list[dict]:
     out += [dict(mode="token-mean", micro=mi, optim="sgd", extra=["deepspeed.zero_stage=3", "deepspeed.offload_optimizer=cpu",
                                                                    "deepspeed.offload_param=cpu"]) for mi in micros[1:]]
     out += [dict(mode=m, micro=2, optim="sgd", extra=ZERO2_CPU) for m in MODES[1:]]
+    # The output head in chunks of 3 tokens, its weight gathered by ZeRO-3 for forward and backward.
+    out += [dict(mode="token-mean", micro=2, optim="sgd", extra=[f"deepspeed.zero_stage={stage}",
+                                                                 "train.logprob_chunk_size=3"]) for stage in (2, 3)]
     out += [dict(mode="token-mean", micro=mi, optim="sgd", extra=["deepspeed.config=USER_JSON"]) for mi in micros[1:]]
     return out + [dict(a, extra=x) for a in adamw for x in (ZERO2_CPU, ["deepspeed.zero_stage=3"])]
 

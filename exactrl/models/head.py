@@ -115,17 +115,16 @@ class ChunkedHead(torch.autograd.Function):
     """``trained`` fields (differentiable) and ``metrics`` fields (not) of ``hidden`` [N, H]
     through the head (``weight`` [V, H], ``bias``) and ``ops``, ``chunk`` rows at a time; each
     field [N]. Saves only its inputs; backward recomputes chunk by chunk under the forward's
-    autocast. ``whole``: the single-chunk case, where hidden is [B, T, H] and the head runs on all
-    T positions and the fields on the first T-1, exactly as the plain path does."""
+    autocast."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, spec):
-        trained, metrics, chunk, whole = spec["trained"], spec["metrics"], spec["chunk"], spec["whole"]
+        trained, metrics, chunk = spec["trained"], spec["metrics"], spec["chunk"]
         ctx.spec, ctx.autocast = spec, _autocast_state(hidden.device.type)
         ctx.save_for_backward(hidden, weight, bias, targets)
         with torch.no_grad():
-            parts = [_fields(h, weight, bias, t, trained + metrics, spec) for h, t in _chunks(hidden, targets, chunk,
-                                                                                            whole)]
+            parts = [_fields(h, weight, bias, t, trained + metrics, spec) for h, t in zip(hidden.split(chunk),
+                                                                                            targets.split(chunk))]
         out = [torch.cat([p[i] for p in parts]) for i in range(len(trained) + len(metrics))]
         ctx.mark_non_differentiable(*out[len(trained):])
         return tuple(out)
@@ -143,7 +142,7 @@ class ChunkedHead(torch.autograd.Function):
             return grad_h, None, None, None, None
         names, flat = [spec["trained"][i] for i in live], [grads[i].reshape(-1) for i in live]
         start = 0
-        for h, t in _chunks(hidden, targets, spec["chunk"], spec["whole"]):
+        for h, t in zip(hidden.split(spec["chunk"]), targets.split(spec["chunk"])):
             n = t.numel()
             h_, w_ = h.detach().requires_grad_(want_h), weight.detach().requires_grad_(want_w)
             b_ = None if bias is None else bias.detach().requires_grad_(want_b)
@@ -152,11 +151,7 @@ class ChunkedHead(torch.autograd.Function):
             wrt = [x for x, wanted in ((h_, want_h), (w_, want_w), (b_, want_b)) if wanted]
             got = iter(torch.autograd.grad(out, wrt, [g[start: start + n] for g in flat]))
             if want_h:
-                gh = next(got)
-                if spec["whole"]:
-                    grad_h = gh
-                else:
-                    grad_h[start: start + n] = gh
+                grad_h[start: start + n] = next(got)
             if want_w:
                 gw = next(got)
                 grad_w = gw if grad_w is None else grad_w + gw
@@ -167,21 +162,10 @@ class ChunkedHead(torch.autograd.Function):
         return grad_h, grad_w, grad_b, None, None
 
 
-def _chunks(hidden, targets, chunk, whole):
-    """(hidden, targets) per chunk: the whole [B, T, H] with targets [B, T-1] once, or [n, H] rows."""
-    if whole:
-        yield hidden, targets
-        return
-    yield from zip(hidden.split(chunk), targets.split(chunk))
-
-
 def _fields(hidden, weight, bias, targets, names, spec):
-    """The fields ``names`` of one chunk, each [n] (flattened over [B, T-1] in the whole case)."""
+    """The fields ``names`` of one chunk of rows, each [n]."""
     logits = apply_post(F.linear(hidden, weight, bias), spec["ops"])
-    if spec["whole"]:  # the plain path's [:, :-1] and reshape, so its operations are the same
-        logits = logits[:, :-1].reshape(-1, logits.size(-1))
-    flat = targets.reshape(-1)
-    return [row_fn(name, spec["sampling"])(logits, flat) for name in names]
+    return [row_fn(name, spec["sampling"])(logits, targets) for name in names]
 
 
 def _autocast_state(device_type: str):
@@ -228,11 +212,16 @@ def per_token_head(model, input_ids: torch.Tensor, trained: tuple[str, ...], met
     rows = targets.numel()
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
-        whole = chunk <= 0 or rows <= chunk
-        spec = {"trained": trained, "metrics": metrics, "chunk": chunk, "whole": whole, "ops": ops,
-                "sampling": sampling}
-        h = hidden if whole else hidden[:, :-1].reshape(-1, hidden.size(-1))
-        out = ChunkedHead.apply(h, head.weight, head.bias, targets if whole else targets.reshape(-1), spec)
+        if chunk <= 0 or rows <= chunk:  # one chunk: the plain path itself, its graph kept (no recompute)
+            logits = apply_post(F.linear(hidden, head.weight, head.bias), ops)[:, :-1].reshape(-1, head.out_features)
+            out = []
+            for name in trained + metrics:
+                with torch.set_grad_enabled(name in trained and torch.is_grad_enabled()):
+                    out.append(row_fn(name, sampling)(logits, targets.reshape(-1)))
+        else:
+            spec = {"trained": trained, "metrics": metrics, "chunk": chunk, "ops": ops, "sampling": sampling}
+            out = ChunkedHead.apply(hidden[:, :-1].reshape(-1, hidden.size(-1)), head.weight, head.bias,
+                                    targets.reshape(-1), spec)
         return torch.stack(out, -1).view(*targets.shape, len(out))
 
     head.forward = forward

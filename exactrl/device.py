@@ -105,6 +105,16 @@ def place(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     return model
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` (in host memory) on ``device`` without the host waiting for the device: a
+    blocking copy from pageable memory ends in a stream synchronisation, so on CUDA it goes
+    through pinned memory, asynchronously (the pinned buffer is not reused before the copy has
+    run: torch's caching host allocator records the copy's stream). Elsewhere ``tensor.to(device)``."""
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device, non_blocking=True)
+
+
 def device_of(model: torch.nn.Module) -> torch.device:
     """Where ``model``'s inputs go: the device ``place`` recorded, else its first parameter's
     (a sharded parameter's local device), else the CPU."""

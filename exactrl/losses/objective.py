@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from exactrl.data.batch import ORIGINS
+from exactrl.device import to_device
 from exactrl.losses.aggregation import (
     UnitNormalizer,
     aggregate,
@@ -368,9 +369,9 @@ def _scope(b: dict[str, torch.Tensor], sources: list[str], chosen: tuple[str, ..
     whose origin is in ``origins`` (None: every row, every token)."""
     mask = b["loss_mask"]
     if chosen is not None:
-        mask = mask * torch.tensor([s in chosen for s in sources], device=mask.device)[:, None]
+        mask = mask * to_device(torch.tensor([s in chosen for s in sources]), mask.device)[:, None]
     if origins is not None:
-        mask = mask * torch.isin(b["origin"], torch.tensor([ORIGINS.index(o) for o in origins], device=mask.device))
+        mask = mask * torch.isin(b["origin"], to_device(torch.tensor([ORIGINS.index(o) for o in origins]), mask.device))
     return mask
 
 

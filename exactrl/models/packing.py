@@ -34,7 +34,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from exactrl.data.batching import pad_right
-from exactrl.device import device_of
+from exactrl.device import device_of, to_device
 from exactrl.models import dsa, varlen_kernels
 
 # One registered name per attention kernel (model.attn_implementation); both take packed rows.
@@ -184,7 +184,7 @@ def varlen_attention(module, query, key, value, attention_mask, *, cu_seq_lens_q
             return fast[1], None
     packed_kernels["eager varlen" if kernel is eager_attention else "sdpa varlen"] += 1
     width = int(max_length_q)
-    gather, keep = _gather_index(cu_seq_lens_q, width)
+    gather, keep = _gather_index(cu_seq_lens_q, width, query.shape[2])
     # [1, H, N, D] -> [S, H, Lmax, D]: each sequence in its own row, right-padded. index_select
     # (its backward is index_add) rather than advanced indexing (index_put with accumulate):
     # that gather and its inverse were a third of the attention time of a GRPO micro-batch.
@@ -230,20 +230,49 @@ def window_mask(width: int, window: int | None, device=None, chunk: int | None =
     return mask
 
 
-def _gather_index(cu: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+# One packed row's gather indices, per (width, tokens): every layer of a forward (and its
+# recomputation under checkpointing) passes the same cumulative-lengths tensor.
+_gathers: dict = {}
+
+
+def _gather_index(cu: torch.Tensor, width: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat indices: which packed token fills each slot of the [S, width] block, and which
-    block slots hold real tokens, in packed order."""
-    lengths = cu[1:] - cu[:-1]
-    pos = torch.arange(width, device=cu.device)
-    valid = pos[None, :] < lengths[:, None]
-    # Pad slots read the sequence's own first token; only pad queries ever look at them.
-    gather = torch.where(valid, cu[:-1, None] + pos[None, :], cu[:-1, None]).flatten()
-    return gather, valid.flatten().nonzero()[:, 0]
+    block slot each of the row's ``n`` packed tokens fills (the real ones, in packed order).
+    Computed on the device from the lengths alone, once per row: a ``nonzero`` of the valid
+    slots would make the host wait for the device in every layer (exactrl/checks/syncs.py)."""
+    if _gathers.get("cu") is not cu:
+        _gathers.clear()
+        _gathers["cu"] = cu
+    if (width, n) not in _gathers:
+        starts = cu.long()
+        lengths = starts[1:] - starts[:-1]
+        pos = torch.arange(width, device=cu.device)
+        valid = pos[None, :] < lengths[:, None]
+        # Pad slots read the sequence's own first token; only pad queries ever look at them.
+        gather = torch.where(valid, starts[:-1, None] + pos[None, :], starts[:-1, None]).flatten()
+        tokens = torch.arange(n, device=cu.device)
+        seq = torch.searchsorted(starts[1:], tokens, right=True)  # each token's sequence
+        _gathers[width, n] = gather, seq * width + tokens - starts[seq]
+    return _gathers[width, n]
+
+
+def known_mask(*args, attention_mask=None, **kwargs):
+    """Hugging Face's SDPA mask, told what the host knows of ``model_batch``'s 2D mask (marked
+    ``exactrl_padded``): the builder would read the mask to find out whether any row is padded
+    (transformers' _ignore_causal_mask_sdpa), and the host would wait for the device in every
+    forward. No padding: no mask, which builds what one of all ones builds (a packed row's,
+    which ``varlen_attention`` ignores anyway); padding: the mask, without the look."""
+    padded = getattr(attention_mask, "exactrl_padded", None)
+    if padded is False:
+        attention_mask = None
+    elif padded:
+        kwargs["allow_is_causal_skip"] = False
+    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
 
 
 for _name in KERNELS.values():
     AttentionInterface.register(_name, varlen_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(_name, sdpa_mask)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(_name, known_mask)
 
 
 def enable(model: torch.nn.Module, kernel: str = "sdpa") -> torch.nn.Module:
@@ -326,8 +355,10 @@ def model_batch(model, seqs: list[list[int]], pad_id: int, packed: bool) -> Mode
     lengths = [len(s) for s in seqs]
     device = device_of(model)
     if not packed or not can_pack(model):
-        attn = pad_right([[1] * n for n in lengths], 0)
-        return ModelBatch({"input_ids": pad_right(seqs, pad_id).to(device), "attention_mask": attn.to(device),
+        # Boolean, as Hugging Face's mask builder takes it: the same tensor reaches known_mask, marked.
+        attn = to_device(pad_right([[1] * n for n in lengths], 0).bool(), device)
+        attn.exactrl_padded = len(set(lengths)) > 1
+        return ModelBatch({"input_ids": to_device(pad_right(seqs, pad_id), device), "attention_mask": attn,
                            "use_cache": False})
     hf = _hf_model(model)
     if hf.config._attn_implementation not in KERNELS.values():
@@ -337,11 +368,13 @@ def model_batch(model, seqs: list[list[int]], pad_id: int, packed: bool) -> Mode
     inputs = {
         "input_ids": torch.tensor([[t for s in seqs for t in s]], dtype=torch.long),
         "position_ids": torch.cat([torch.arange(n_) for n_ in lengths]).unsqueeze(0),
-        # All ones: SDPA's mask builder then skips the N x N mask that varlen_attention would ignore.
-        "attention_mask": torch.ones(1, n, dtype=torch.long),
+        # All ones: SDPA's mask builder then skips the N x N mask that varlen_attention would ignore
+        # (boolean, as the builder takes it: the same tensor reaches known_mask, marked).
+        "attention_mask": torch.ones(1, n, dtype=torch.bool),
         "cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
     }
-    inputs = {k: v.to(device) for k, v in inputs.items()}
+    inputs = {k: to_device(v, device) for k, v in inputs.items()}
+    inputs["attention_mask"].exactrl_padded = False
     inputs |= {"max_length_q": max(lengths), "max_length_k": max(lengths),
                "use_cache": False}  # a training forward: no KV cache to fill
     # Target t of sequence s (predicting its token t+1) sits at flat position cu[s] + t.
@@ -349,4 +382,4 @@ def model_batch(model, seqs: list[list[int]], pad_id: int, packed: bool) -> Mode
     pos = torch.arange(width)
     valid = pos[None, :] < torch.tensor(lengths)[:, None] - 1
     index = torch.where(valid, cu[:-1, None].long() + pos[None, :], 0)
-    return ModelBatch(inputs, (index.to(device), valid.to(device)))
+    return ModelBatch(inputs, (to_device(index, device), to_device(valid, device)))

@@ -19,9 +19,9 @@ What is static, and why it gives the eager loop's tokens (exactrl/rollout/hf.py 
 A model decodes here only when every cache layer is a plain key/value one (no sliding window,
 linear-attention or SSM state: their static forms change shape or branch on the step in Python),
 on one process (sharded parameters would need collectives in the graph), and when its step never
-waits for the device: the step's first run is under ``_NoHostSync``, which names the first op that
-would (an ``.item()``, a ``nonzero``, a boolean index -- MoE routing loops over the experts it
-hit), on the CPU too, so CI sees what a capture would refuse. The generation self-check
+waits for the device: the step's first run is under ``_no_host_sync`` (exactrl/checks/syncs.py),
+which names the first op that would (an ``.item()``, a ``nonzero``, a boolean index -- MoE routing
+loops over the experts it hit), on the CPU too, so CI sees what a capture would refuse. The generation self-check
 (exactrl/rollout/generation_check.py) checks this path as it checks the eager loop and steps down
 to the eager loop where it disagrees."""
 
@@ -32,10 +32,10 @@ import weakref
 from collections import OrderedDict
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, StaticLayer
 
+from exactrl.checks.syncs import HostSyncs
 from exactrl.device import device_of
 from exactrl.rollout.hf import base_model
 from exactrl.rollout.sampling import draw, uniforms
@@ -93,21 +93,13 @@ def wants_static(decode: str, model, synced: bool, checked: bool) -> bool:
             and why_not_static(model, synced) is None)
 
 
-_SYNCS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
-          torch.ops.aten.masked_select.default, torch.ops.aten._unique2.default, torch.ops.aten.unique_dim.default,
-          torch.ops.aten.equal.default, torch.ops.aten.repeat_interleave.Tensor}
-_INDEXED = {torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default}
-
-
-class _NoHostSync(TorchDispatchMode):
-    """Refuses an op that waits for the device or whose output's shape depends on tensor values:
-    inside a CUDA graph the one fails the capture and the other freezes the value seen at capture."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in _SYNCS or (func in _INDEXED and any(
-                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])):
-            raise NotStatic(f"its decode step waits for the device at {func} (a CUDA graph cannot capture it)")
-        return func(*args, **(kwargs or {}))
+def _no_host_sync() -> HostSyncs:
+    """Refuses an op that waits for the device or whose output's shape depends on tensor values
+    (exactrl/checks/syncs.py): inside a CUDA graph the one fails the capture and the other freezes
+    the value seen at capture."""
+    def refuse(sync):
+        raise NotStatic(f"its decode step waits for the device at {sync} (a CUDA graph cannot capture it)")
+    return HostSyncs(every=True, on_sync=refuse)
 
 
 def capture(step, device: torch.device):
@@ -123,7 +115,7 @@ def capture(step, device: torch.device):
 
 class Graphed:
     """``step`` (no arguments: it reads and writes tensors it holds) replayed from a CUDA graph.
-    The first call runs it as is under ``_NoHostSync`` -- the warm-up a capture needs (on a side
+    The first call runs it as is under ``_no_host_sync`` -- the warm-up a capture needs (on a side
     stream, as torch.cuda.graph's docs ask), and the check that capture can work -- then captures."""
 
     def __init__(self, step, device: torch.device):
@@ -135,11 +127,11 @@ class Graphed:
         if self.device.type == "cuda":
             side, main = torch.cuda.Stream(self.device), torch.cuda.current_stream(self.device)
             side.wait_stream(main)
-            with torch.cuda.stream(side), _NoHostSync():
+            with torch.cuda.stream(side), _no_host_sync():
                 self.step()
             main.wait_stream(side)
         else:
-            with _NoHostSync():
+            with _no_host_sync():
                 self.step()
         self.replay = capture(self.step, self.device)
 

@@ -36,7 +36,7 @@ import torch
 
 from exactrl.checks.weight_sync import Digesting, SyncCheck, SyncReport, probe_ids
 from exactrl.data.batch import Sample, collate
-from exactrl.device import process_device
+from exactrl.device import process_device, to_device
 from exactrl.distributed.collectives import gather_fields
 from exactrl.distributed.engine import SampleAccountingError, build_engine
 from exactrl.distributed.launch import rank, world_size
@@ -200,7 +200,7 @@ class Worker:
         each is normalised by its own counts (StepPlan.micro_means, fault.mean_of_means;
         exactrl/losses/objective.py micro_batch_loss)."""
         on_cpu = collate(samples, self.pad_id)
-        b = {k: v.to(self.engine.device) for k, v in on_cpu.items()}
+        b = {k: to_device(v, self.engine.device) for k, v in on_cpu.items()}
         mb = self.model_batch(samples)
         names = objective.fields()  # a field only a metric reads is computed without a graph
         trains = tuple(n for n in names if any(n in t.fields for t in objective.terms) and torch.is_grad_enabled())

@@ -2,7 +2,7 @@
 
 1. the gradient-equivalence subset on CUDA (tests marked `gpu`, tests/test_gpu.py: micro-batches
    vs the full batch in fp32 and bf16, packed vs padded, FSDP2 at world size 2 over NCCL with
-   two or more GPUs);
+   two or more GPUs), and no host sync per micro-batch (tests/test_host_syncs.py);
 2. a short SFT and a short GRPO run in fp32 and bf16, at world size 1 and, with several GPUs,
    2 (FSDP2 over NCCL), each checked by the canary at every step;
 3. a short GRPO run under Ray (`ray-<dtype>`: trainer ranks and a rollout engine as actors, split
@@ -48,7 +48,8 @@ def run_tests(dry: bool, work: Path) -> list[tuple]:
     report = work / "tests.xml"
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                            f"--junitxml={report}",
-                           str(ROOT / "tests" / "test_gpu.py")], cwd=ROOT, env=env, capture_output=True, text=True)
+                           str(ROOT / "tests" / "test_gpu.py"), str(ROOT / "tests" / "test_host_syncs.py")], cwd=ROOT,
+                          env=env, capture_output=True, text=True)
     summary = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
     if proc.returncode:
         print(proc.stdout[-3000:], proc.stderr[-2000:], file=sys.stderr)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import warnings
 
 import pytest
 import torch
@@ -79,8 +80,8 @@ def grpo_batch(n: int = 6):
     return out
 
 
-def setup(kind: str, overrides: list[str]):
-    """(worker on the emulated device, batch, objective, config)."""
+def setup(kind: str, overrides: list[str], device: torch.device = EMULATED):
+    """(worker on ``device``, the emulated one by default; batch, objective, loss tokens)."""
     if kind == "sft":
         cfg = load_config(SFTConfig, None, overrides)
         batch, objective = sft_batch(), sft_objective(cfg.train.loss_agg, cfg.train.loss_agg_norm)
@@ -90,14 +91,16 @@ def setup(kind: str, overrides: list[str]):
         batch, objective = grpo_batch(), ALGORITHMS.lookup(cfg.algo.name).objective(cfg)
     tokens = [s.loss_tokens for s in batch]
     m = model()
-    engine = SingleEngine(m, cfg.model, cfg.train, cfg.optim, cfg.audit, 4, device=EMULATED, fault=cfg.fault)
+    engine = SingleEngine(m, cfg.model, cfg.train, cfg.optim, cfg.audit, 4, device=device, fault=cfg.fault)
     worker = Worker("policy", m, engine, pad_id=PAD, packed=cfg.train.padding_free,
                     temperature=getattr(getattr(cfg, "rollout", None), "temperature", 1.0))
     return worker, batch, objective, tokens
 
 
 def detector(worker) -> HostSyncs:
-    """The detector with the worker's model and canary on the (emulated) device."""
+    """The detector with the worker's model and canary on the (emulated) device; on CUDA, CUDA's tensors."""
+    if worker.engine.device.type == "cuda":
+        return HostSyncs()
     canary = worker.engine.canary.module
     return HostSyncs(on_device=[*worker.model.parameters(), *worker.model.buffers(), *canary.parameters()])
 
@@ -125,6 +128,35 @@ def test_a_micro_batch_makes_the_host_wait_for_nothing(kind, variant):
             loss, share, mask = worker.micro_batch([batch[i] for i in mb], objective, normalizers, Metrics())
             worker.engine.backward(loss, share, num_samples=mask.size(0))
         assert found.syncs == [], [str(s) for s in found.syncs]
+    assert worker.engine.step(plan)["canary"] == pytest.approx(1.0, abs=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["sft", "grpo"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_on_the_gpu_no_micro_batch_waits(kind, variant, gpu_device):
+    """On CUDA (make gpu-check): the detector sees no CUDA tensor read, and torch's own sync debug
+    mode, which warns at every synchronising call (a blocking copy's stream sync too), none either."""
+    worker, batch, objective, tokens = setup(kind, VARIANTS[variant], gpu_device if gpu_device.type == "cuda"
+                                             else EMULATED)
+    plan = plan_step(tokens, 3, "token-mean")
+    normalizers = objective.normalizers(plan)
+    worker.engine.begin_step(len(plan.micro_batches))
+    cuda = gpu_device.type == "cuda"
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        for mb in plan.micro_batches:
+            with detector(worker) as found:
+                if cuda:
+                    torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    loss, share, mask = worker.micro_batch([batch[i] for i in mb], objective, normalizers, Metrics())
+                    worker.engine.backward(loss, share, num_samples=mask.size(0))
+                finally:
+                    if cuda:
+                        torch.cuda.set_sync_debug_mode("default")
+            assert found.syncs == [], [str(s) for s in found.syncs]
+    assert [str(w.message) for w in warned if "synchroniz" in str(w.message)] == []
     assert worker.engine.step(plan)["canary"] == pytest.approx(1.0, abs=1e-6)
 
 

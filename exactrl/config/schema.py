@@ -217,6 +217,15 @@ class TrainConfig(Section):
                                                 "runs the plain path's operations). Models whose logits the head "
                                                 "self-check cannot reproduce, and fields over the whole vocabulary "
                                                 "(distillation's logits), take the full logits, log-softmax still in "
+    compile: bool = Field(False,
+                          description="Compile each decoder layer's training forward with torch.compile (inductor, "
+                                      "dynamic shapes: packed rows of every length share one compile; "
+                                      "exactrl/distributed/compile.py): fused kernels, fewer launches on a GPU, for a "
+                                      "compile of each layer kind at the first step (seconds to a minute or two). "
+                                      "Attention, the output head and the loss stay eager; so do no-grad passes "
+                                      "(old and reference log-probs, decoding). Inductor's fusions round in another "
+                                      "order: weights drift from an eager run's by fp32 (bf16 under model.dtype=bf16) "
+                                      "rounding, as between two GPUs. Not with distributed.backend=deepspeed.")
                                                 "chunks of this size. 0 = the full logits, one log-softmax.")
     nonfinite: Literal["error", "skip"] = Field("error",
                                                 description="On an inf/NaN gradient norm: 'error' stops the run "

@@ -126,6 +126,9 @@ USED_WHEN = [
              "set distributed.backend=fsdp2"),
     UsedWhen("train.loss_agg_norm", lambda c: c.train.loss_agg == "seq-mean-token-sum-norm", "only "
              "train.loss_agg=seq-mean-token-sum-norm has a constant normaliser (train.loss_agg={c.train.loss_agg})",
+    UsedWhen("train.compile", lambda c: c.distributed.backend != "deepspeed", "the DeepSpeed engine does not "
+             "compile the layers (distributed.backend=deepspeed, whose ZeRO-3 gathers parameters in hooks inside "
+             "them)", "set distributed.backend=single or fsdp2"),
              "set that train.loss_agg"),
     # exactrl rm: a pair's margin and centring belong to the Bradley-Terry loss, the step separator to a PRM's steps
     *(UsedWhen(f"rm.{key}", lambda c: c.rm.kind == "pairwise", "rm.kind=process scores steps, not pairs",

@@ -34,6 +34,7 @@ from exactrl.config.loader import ConfigError
 from exactrl.config.schema import AuditConfig, FaultConfig, ModelConfig, OptimConfig, TrainConfig
 from exactrl.device import place, process_device, use_device
 from exactrl.distributed.checkpoint import NonFiniteError, save_pretrained, write_part
+from exactrl.distributed.compile import compile_layers
 from exactrl.distributed.export import hf_tensors
 from exactrl.distributed.launch import is_main
 from exactrl.distributed.optim import build_optimizer, build_scheduler
@@ -63,6 +64,8 @@ class SingleEngine:
         self.set_faults(fault)
         if not hasattr(self, "device"):  # FSDP2 decides it before sharding
             self.device = prepare_model(model, train, device)
+        if train.compile:  # after FSDP2's fully_shard, which swaps the layers' class (distributed/compile.py)
+            compile_layers(model)
         self.canary = Canary(audit.canary, audit.canary_tol, self.describe) if audit.canary != "off" else None
         if self.canary is not None:
             self.canary.module.to(self.device)

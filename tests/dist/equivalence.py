@@ -33,6 +33,7 @@ from exactrl.distributed.deepspeed_engine import ds_config
 from exactrl.distributed.engine import build_engine
 from exactrl.distributed.launch import end_rank, shutdown
 from exactrl.distributed.step_plan import plan_step
+from exactrl.distributed import compile as compile_mod
 from exactrl.tasks.arithmetic import Problem, worked_solution
 from exactrl.tasks.tiny_model import build_tiny_model
 from exactrl.tasks.tokenizer import build_tokenizer
@@ -165,7 +166,11 @@ def cases(backend: str, world: int) -> list[dict]:
         # The output head in chunks of 3 tokens (exactrl/models/head.py), alone and with recomputed layers.
         chunked = [dict(mode="token-mean", micro=2 // world, optim="sgd", extra=x) for x in (
             ["train.logprob_chunk_size=3"], ["train.logprob_chunk_size=3", "train.gradient_checkpointing=true"])]
-        return out + [dict(k3, extra=[])] + [dict(a, extra=[]) for a in adamw] + knobs + chunked
+        # Decoder layers compiled after fully_shard (distributed/compile.py; aot_eager, set in main), alone and
+        # around recomputed layers.
+        compiled = [dict(mode="token-mean", micro=2 // world, optim="sgd", extra=x) for x in (
+            ["train.compile=true"], ["train.compile=true", "train.gradient_checkpointing=true"])]
+        return out + [dict(k3, extra=[])] + [dict(a, extra=[]) for a in adamw] + knobs + chunked + compiled
     out = []
     for stage in (0, 1, 2, 3):
         for offload in (("none", "cpu") if stage else ("none",)):
@@ -208,6 +213,7 @@ def main(backend: str, world: int, out_path: str) -> None:
     if os.environ.get("EXACTRL_TEST_FP16_ACCELERATOR") == "1":
         simulate_fp16_accelerator()
     stages = os.environ.get("EXACTRL_TEST_ZERO_STAGES")  # e.g. "3": only the cases and faults of those stages
+    compile_mod.BACKEND = "aot_eager"  # Dynamo's capture, AOT autograd; inductor's: tests/test_compile.py -m slow
     tok = build_tokenizer()
     rows = [Row(f"t:{i}", {"prompt": f"{i}+{i}=", "completion": c}) for i, c in enumerate(COMPLETIONS)]
     exs = encode_sft(rows, tok, 256)

@@ -233,3 +233,17 @@ def test_lone_surrogate_in_config_names_file_and_line(tmp_path):
 def test_non_utf8_override_and_bad_yaml_value():
     assert "is not valid UTF-8 text" in error_of(SFTConfig, overrides=["output_dir=runs/\udcff"])
     assert "the value is not valid YAML" in error_of(SFTConfig, overrides=["model.path=["])
+
+
+def test_a_bare_off_is_the_word_off_for_every_self_check(tmp_path):
+    """YAML 1.1 reads `off` as false: train.packing_check=off (on the command line or in a file)
+    refused 'Input should be fallback, error or off (given: False)' before."""
+    for source in ("override", "file"):
+        if source == "override":
+            cfg = load_config(SFTConfig, None, ["train.packing_check=off", "train.generation_check=off",
+                                                "audit.canary=off"])
+        else:
+            path = tmp_path / "c.yaml"
+            path.write_text("train:\n  packing_check: off\n  generation_check: off\naudit:\n  canary: off\n")
+            cfg = load_config(SFTConfig, path, [])
+        assert (cfg.train.packing_check, cfg.train.generation_check, cfg.audit.canary) == ("off", "off", "off")

@@ -218,3 +218,19 @@ def test_wrong_torch_varlen_is_caught_and_flex_runs_instead(tmp_path, monkeypatc
     with bf16_autocast(), torch.no_grad():
         model(**packing.model_batch(model, [[5] * 12, [7] * 3], 0, packed=True).inputs)
     assert len(fake_varlen.calls) == calls  # it stays off for this model
+
+
+@pytest.mark.parametrize("setting", ["gather", "flex"])
+def test_model_packed_kernel_reaches_every_attention_layer(setting, seqs, tmp_path, cpu_flex):
+    """model.packed_kernel as a run loads its model (workers/load.py): the packed forward runs the
+    kernel the setting names (here on the CPU, where flex runs only because the test lifts its check)."""
+    from archs import save
+    from exactrl.config import SFTConfig, load_config
+    from exactrl.workers.load import load_model
+
+    cfg = load_config(SFTConfig, None, [f"model.packed_kernel={setting}", "train.packing_check=off"])
+    model = load_model(cfg, save("llama", tmp_path / "m"), tmp_path, "sft", "policy", 64)
+    before = packing.packed_kernels.copy()
+    model(**packing.model_batch(model, seqs, 0, packed=True).inputs)
+    ran = set(packing.packed_kernels - before)
+    assert ran == {"sdpa varlen" if setting == "gather" else "flex varlen"}

@@ -12,6 +12,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 
 # YAML 1.1 reads a bare `off` as false; accept it as the word the user meant.
 CheckPolicy = Annotated[Literal["error", "warn", "off"], BeforeValidator(lambda v: "off" if v is False else v)]
+SelfCheck = Annotated[Literal["fallback", "error", "off"], BeforeValidator(lambda v: "off" if v is False else v)]
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
 
@@ -75,6 +76,14 @@ class ModelConfig(Section):
                                                                       "Gemma2, run eager) or eager (scores, softmax "
                                                                       "and weighted sum written out: Hugging Face's "
                                                                       "reference path).")
+    packed_kernel: Literal["auto", "flash", "torch_varlen", "flex", "gather"] = Field(
+        "auto", description="Attention kernel of packed rows (train.padding_free): auto takes the first that can run "
+                            "the layer -- flash (flash-attn's varlen, when installed; CUDA, bf16/fp16), torch_varlen "
+                            "(torch.nn.attention.varlen, CUDA, bf16/fp16), flex (flex_attention with a per-sequence "
+                            "block mask, compiled; CUDA) -- else gather (each sequence gathered into a padded block "
+                            "for SDPA/eager; the CPU's path). One kernel named: that one where it can run, else "
+                            "gather. The packing self-check compares whichever runs and turns off one that "
+                            "disagrees (exactrl/models/varlen_kernels.py).")
     trust_remote_code: bool = Field(False,
                                     description="Let from_pretrained run the model directory's own Python code (an "
                                                 "auto_map in its config.json or tokenizer_config.json) for the "
@@ -134,7 +143,7 @@ class TrainConfig(Section):
                                description="Pack each micro-batch's sequences into one row for the training forwards "
                                            "(no compute on padding; attention stays within each sequence). false = "
                                            "right-padded batches.")
-    packing_check: Literal["fallback", "error", "off"] = Field("fallback",
+    packing_check: SelfCheck = Field("fallback",
                                                                description="Packing self-check before the first "
                                                                            "step: a batch shaped like the run's "
                                                                            "(rows padded beside the longest, past "
@@ -153,7 +162,7 @@ class TrainConfig(Section):
                                      description="Allowed max |difference| of the self-check's outputs, relative to "
                                                  "their largest magnitude (fp32 kernels agree to ~1e-6; a wrong mask "
                                                  "is off by 1e-3 or more).")
-    generation_check: Literal["fallback", "error", "off"] = Field("fallback",
+    generation_check: SelfCheck = Field("fallback",
                                                                   description="Generation self-check before the "
                                                                               "first rollout (rl) or training (sft, "
                                                                               "for its evaluations): the decoder "
@@ -209,14 +218,6 @@ class TrainConfig(Section):
                                                      "instead of storing them (Hugging Face's "
                                                      "gradient_checkpointing_enable, non-reentrant): less memory, "
                                                      "about one more forward per step; gradients unchanged.")
-    logprob_chunk_size: int = Field(2048, ge=0,
-                                    description="Tokens per chunk of the output head: the head's matmul and the fp32 "
-                                                "log-softmax run chunk by chunk, forward and (recomputed) backward, "
-                                                "so a micro-batch's [tokens x vocabulary] logits never exist "
-                                                "(exactrl/models/head.py; a micro-batch of at most this many tokens "
-                                                "runs the plain path's operations). Models whose logits the head "
-                                                "self-check cannot reproduce, and fields over the whole vocabulary "
-                                                "(distillation's logits), take the full logits, log-softmax still in "
     compile: bool = Field(False,
                           description="Compile each decoder layer's training forward with torch.compile (inductor, "
                                       "dynamic shapes: packed rows of every length share one compile; "
@@ -226,6 +227,14 @@ class TrainConfig(Section):
                                       "(old and reference log-probs, decoding). Inductor's fusions round in another "
                                       "order: weights drift from an eager run's by fp32 (bf16 under model.dtype=bf16) "
                                       "rounding, as between two GPUs. Not with distributed.backend=deepspeed.")
+    logprob_chunk_size: int = Field(2048, ge=0,
+                                    description="Tokens per chunk of the output head: the head's matmul and the fp32 "
+                                                "log-softmax run chunk by chunk, forward and (recomputed) backward, "
+                                                "so a micro-batch's [tokens x vocabulary] logits never exist "
+                                                "(exactrl/models/head.py; a micro-batch of at most this many tokens "
+                                                "runs the plain path's operations). Models whose logits the head "
+                                                "self-check cannot reproduce, and fields over the whole vocabulary "
+                                                "(distillation's logits), take the full logits, log-softmax still in "
                                                 "chunks of this size. 0 = the full logits, one log-softmax.")
     nonfinite: Literal["error", "skip"] = Field("error",
                                                 description="On an inf/NaN gradient norm: 'error' stops the run "

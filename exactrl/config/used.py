@@ -30,6 +30,8 @@ class UsedWhen(NamedTuple):
 USED_WHEN = [
     UsedWhen("model.lora.", lambda c: c.model.lora.rank > 0, "LoRA is off (model.lora.rank=0)",
              "set model.lora.rank > 0"),
+    UsedWhen("model.packed_kernel", lambda c: c.train.padding_free, "nothing is packed (train.padding_free=false)",
+             "set train.padding_free=true"),
     UsedWhen("critic.", lambda c: _method(c).critic, "only " + " and ".join(names(critic=True)) + " trains a critic "
              "(algo.name={c.algo.name})", "set algo.name=" + " or ".join(names(critic=True))),
     # each method's own section (algo.gae, algo.dapo, algo.luffy, ...), refused under another algo.name in its words
@@ -124,11 +126,11 @@ USED_WHEN = [
     UsedWhen("distributed.fsdp_cpu_offload", lambda c: c.distributed.backend == "fsdp2", "the train engine is not "
              "FSDP2 (distributed.backend={c.distributed.backend}; DeepSpeed has deepspeed.offload_*)",
              "set distributed.backend=fsdp2"),
-    UsedWhen("train.loss_agg_norm", lambda c: c.train.loss_agg == "seq-mean-token-sum-norm", "only "
-             "train.loss_agg=seq-mean-token-sum-norm has a constant normaliser (train.loss_agg={c.train.loss_agg})",
     UsedWhen("train.compile", lambda c: c.distributed.backend != "deepspeed", "the DeepSpeed engine does not "
              "compile the layers (distributed.backend=deepspeed, whose ZeRO-3 gathers parameters in hooks inside "
              "them)", "set distributed.backend=single or fsdp2"),
+    UsedWhen("train.loss_agg_norm", lambda c: c.train.loss_agg == "seq-mean-token-sum-norm", "only "
+             "train.loss_agg=seq-mean-token-sum-norm has a constant normaliser (train.loss_agg={c.train.loss_agg})",
              "set that train.loss_agg"),
     # exactrl rm: a pair's margin and centring belong to the Bradley-Terry loss, the step separator to a PRM's steps
     *(UsedWhen(f"rm.{key}", lambda c: c.rm.kind == "pairwise", "rm.kind=process scores steps, not pairs",

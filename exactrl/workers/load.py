@@ -16,6 +16,7 @@ from exactrl.checks.packing import check_packing, probe_lengths
 from exactrl.device import place, process_device
 from exactrl.distributed.launch import is_main
 from exactrl.dtypes import PRECISIONS, autocast_for
+from exactrl.models import packing
 from exactrl.models.loading import load_causal_lm
 from exactrl.models.lora import apply_lora
 from exactrl.rollout.generation_check import check_generation
@@ -39,6 +40,7 @@ def load_model(cfg, path, run_dir: Path, phase: str, role: str, longest: int, tr
         model = apply_lora(model, m.lora, checkpoint)
     device = process_device()
     place(model, device)  # the self-checks run the kernels training will use
+    packing.use_kernels(model, setting=m.packed_kernel)
     t = cfg.train
     vocab = model.config.get_text_config(decoder=True).vocab_size
     train_mode = None

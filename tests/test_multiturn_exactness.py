@@ -71,7 +71,8 @@ def policy_worker(tok, cfg, packed=None):
 
 def target_gradients(tok, samples, mode: str, packed: bool) -> list[torch.Tensor]:
     """Per row, the largest |d loss / d logit| at each of its positions (target t is position t; the row's last
-    position predicts nothing), from one micro-batch of all ``samples`` through Worker.micro_batch."""
+    position predicts nothing), from one micro-batch of all ``samples`` through Worker.micro_batch; through
+    the output head (exactrl/models/head.py) the largest |d loss / d field| of target t."""
     cfg = load_config(RLConfig, None, overrides(mode, len(samples)))
     worker, objective = policy_worker(tok, cfg, packed), ALGORITHMS.lookup("grpo").objective(cfg)
     assert {t.kind for t in objective.terms} == {"policy", "kl", "entropy"}
@@ -87,6 +88,8 @@ def target_gradients(tok, samples, mode: str, packed: bool) -> list[torch.Tensor
     loss.backward()
     grad = seen[0].grad.abs().amax(-1)
     lengths = [len(s.ids) for s in samples]
+    if worker.logprob_chunk > 0:  # the chunked head returns the per-target fields: d loss / d field, one fewer
+        grad = torch.nn.functional.pad(grad, (0, 1))
     if packed:  # one row: sequence b's positions follow the ones before it
         assert grad.shape == (1, sum(lengths))
         return list(grad[0].split(lengths))

@@ -71,7 +71,8 @@ def compare(model, packed, chunk):
 
 @pytest.mark.parametrize("name", ARCHS)
 def test_chunked_head_equals_the_model_logits_on_every_architecture(name):
-    """Split into chunks of 5 tokens (rows cut mid-sequence), packed where the model packs:
+    """Split into chunks of 5 tokens (rows cut mid-sequence), packed where the model packs (bounds as
+    tests/test_arch_matrix.py; seen here on AVX2: values 1.2e-6, gradients 5% of theirs):
     log-probs, kept-set log-probs and entropies, and every parameter's gradient."""
     model = prepared(build(name))
     if name in RANDOM:
@@ -79,7 +80,7 @@ def test_chunked_head_equals_the_model_logits_on_every_architecture(name):
     assert check_head(model, VOCAB, 1e-4).chunked
     (v0, g0), (v1, g1) = compare(model, packed=name not in NO_PACKING, chunk=5)
     for a, b in zip(v0, v1):
-        assert (a - b).abs().max().item() < 2e-6
+        assert (a - b).abs().max().item() < 1e-5
     assert g0.keys() == g1.keys()
     total = torch.cat([g.flatten() for g in g0.values()]).norm().item()
     for n in g0:
@@ -108,7 +109,7 @@ def test_post_head_ops_are_folded_in_and_restored():
         before = {k: getattr(model.config, k, None) for k in ("final_logit_softcapping", "logits_scaling")}
         before["logit_scale"] = getattr(model, "logit_scale", None)
         (v0, _), (v1, _) = compare(model, packed=True, chunk=3)
-        assert max((a - b).abs().max().item() for a, b in zip(v0, v1)) < 2e-6, name
+        assert max((a - b).abs().max().item() for a, b in zip(v0, v1)) < 1e-5, name
         after = {k: getattr(model.config, k, None) for k in ("final_logit_softcapping", "logits_scaling")}
         assert after | {"logit_scale": getattr(model, "logit_scale", None)} == before
 
@@ -181,7 +182,7 @@ def test_lora_adapters_get_the_plain_heads_gradients():
     assert check_head(model, VOCAB, 1e-4).chunked
     (v0, g0), (v1, g1) = compare(model, packed=True, chunk=5)
     assert g0 and all("lora_" in n for n in g0)
-    assert max((a - b).abs().max().item() for a, b in zip(v0, v1)) < 2e-6
+    assert max((a - b).abs().max().item() for a, b in zip(v0, v1)) < 1e-5
     for n in g0:
         assert (g1[n] - g0[n]).norm().item() <= 1e-5 * g0[n].norm().item(), n
 

@@ -156,8 +156,8 @@ packed_calls = 0
 packed_kernels: Counter[str] = Counter()
 
 
-# Eager under train.compile (exactrl/distributed/compile.py): a dispatcher with counters, host reads of
-# the row's lengths and data-dependent gathers, around kernels that are fused already.
+# Eager under train.compile (exactrl/distributed/compile.py): a dispatcher with counters and
+# per-row index gathers, around kernels that are fused already.
 @torch.compiler.disable
 def varlen_attention(module, query, key, value, attention_mask, *, cu_seq_lens_q=None, max_length_q=None,
                      sliding_window=None, softcap=None, indices=None, **kwargs):

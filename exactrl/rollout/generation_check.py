@@ -2,7 +2,8 @@
 evaluations), the run's generator decodes a few prompts and must agree with the model:
 
 * greedy: the generator picks, on a left-padded batch whose rows stop at different steps (so
-  finished rows leave the batch and the cache shrinks, as in a rollout), the tokens Hugging
+  finished rows leave the batch and the cache shrinks, as in a rollout; in the static step they
+  stay in their slots, fed pad), the tokens Hugging
   Face's ``generate`` picks on the prompts without padding (those of each length together);
 * sampled: the log-prob the generator records for each sampled token equals the log-prob the
   training forward (the path training takes: packed or padded rows, the trainer's mode, fp32)

@@ -48,8 +48,9 @@ def test_the_cpu_default_is_the_fused_kernel_and_agrees_with_the_loop():
     ulp = torch.finfo(torch.float32).eps
     assert not all(torch.equal(f, s) for f, s in zip(fused, start()))
     for f, r in zip(fused, reference):
-        # the two kernels round differently: within 2 ulps of the parameter (of lr, for one near 0)
-        torch.testing.assert_close(f, r, rtol=2 * ulp, atol=2 * ulp * CFG.lr)
+        # the two kernels round differently: within 16 ulps of the parameter (of lr, for one near 0); 1.64 seen
+        # on AVX2, room for CPUs that round otherwise; a wrong update is off by lr, thousands of ulps
+        torch.testing.assert_close(f, r, rtol=16 * ulp, atol=16 * ulp * CFG.lr)
 
 
 def test_where_the_fused_kernel_runs():
